@@ -1,0 +1,1 @@
+"""jaxllm: GPT training in JAX. ``jaxllm.model`` holds the model, ``jaxllm.sharding`` the rules table."""

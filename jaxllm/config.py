@@ -1,0 +1,263 @@
+"""The configuration schema: every key, its default and its check, in one place.
+
+A config file (``configs/*.py``) starts from :func:`get_config` and changes what
+it needs; ``--config.SECTION.KEY=VALUE`` flags change the rest.  This file is
+itself a valid config file: it is what ``python -m jaxllm.train`` runs with no
+``--config`` (a small byte-level GPT on the Python standard library's sources).
+
+Sections: ``model``, ``train``, ``data``, ``mesh``, ``parallel``,
+``checkpoint``, ``log``.  A value of 0 for a size means "derived" (see the
+comment beside it); :func:`validate` resolves nothing, it only checks, and
+:func:`resolved` fills the derived values.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+
+import ml_collections
+
+MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "sequence")
+
+CHOICES = {
+    "model.position_embedding": ("learned", "rotary"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.remat": ("none", "full", "save_dots"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attention_impl": ("xla",),
+    "data.tokenizer": ("char", "byte", "gpt2"),
+    "parallel.zero_stage": (0, 1, 2, 3),
+}
+
+
+def default_corpus() -> str:
+    """The running interpreter's standard library directory (its ``.py`` files are the default corpus)."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """Every default of jaxllm. Returns a ConfigDict with the seven sections."""
+    c = ml_collections.ConfigDict()
+
+    c.model = ml_collections.ConfigDict(
+        dict(
+            num_layers=4,
+            hidden_size=256,
+            num_attention_heads=8,
+            num_kv_heads=0,  # 0: = num_attention_heads (multi-head attention)
+            ffn_hidden_size=0,  # 0: 4 * hidden_size (gelu) or 8/3 * hidden_size rounded to 64 (swiglu)
+            vocab_size=0,  # 0: the tokenizer's vocabulary, padded to make_vocab_size_divisible_by
+            make_vocab_size_divisible_by=128,  # Megatron-LM's padding, so that vocab shards evenly
+            position_embedding="learned",
+            rotary_base=10000.0,
+            norm="layernorm",
+            norm_eps=1e-5,
+            activation="gelu",
+            use_bias=True,
+            tie_embeddings=True,
+            dropout=0.0,
+            init_std=0.02,
+            remat="none",
+            dtype="bfloat16",  # compute dtype; parameters are always float32
+            attention_impl="xla",
+        )
+    )
+    c.train = ml_collections.ConfigDict(
+        dict(
+            seq_length=256,
+            micro_batch_size=16,
+            global_batch_size=16,
+            train_iters=600,
+            lr=2e-3,
+            min_lr=2e-4,
+            warmup_iters=50,
+            lr_decay_iters=0,  # 0: = train_iters
+            weight_decay=0.1,
+            beta1=0.9,
+            beta2=0.95,
+            adam_eps=1e-8,
+            grad_clip=1.0,
+            seed=1234,
+            eval_interval=200,
+            eval_iters=10,
+            log_interval=20,
+        )
+    )
+    c.data = ml_collections.ConfigDict(
+        dict(
+            input=default_corpus(),  # comma-separated text files/directories, or a prepared directory
+            tokenizer="byte",
+            gpt2_dir="",  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
+            val_fraction=0.1,  # the last fraction of the token stream is the validation split
+        )
+    )
+    c.mesh = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
+    c.parallel = ml_collections.ConfigDict(dict(zero_stage=0, megatron_sp=False))
+    c.checkpoint = ml_collections.ConfigDict(
+        dict(
+            interval=0,  # steps between saves; 0: only at the end
+            keep=2,  # most recent checkpoints kept
+        )
+    )
+    c.log = ml_collections.ConfigDict(
+        dict(
+            tensorboard=True,
+            progress_bar=True,  # only drawn when stdout is a terminal
+            samples=1,  # text samples printed at the end of training
+            sample_tokens=256,
+            sample_prompt="",  # "": the first tokens of the validation split
+            temperature=0.8,
+            top_k=200,
+        )
+    )
+    return c
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work: names the key, the value and the fix."""
+
+    def __init__(self, key: str, value, fix: str):
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"config error: {key}={value!r}: {fix}")
+
+
+def _get(cfg, key):
+    section, name = key.split(".")
+    return cfg[section][name]
+
+
+def _resolve_heads(m) -> int:
+    return m.num_kv_heads or m.num_attention_heads
+
+
+def resolved(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> ml_collections.ConfigDict:
+    """A copy of ``cfg`` with every derived (0) value filled in.
+
+    Args:
+      cfg: a config that passed :func:`validate`.
+      vocab_size: the tokenizer's vocabulary size; needed when ``model.vocab_size`` is 0.
+    Raises:
+      ConfigError: ``model.vocab_size`` is smaller than the tokenizer's vocabulary.
+    """
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    m, t = cfg.model, cfg.train
+    m.num_kv_heads = _resolve_heads(m)
+    if not m.ffn_hidden_size:
+        if m.activation == "swiglu":
+            m.ffn_hidden_size = 64 * math.ceil(8 * m.hidden_size / 3 / 64)
+        else:
+            m.ffn_hidden_size = 4 * m.hidden_size
+    if vocab_size is not None:
+        if not m.vocab_size:
+            k = m.make_vocab_size_divisible_by
+            m.vocab_size = k * math.ceil(vocab_size / k)
+        elif m.vocab_size < vocab_size:
+            raise ConfigError(
+                "model.vocab_size",
+                m.vocab_size,
+                f"the tokenizer has {vocab_size} tokens; set it to >= {vocab_size} or to 0 (derive it)",
+            )
+    t.lr_decay_iters = t.lr_decay_iters or t.train_iters
+    return cfg
+
+
+def data_parallel_size(cfg) -> int:
+    """Number of model replicas the global batch is split over: ``mesh.data * mesh.fsdp``."""
+    return cfg.mesh.data * cfg.mesh.fsdp
+
+
+def grad_accum_steps(cfg) -> int:
+    """Micro batches per step on each replica: global batch / (micro batch x data-parallel size)."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg))
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Checks the whole config before anything is built or compiled.
+
+    Args:
+      cfg: the config.
+      num_devices: devices the mesh must cover (``jax.device_count()``); None skips that check.
+    Raises:
+      ConfigError: the first bad value, with its key and the fix.
+    """
+    for key, options in CHOICES.items():
+        if _get(cfg, key) not in options:
+            raise ConfigError(key, _get(cfg, key), f"choose one of {', '.join(map(str, options))}")
+
+    def positive(key):
+        if not (isinstance(_get(cfg, key), (int, float)) and _get(cfg, key) > 0):
+            raise ConfigError(key, _get(cfg, key), "must be > 0")
+
+    def non_negative(key):
+        if _get(cfg, key) < 0:
+            raise ConfigError(key, _get(cfg, key), "must be >= 0")
+
+    m, t = cfg.model, cfg.train
+    for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.init_std",
+                "model.norm_eps", "train.seq_length", "train.micro_batch_size", "train.global_batch_size",
+                "train.train_iters", "train.lr", "train.eval_iters", "train.log_interval", "train.adam_eps"):
+        positive(key)
+    for key in ("model.num_kv_heads", "model.ffn_hidden_size", "model.vocab_size", "train.min_lr",
+                "train.warmup_iters", "train.lr_decay_iters", "train.weight_decay", "train.grad_clip",
+                "train.eval_interval", "checkpoint.interval", "log.samples", "log.sample_tokens", "log.top_k"):
+        non_negative(key)
+    positive("model.make_vocab_size_divisible_by")
+    positive("checkpoint.keep")
+
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError("model.hidden_size", m.hidden_size,
+                          f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
+    kv = _resolve_heads(m)
+    if m.num_attention_heads % kv:
+        raise ConfigError("model.num_kv_heads", m.num_kv_heads,
+                          f"must divide model.num_attention_heads={m.num_attention_heads}")
+    head_dim = m.hidden_size // m.num_attention_heads
+    if m.position_embedding == "rotary" and head_dim % 2:
+        raise ConfigError("model.position_embedding", "rotary",
+                          f"rotary needs an even head dim; hidden_size/num_attention_heads is {head_dim}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
+        raise ConfigError("train.beta1" if not 0 <= t.beta1 < 1 else "train.beta2",
+                          t.beta1 if not 0 <= t.beta1 < 1 else t.beta2, "must be in [0, 1)")
+    if t.min_lr > t.lr:
+        raise ConfigError("train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
+    decay = t.lr_decay_iters or t.train_iters
+    if t.warmup_iters > decay:
+        raise ConfigError("train.warmup_iters", t.warmup_iters,
+                          f"must be <= train.lr_decay_iters (resolved: {decay})")
+
+    for axis in MESH_AXES:
+        size = cfg.mesh[axis]
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(f"mesh.{axis}", size, "must be an integer >= 1")
+    mesh_size = math.prod(cfg.mesh[a] for a in MESH_AXES)
+    if num_devices is not None and mesh_size != num_devices:
+        raise ConfigError("mesh", {a: cfg.mesh[a] for a in MESH_AXES},
+                          f"the product of the mesh axes is {mesh_size} but there are {num_devices} devices")
+
+    dp = data_parallel_size(cfg)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            "train.global_batch_size", t.global_batch_size,
+            f"must be divisible by train.micro_batch_size x data-parallel size "
+            f"= {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)")
+    paths = [p for p in cfg.data.input.split(",") if p]
+    if not paths:
+        raise ConfigError("data.input", cfg.data.input, "name text files or directories, comma-separated")
+    for p in paths:
+        if not os.path.exists(p):
+            raise ConfigError("data.input", p, "no such file or directory")
+    if cfg.data.tokenizer == "gpt2":
+        for name in ("encoder.json", "vocab.bpe"):
+            if not os.path.isfile(os.path.join(cfg.data.gpt2_dir, name)):
+                raise ConfigError("data.gpt2_dir", cfg.data.gpt2_dir,
+                                  f"must be a directory holding GPT-2's encoder.json and vocab.bpe ({name} missing)")
+    if not 0.0 < cfg.log.temperature:
+        raise ConfigError("log.temperature", cfg.log.temperature, "must be > 0")
