@@ -27,7 +27,7 @@ CHOICES = {
     "model.activation": ("gelu", "swiglu"),
     "model.remat": ("none", "full", "save_dots"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.attention_impl": ("xla",),
+    "model.attention_impl": ("auto", "xla", "cudnn", "pallas", "triton"),
     "data.tokenizer": ("char", "byte", "gpt2"),
     "parallel.zero_stage": (0, 1, 2, 3),
 }

@@ -1,0 +1,257 @@
+"""Tokenizers: ``char`` (nanoGPT's sorted character set), ``byte`` (UTF-8 bytes) and ``gpt2``.
+
+All three share one small interface::
+
+    name: str                 # "char", "byte" or "gpt2", as in data.tokenizer
+    vocab_size: int
+    eot_id: int | None        # end-of-text token appended after each document, if any
+    encode(text) -> np.ndarray        # int32 [num_tokens]
+    decode(ids) -> str
+    meta_fields() -> dict     # what meta.json records so tokenizer_from_meta can rebuild it
+
+``decode`` never raises on an id outside the vocabulary (a model with a padded vocabulary
+can sample one): such an id decodes to U+FFFD, the replacement character.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import numpy as np
+
+GPT2_FILES = ("encoder.json", "vocab.bpe")
+REPLACEMENT = "\ufffd"
+
+
+class DataError(ValueError):
+    """Bad data input. The message names the file or config key, the problem and the fix."""
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CharTokenizer:
+    """One token per Unicode character; ids index ``chars`` (nanoGPT's shakespeare_char).
+
+    Args:
+      chars: the vocabulary, one character per id, no repeats (``fit`` gives them sorted).
+    Raises:
+      DataError: ``chars`` is empty or repeats a character.
+    """
+
+    name = "char"
+    eot_id = None
+
+    def __init__(self, chars: str):
+        if not chars or len(set(chars)) != len(chars):
+            raise DataError(f"char tokenizer: the vocabulary must be non-empty distinct characters, got {len(chars)} "
+                            f"characters ({len(set(chars))} distinct); build it with CharTokenizer.fit(text)")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        cps = np.frombuffer(chars.encode("utf-32-le"), dtype=np.uint32)
+        # Sorted code points + their ids make encode one vectorized searchsorted.
+        order = np.argsort(cps, kind="stable")
+        self._sorted_cps = cps[order]
+        self._sorted_ids = order.astype(np.int32)
+        # decode table; the extra last entry is U+FFFD for out-of-vocabulary ids.
+        self._decode_cps = np.append(cps, np.uint32(ord(REPLACEMENT)))
+
+    @classmethod
+    def fit(cls, text: str) -> "CharTokenizer":
+        """The tokenizer whose vocabulary is the sorted set of ``text``'s characters."""
+        return cls("".join(sorted(set(text))))
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32 [len(text)] ids. Raises DataError naming the first character not in the vocabulary."""
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        pos = np.searchsorted(self._sorted_cps, cps)
+        pos = np.minimum(pos, self.vocab_size - 1)
+        bad = self._sorted_cps[pos] != cps
+        if bad.any():
+            c = chr(int(cps[np.argmax(bad)]))
+            raise DataError(f"char tokenizer: character {c!r} (U+{ord(c):04X}) is not in the vocabulary of "
+                            f"{self.vocab_size} characters; use only characters of the training corpus, "
+                            f"or prepare the data again with the text that contains it (or use tokenizer=byte)")
+        return self._sorted_ids[pos]
+
+    def decode(self, ids) -> str:
+        """The text of ``ids`` (any int sequence); ids outside [0, vocab_size) decode to U+FFFD."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = np.where((ids >= 0) & (ids < self.vocab_size), ids, self.vocab_size)
+        return self._decode_cps[ids].astype("<u4").tobytes().decode("utf-32-le")
+
+    def meta_fields(self) -> dict:
+        return {"chars": self.chars}
+
+
+class ByteTokenizer:
+    """The UTF-8 bytes of the text: vocab_size 256, no training, never an unknown token."""
+
+    name = "byte"
+    eot_id = None
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32 [number of UTF-8 bytes of text] ids in [0, 256)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        """UTF-8 decode with errors="replace" (a sampled id sequence need not be valid UTF-8)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        # 0xFF never occurs in UTF-8, so an out-of-range id becomes exactly one U+FFFD.
+        ids = np.where((ids >= 0) & (ids < 256), ids, 0xFF).astype(np.uint8)
+        return ids.tobytes().decode("utf-8", errors="replace")
+
+    def meta_fields(self) -> dict:
+        return {}
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-level BPE, built offline from ``encoder.json`` + ``vocab.bpe`` with HF ``tokenizers``.
+
+    Encodes like OpenAI's reference encoder: no prefix space, and a literal ``<|endoftext|>``
+    in the text is ordinary text (it is not turned into ``eot_id``; only prepare adds that,
+    between documents).
+
+    Args:
+      gpt2_dir: directory holding GPT-2's ``encoder.json`` and ``vocab.bpe``.
+    Raises:
+      DataError: a file is missing or unreadable, or the vocabulary is not GPT-2's 50,257 tokens.
+    """
+
+    name = "gpt2"
+    # Pieces handed to encode_batch: big enough to amortize, small enough to run in parallel.
+    chunk_chars = 1 << 20
+
+    def __init__(self, gpt2_dir: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        self.gpt2_dir = os.path.abspath(gpt2_dir)
+        paths = [os.path.join(self.gpt2_dir, n) for n in GPT2_FILES]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise DataError(f"gpt2 tokenizer: {p} not found; set data.gpt2_dir (--gpt2-dir) to the directory "
+                                f"holding GPT-2's encoder.json and vocab.bpe")
+        try:
+            tok = Tokenizer(models.BPE.from_file(*paths))
+        except Exception as e:  # the library raises bare Exceptions on unparsable files
+            raise DataError(f"gpt2 tokenizer: cannot load {paths[0]} + {paths[1]} ({e}); "
+                            f"use the original GPT-2 encoder.json and vocab.bpe") from None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        self.eot_id = tok.token_to_id("<|endoftext|>")
+        if self.vocab_size != 50257 or self.eot_id != 50256:
+            raise DataError(f"gpt2 tokenizer: {paths[0]} has {self.vocab_size} tokens and <|endoftext|> = "
+                            f"{self.eot_id}, expected 50257 and 50256; use the original GPT-2 files")
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32 [num_tokens] GPT-2 ids of ``text`` (no end-of-text token added)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``[encode(t) for t in texts]``, in parallel across texts and across pieces of long texts."""
+        pieces, owner = [], []
+        for i, text in enumerate(texts):
+            for piece in split_for_bpe(text, self.chunk_chars):
+                pieces.append(piece)
+                owner.append(i)
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: skips offsets
+        encodings = encode(pieces, add_special_tokens=False)
+        out = [[] for _ in texts]
+        for i, enc in zip(owner, encodings):
+            out[i].append(np.asarray(enc.ids, dtype=np.int32))
+        return [np.concatenate(parts) if parts else np.zeros(0, np.int32) for parts in out]
+
+    def decode(self, ids) -> str:
+        """The text of ``ids``; ``eot_id`` decodes to "<|endoftext|>", unknown ids to U+FFFD."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size == 0 or (ids.min() >= 0 and ids.max() < self.vocab_size):
+            return self._tok.decode(ids.tolist())
+        # The library silently drops unknown ids; keep a visible mark instead.
+        parts, run = [], []
+        for i in ids:
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+            else:
+                parts.append(self._tok.decode(run) if run else "")
+                parts.append(REPLACEMENT)
+                run = []
+        parts.append(self._tok.decode(run) if run else "")
+        return "".join(parts)
+
+    def meta_fields(self) -> dict:
+        return {"gpt2_dir": self.gpt2_dir,
+                "gpt2_sha256": {n: sha256_file(os.path.join(self.gpt2_dir, n)) for n in GPT2_FILES}}
+
+
+# GPT-2's pre-tokenizer regex ('s|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) always
+# starts a new piece at a whitespace character followed by a non-whitespace one: no pattern
+# carries whitespace after a non-space, and a whitespace run before such a character splits
+# into run[:-1] + (last char, alone or as the " " prefix of the next word) in both the whole
+# text and a piece ending there. So text cut there encodes to exactly the same ids as the
+# whole (test_gpt2_chunked_encoding_is_exact checks this on random text). ASCII whitespace
+# and Python's \S are used because Python's \s is a superset of the library's.
+_SAFE_CUT = re.compile(r"[ \t\n\r\f\v](?=\S)")
+
+
+def split_for_bpe(text: str, chunk_chars: int) -> list[str]:
+    """Cuts ``text`` where GPT-2 pre-tokenization always splits (before a whitespace character
+    followed by a non-whitespace one) into pieces of about ``chunk_chars`` characters (longer
+    where no such place exists). ``"".join(pieces) == text``."""
+    pieces, start, chunk_chars = [], 0, max(1, chunk_chars)
+    while len(text) - start > chunk_chars:
+        m = _SAFE_CUT.search(text, start + chunk_chars)
+        if m is None:
+            break
+        pieces.append(text[start:m.start()])
+        start = m.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
+    """Rebuilds the tokenizer a prepared directory's ``meta.json`` records.
+
+    Args:
+      meta: the parsed meta.json.
+      gpt2_dir: for gpt2, read the files from here instead of the recorded directory
+        (e.g. after moving them); their checksums must still match.
+    Returns:
+      a CharTokenizer, ByteTokenizer or GPT2Tokenizer.
+    Raises:
+      DataError: unknown tokenizer, missing fields, or the gpt2 files are missing or changed
+        since the data was prepared.
+    """
+    name = meta.get("tokenizer")
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "char":
+        chars = meta.get("chars")
+        if not isinstance(chars, str):
+            raise DataError("meta.json: tokenizer 'char' without its 'chars' string; prepare the data again")
+        return CharTokenizer(chars)
+    if name == "gpt2":
+        recorded = meta.get("gpt2_sha256")
+        directory = gpt2_dir or meta.get("gpt2_dir")
+        if not isinstance(directory, str) or not isinstance(recorded, dict):
+            raise DataError("meta.json: tokenizer 'gpt2' without 'gpt2_dir' and 'gpt2_sha256'; prepare the data again")
+        for n in GPT2_FILES:
+            path = os.path.join(directory, n)
+            if not os.path.isfile(path):
+                raise DataError(f"gpt2 tokenizer: {path} (recorded in meta.json) not found; put GPT-2's files back "
+                                f"there, or prepare the data again with --gpt2-dir pointing at them")
+            if sha256_file(path) != recorded.get(n):
+                raise DataError(f"gpt2 tokenizer: {path} changed since the data was prepared (sha256 differs from "
+                                f"meta.json); restore the original file or prepare the data again")
+        return GPT2Tokenizer(directory)
+    raise DataError(f"meta.json: unknown tokenizer {name!r}; expected char, byte or gpt2 (prepare the data again)")

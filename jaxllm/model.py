@@ -1,0 +1,309 @@
+"""A GPT decoder in Flax NNX (Radford et al. 2019; Megatron-LM's pre-norm layout).
+
+Options: learned or rotary positions (Su et al. 2021), LayerNorm or RMSNorm,
+GELU or SwiGLU MLP (Shazeer 2020), multi-head or grouped-query attention
+(Ainslie et al. 2023), tied or untied embeddings, dropout on the embedding and
+on each residual branch.  Layers are stacked on a leading ``layers`` axis and
+run with ``jax.lax.scan``, so compile time does not grow with depth.
+
+Parameters are float32; matmuls run in ``model.dtype``; norms, softmax and
+logits are float32.  Every parameter carries logical axis names in its
+``out_sharding`` metadata and large activations are constrained by logical
+name through :func:`jaxllm.sharding.constrain`: this file names no mesh axis.
+
+Parameters are handled as a plain nested dict (``params``) outside this file:
+``abstract(cfg)`` gives the graph definition and parameter shapes, ``init(cfg,
+seed)`` the parameters, and ``forward(graphdef, params, tokens)`` runs the model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.attention import attention
+from jaxllm.sharding import constrain
+
+
+def _param(key, shape, std, axes):
+    """A float32 parameter: normal(0, std), or zeros (std=0), or ones (std=None)."""
+    if std is None:
+        value = jnp.ones(shape, jnp.float32)
+    elif std == 0:
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(key, shape, jnp.float32)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _dense(x, w, b, spec, dtype):
+    """``einsum(spec, x, w) + b`` with the matmul in ``dtype``."""
+    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+    return y if b is None else y + b.astype(dtype)
+
+
+def rotary(x, positions, base):
+    """Rotary position embedding (Su et al. 2021, eq. 34), GPT-NeoX / Llama half-split layout.
+
+    Args:
+      x: ``[batch, len, heads, head_dim]``.
+      positions: int ``[batch, len]``.
+    Returns:
+      ``x`` rotated, same shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, len, half]
+    sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _dropout(x, rate, key):
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+class Norm(nnx.Module):
+    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over ``embed``, in float32."""
+
+    def __init__(self, cfg):
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.scale = _param(None, (cfg.hidden_size,), None, ("embed",))
+        self.bias = _param(None, (cfg.hidden_size,), 0, ("embed",)) if cfg.norm == "layernorm" and cfg.use_bias else None
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x32 = x32 - x32.mean(-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps) * self.scale[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with ``num_kv_heads`` key/value heads (GQA when fewer than query heads)."""
+
+    def __init__(self, cfg, rngs):
+        h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads
+        d = h // nh
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.cfg = cfg
+        self.wq = _param(rngs.params(), (h, nh, d), std, ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
+        self.wo = _param(rngs.params(), (nh, d, h), out_std, ("heads", "head_dim", "embed"))
+        if cfg.use_bias:
+            self.bq = _param(None, (nh, d), 0, ("heads", "head_dim"))
+            self.bk = _param(None, (nkv, d), 0, ("kv_heads", "head_dim"))
+            self.bv = _param(None, (nkv, d), 0, ("kv_heads", "head_dim"))
+            self.bo = _param(None, (h,), 0, ("embed",))
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+
+    def __call__(self, x, positions, cache=None):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        q = _dense(x, self.wq[...], self.bq, "bse,ehd->bshd", dt)
+        k = _dense(x, self.wk[...], self.bk, "bse,ehd->bshd", dt)
+        v = _dense(x, self.wv[...], self.bv, "bse,ehd->bshd", dt)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if cfg.position_embedding == "rotary":
+            q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
+        if cache is None:
+            out = attention(q, k, v, impl=cfg.attention_impl, causal=True)
+        else:
+            # Decoding: write this chunk's keys/values at `positions` and attend to the whole
+            # cache; slots not yet written hold later positions and are masked as the future.
+            k_cache, v_cache = cache
+            start = positions[0, 0]
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+            kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
+            out = attention(q, k_cache, v_cache, impl="xla", causal=True,
+                            q_positions=positions, kv_positions=kv_positions)
+            cache = (k_cache, v_cache)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return _dense(out, self.wo[...], self.bo, "bshd,hde->bse", dt), cache
+
+
+class MLP(nnx.Module):
+    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block."""
+
+    def __init__(self, cfg, rngs):
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.cfg = cfg
+        self.w1 = _param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp"))
+        self.wg = _param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if cfg.activation == "swiglu" else None
+        self.w2 = _param(rngs.params(), (f, h), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
+        self.b1 = _param(None, (f,), 0, ("mlp",)) if cfg.use_bias else None
+        self.b2 = _param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
+
+    def __call__(self, x):
+        dt = jnp.dtype(self.cfg.dtype)
+        y = _dense(x, self.w1[...], self.b1, "bse,ef->bsf", dt)
+        if self.wg is None:
+            y = jax.nn.gelu(y, approximate=True)
+        else:
+            y = jax.nn.silu(_dense(x, self.wg[...], None, "bse,ef->bsf", dt)) * y
+        y = constrain(y, ("batch", "length", "mlp"))
+        return _dense(y, self.w2[...], self.b2, "bsf,fe->bse", dt)
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg, rngs):
+        self.dropout = cfg.dropout
+        self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs)
+        self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs)
+
+    def __call__(self, x, positions, key=None, cache=None):
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        y, cache = self.attn(self.ln1(x), positions, cache)
+        x = constrain(x + _dropout(y, self.dropout, k1), ("batch", "residual", "embed"))
+        x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2)
+        return constrain(x, ("batch", "residual", "embed")), cache
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class GPT(nnx.Module):
+    """GPT decoder.
+
+    Args:
+      cfg: the ``model`` section of a resolved config (see :func:`jaxllm.config.resolved`),
+        plus ``max_length`` (positions the learned embedding covers).
+      rngs: ``nnx.Rngs`` for initialization: normal(0, ``init_std``), output projections
+        of each layer scaled by ``1/sqrt(2 * num_layers)`` (GPT-2, Megatron-LM).
+    """
+
+    def __init__(self, cfg, rngs):
+        self.cfg = cfg
+        self.wte = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.init_std, ("vocab", "embed"))
+        self.wpe = (_param(rngs.params(), (cfg.max_length, cfg.hidden_size), cfg.init_std, (None, "embed"))
+                    if cfg.position_embedding == "learned" else None)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(rngs):
+            return Block(cfg, rngs)
+
+        self.layers = stack(rngs)
+        self.ln_f = Norm(cfg)
+        self.lm_head = (None if cfg.tie_embeddings else
+                        _param(rngs.params(), (cfg.hidden_size, cfg.vocab_size), cfg.init_std, ("embed", "vocab")))
+
+    def __call__(self, tokens, *, positions=None, dropout_key=None, cache=None):
+        """Logits of the next token.
+
+        Args:
+          tokens: int32 ``[batch, len]``.
+          positions: int32 ``[batch, len]``; default ``arange(len)``.
+          dropout_key: PRNG key; None disables dropout (evaluation, decoding).
+          cache: None, or the decoding cache from :func:`init_cache`; its keys and
+            values are written at ``positions`` (which must be contiguous).
+        Returns:
+          float32 logits ``[batch, len, vocab]``, and the updated cache when one was given.
+        """
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.wte[...].astype(dt)[tokens]
+        if self.wpe is not None:
+            x = x + self.wpe[...].astype(dt)[positions]
+        keys = None
+        if dropout_key is not None:
+            dropout_key, emb_key = jax.random.split(dropout_key)
+            x = _dropout(x, cfg.dropout, emb_key)
+            keys = jax.random.split(dropout_key, cfg.num_layers)
+        x = constrain(x, ("batch", "residual", "embed"))
+
+        graphdef, layer_params = nnx.split(self.layers)
+
+        def layer(x, xs):
+            params, key, layer_cache = xs
+            return nnx.merge(graphdef, params)(x, positions, key, layer_cache)
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x, cache_out = jax.lax.scan(layer, x, (layer_params, keys, cache))
+
+        x = self.ln_f(x)
+        if self.lm_head is None:
+            logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(dt), preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("bse,ev->bsv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        return logits if cache is None else (logits, cache_out)
+
+
+def model_config(cfg):
+    """The ``model`` section of a resolved config, with ``max_length`` from ``train.seq_length``."""
+    m = cfg.model.copy_and_resolve_references()
+    with m.unlocked():
+        m.max_length = cfg.train.seq_length
+    return m
+
+
+def abstract(cfg):
+    """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated.
+
+    ``params`` is a nested dict ``{name: ...}`` as :func:`init` returns it.
+    """
+    model = nnx.eval_shape(lambda: GPT(model_config(cfg), nnx.Rngs(0)))
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def logical_axes(cfg):
+    """The logical axis names of every parameter: a dict shaped as ``params`` with tuple leaves."""
+    model = nnx.eval_shape(lambda: GPT(model_config(cfg), nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    axes = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"] or (None,) * v.value.ndim),
+                        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(axes)
+
+
+def init(cfg, seed):
+    """The initialized float32 parameters as a nested dict of arrays (jit it with
+    ``out_shardings`` to create them sharded)."""
+    model = GPT(model_config(cfg), nnx.Rngs(params=seed))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def forward(graphdef, params, tokens, **kwargs):
+    """Runs the model held in ``params`` (see :meth:`GPT.__call__` for the arguments)."""
+    return nnx.merge(graphdef, params)(tokens, **kwargs)
+
+
+def init_cache(cfg, batch, max_length):
+    """An empty decoding cache: per layer keys and values ``[layers, batch, max_length, kv_heads, head_dim]``."""
+    m = cfg.model
+    shape = (m.num_layers, batch, max_length, m.num_kv_heads, m.hidden_size // m.num_attention_heads)
+    return (jnp.zeros(shape, m.dtype), jnp.zeros(shape, m.dtype))
+
+
+def num_params(params, *, exclude_positions=False) -> int:
+    """Parameter count; ``exclude_positions`` leaves out the learned position table."""
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if exclude_positions and "wpe" in params:
+        n -= params["wpe"].size
+    return n
+
+
+
+def decay_mask(cfg):
+    """Which parameters get weight decay: the matrices that multiply the ``embed`` axis
+    (embeddings, projections), not norms or biases (a dict shaped as ``params`` of bools)."""
+    return jax.tree.map(lambda axes: "embed" in axes and len([a for a in axes if a != "layers"]) >= 2,
+                        logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))

@@ -1,0 +1,65 @@
+"""Sampling from a GPT with a KV cache: temperature and top-k (Fan et al. 2018).
+
+The cache holds ``train.seq_length`` positions; when it is full, the last half
+of the text is re-encoded and decoding goes on, so the model never sees
+positions it was not trained on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import model
+
+
+class Sampler:
+    """Compiled prefill and decode functions for one model.
+
+    Args:
+      cfg: the resolved run config; ``graphdef``/``params``: the model (see :mod:`jaxllm.model`).
+    """
+
+    def __init__(self, cfg, graphdef, params):
+        self.cfg, self.params, self.max_length = cfg, params, cfg.train.seq_length
+
+        def run(params, tokens, positions, cache):
+            logits, cache = model.forward(graphdef, params, tokens, positions=positions, cache=cache)
+            return logits[:, -1], cache
+
+        self._run = jax.jit(run)
+
+        def pick(logits, key, temperature, top_k):
+            logits = logits / temperature
+            if top_k:
+                kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
+            return jax.random.categorical(key, logits)
+
+        self._pick = jax.jit(pick, static_argnums=(3,))
+
+    def __call__(self, prompt: np.ndarray, num_tokens: int, *, temperature=0.8, top_k=200, seed=0) -> np.ndarray:
+        """Continues each row of ``prompt`` (int ``[batch, len]``, len >= 1) by ``num_tokens`` tokens.
+
+        Returns int32 ``[batch, num_tokens]``.  ``top_k`` 0 samples from the whole vocabulary.
+        """
+        tokens = np.asarray(prompt, np.int32)
+        batch, key, out = tokens.shape[0], jax.random.key(seed), []
+        top_k = min(int(top_k), self.cfg.model.vocab_size)
+        logits, cache, pos = None, None, 0
+        for _ in range(num_tokens):
+            if cache is None or pos == self.max_length:
+                context = tokens[:, -max(1, self.max_length // 2):] if cache is not None else tokens[:, -self.max_length:]
+                cache = model.init_cache(self.cfg, batch, self.max_length)
+                positions = np.broadcast_to(np.arange(context.shape[1], dtype=np.int32), context.shape)
+                logits, cache = self._run(self.params, context, positions, cache)
+                pos = context.shape[1]
+            key, sub = jax.random.split(key)
+            nxt = np.asarray(self._pick(logits, sub, temperature, top_k), np.int32)[:, None]
+            tokens = np.concatenate([tokens, nxt], axis=1)
+            out.append(nxt)
+            if pos < self.max_length:
+                logits, cache = self._run(self.params, nxt, np.full((batch, 1), pos, np.int32), cache)
+                pos += 1
+        return np.concatenate(out, axis=1)

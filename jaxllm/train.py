@@ -1,0 +1,185 @@
+"""Training CLI: ``python -m jaxllm.train --config=configs/FILE.py[:KEY] --config.SECTION.KEY=VALUE --workdir=DIR``.
+
+With no flags it trains the default config (``jaxllm/config.py``) on the Python
+standard library's sources.  Rerunning with the same ``--workdir`` resumes from
+the latest checkpoint.  Bad config or data exits with code 2 and one line
+naming the key, the value and the fix, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxllm import checkpoint, config, metrics, model, optim, sharding, step
+from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
+from jaxllm.sampling import Sampler
+
+def data_dir(cfg, workdir: str) -> str:
+    """The prepared token directory of a run (prepared into ``WORKDIR/data`` if needed)."""
+    return ensure_prepared(cfg.data, os.path.join(workdir, "data"))
+
+
+def setup(cfg, workdir: str):
+    """Checks config and data before anything compiles; returns ``(resolved cfg, TokenData)``.
+
+    Raises:
+      ConfigError, DataError: with the key or file, the value and the fix.
+    """
+    config.validate(cfg, num_devices=jax.device_count())
+    data = TokenData(data_dir(cfg, workdir))
+    cfg = config.resolved(cfg, vocab_size=data.vocab_size)
+    data.check_vocab(cfg.model.vocab_size)
+    return cfg, data
+
+
+class Run:
+    """The compiled pieces of a run: mesh, shardings, state, train/eval steps."""
+
+    def __init__(self, cfg, workdir: str):
+        self.cfg = cfg
+        self.mesh = sharding.make_mesh(cfg)
+        self.table = sharding.rules(cfg)
+        self.graphdef, _ = model.abstract(cfg)
+        self.optimizer = optim.make_optimizer(cfg)
+        abstract_state = jax.eval_shape(lambda: step.init_state(cfg, self.optimizer, cfg.train.seed))
+        self.state_sharding = sharding.state_shardings(abstract_state, model.logical_axes(cfg), self.optimizer,
+                                                       self.mesh, self.table)
+        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                           abstract_state, self.state_sharding)
+        batch_spec = sharding.logical_to_spec((None, "batch", "length"), self.table)
+        self.batch_sharding = jax.sharding.NamedSharding(self.mesh, batch_spec)
+        eval_sharding = jax.sharding.NamedSharding(self.mesh, sharding.logical_to_spec(("batch", "length"), self.table))
+        self.eval_sharding = eval_sharding
+        train_fn = step.make_train_step(cfg, self.graphdef, self.optimizer, optim.lr_schedule(cfg.train))
+        self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+                                  out_shardings=(self.state_sharding, None), donate_argnums=0)
+        self.eval_step = jax.jit(step.make_eval_step(self.graphdef),
+                                 in_shardings=(self.state_sharding["params"], eval_sharding, eval_sharding))
+        self.checkpointer = checkpoint.Checkpointer(workdir, cfg)
+
+    def initial_state(self):
+        """The latest checkpoint's state, or a fresh one created directly in its sharding."""
+        state = self.checkpointer.restore(self.abstract_state)
+        if state is None:
+            init = jax.jit(lambda: step.init_state(self.cfg, self.optimizer, self.cfg.train.seed),
+                           out_shardings=self.state_sharding)
+            state = init()
+        return state
+
+    def global_batch(self, inputs, targets):
+        """Host rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``.
+
+        Row ``r`` goes to micro batch ``r % microbatches``, so each process's contiguous
+        rows stay contiguous within every micro batch."""
+        accum = config.grad_accum_steps(self.cfg)
+        out = []
+        for x in (inputs, targets):
+            x = x.reshape(-1, accum, x.shape[-1]).swapaxes(0, 1)
+            out.append(jax.make_array_from_process_local_data(self.batch_sharding, np.ascontiguousarray(x)))
+        return out
+
+    def evaluate(self, params, loader) -> float:
+        """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches."""
+        losses = []
+        for i in range(self.cfg.train.eval_iters):
+            x, y = (jax.make_array_from_process_local_data(self.eval_sharding, a) for a in loader.eval_batch(i))
+            losses.append(self.eval_step(params, x, y))
+        return float(np.mean(jax.device_get(losses)))
+
+
+def train(cfg, workdir: str) -> dict:
+    """Trains ``cfg`` (validated and resolved by :func:`setup`) in ``workdir``; returns the last
+    train and eval metrics. Resumes from ``workdir``'s latest checkpoint if there is one."""
+    cfg, data = setup(cfg, workdir)
+    t = cfg.train
+    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length)
+    run = Run(cfg, workdir)
+    state = run.initial_state()
+    start = int(jax.device_get(state["step"]))
+    n_params = model.num_params(state["params"])
+    primary = jax.process_index() == 0
+    if primary:
+        print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
+              f"mesh {dict(run.mesh.shape)}, {config.grad_accum_steps(cfg)} microbatch(es)/step, "
+              f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
+              f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.vocab_size})"
+              + (f", resuming at step {start}" if start else ""))
+
+    t0 = time.perf_counter()
+    with sharding.activation_sharding(run.mesh, run.table):
+        train_step = run.train_step.lower(state, *run.global_batch(*loader.train_batch(start))).compile()
+    compile_s = time.perf_counter() - t0
+    flops_per_step = metrics.flops_per_step(cfg)
+    peak, peak_source = metrics.peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
+    if primary:
+        print(f"compiled the train step in {compile_s:.1f} s; {flops_per_step / 1e12:.4f} TFLOP/step; "
+              f"peak {peak / 1e12:.2f} TFLOP/s/device ({peak_source})")
+
+    bpb_scale = data.meta["num_tokens"] / max(1, sum(s["bytes"] for s in data.meta["sources"])) / math.log(2)
+    logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
+                                   progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
+    last, last_eval = {}, {}
+    tick, steps_since = time.perf_counter(), 0
+    for s in range(start, t.train_iters):
+        state, m = train_step(state, *run.global_batch(*loader.train_batch(s)))
+        steps_since += 1
+        logger.advance(1)
+        done = s + 1
+        if done % t.log_interval == 0 or done == t.train_iters:
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            elapsed = time.perf_counter() - tick
+            m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
+            logger.log(done, m)
+            last, tick, steps_since = m, time.perf_counter(), 0
+        if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
+            loss = run.evaluate(state["params"], loader)
+            last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale}
+            logger.log(done, last_eval, kind="eval")
+            tick = time.perf_counter()
+        run.checkpointer.maybe_save(done, state, force=done == t.train_iters)
+    run.checkpointer.close()
+    logger.close()
+
+    if primary and cfg.log.samples:
+        prompt = cfg.log.sample_prompt
+        tokens = data.tokenizer.encode(prompt) if prompt else np.asarray(data.val[:8])
+        sampler = Sampler(cfg, run.graphdef, jax.device_get(state["params"]))
+        rows = sampler(np.tile(np.asarray(tokens)[None], (cfg.log.samples, 1)), cfg.log.sample_tokens,
+                       temperature=cfg.log.temperature, top_k=cfg.log.top_k, seed=t.seed)
+        for row in rows:
+            print(f"--- sample ---\n{data.tokenizer.decode(list(tokens) + row.tolist())}\n--------------")
+    return {**last, **last_eval, "compile_s": compile_s}
+
+
+def restore_params(cfg, workdir: str):
+    """The parameters of ``workdir``'s latest checkpoint (``cfg``: the run's resolved config)."""
+    run = Run(cfg, workdir)
+    params = run.checkpointer.restore(run.abstract_state)["params"]
+    run.checkpointer.close()
+    return params
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        train(flags.FLAGS.config, flags.FLAGS.workdir)
+    except (config.ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "config.py"),
+                                    "config file, e.g. configs/shakespeare_char.py or configs/gpt3.py:GPT125M")
+    flags.DEFINE_string("workdir", "runs/default", "run directory: data cache, checkpoints, metrics.jsonl, tensorboard/")
+    app.run(main)

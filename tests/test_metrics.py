@@ -1,0 +1,251 @@
+"""jaxllm.metrics: FLOP counts against hand counts and Megatron-LM's formulas, the peak
+table, the measured CPU peak, and MetricsLogger's files and lines."""
+
+import glob
+import io
+import json
+import os
+import struct
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from jaxllm import config, metrics
+
+
+def make_cfg(activation="gelu", remat="none", **model):
+    cfg = config.get_config()
+    cfg.model.update(dict(activation=activation, remat=remat, **model))
+    return config.resolved(cfg)
+
+
+TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, ffn_hidden_size=32, vocab_size=10)
+
+
+# --- flops_per_token: a hand count ---------------------------------------------------------
+# L=2, h=8, heads n=2, kv heads k=1, head dim d=h/n=4, f=32, V=10, s=4; forward per token:
+#   QKV      2*h*(n+2k)*d    = 2*8*4*4         = 256
+#   attn     2*2*s*n*d / 2   = 2*2*4*2*4 / 2   = 64      (causal: half of 128)
+#   out proj 2*h*h           = 2*8*8           = 128
+#   MLP gelu 2*h*f*2         = 2*8*32*2        = 1024    -> layer 1472
+#   MLP swiglu 2*h*f*3       = 2*8*32*3        = 1536    -> layer 1984
+#   logits   2*h*V           = 2*8*10          = 160
+# train = 3*(L*layer) + 3*logits; recompute = 4*(L*layer) + 3*logits:
+#   gelu:   3*2944 + 480 = 9312,   4*2944 + 480 = 12256
+#   swiglu: 3*3968 + 480 = 12384,  4*3968 + 480 = 16352
+@pytest.mark.parametrize("activation, plain, recomputed", [("gelu", 9312, 12256), ("swiglu", 12384, 16352)])
+def test_flops_per_token_hand_count(activation, plain, recomputed):
+    m = make_cfg(activation, **TINY).model
+    assert metrics.flops_per_token(m, 4) == plain
+    assert metrics.flops_per_token(m, 4, recompute=True) == recomputed
+
+
+def test_recompute_is_four_thirds_of_the_layer_part():
+    # The layer part is everything but the logits (3 * 2*h*V per token, never recomputed).
+    m = make_cfg("swiglu", num_layers=3, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=192, vocab_size=1000).model
+    logits = 3 * 2 * 64 * 1000
+    plain = metrics.flops_per_token(m, 128) - logits
+    recomputed = metrics.flops_per_token(m, 128, recompute=True) - logits
+    assert recomputed == pytest.approx(4 / 3 * plain, rel=1e-12)
+
+
+def test_matches_megatron_after_adding_back_uncausal_attention():
+    # Narayanan et al. 2021 (f = 4h, MHA): 72*B*s*L*h^2*(1 + s/(6h) + V/(12Lh)) FLOPs per
+    # iteration without recompute, 96*B*s*L*h^2*(1 + s/(6h) + V/(16Lh)) with it. Per token
+    # (divide by B*s). Megatron counts the full s x s attention; we count half, i.e.
+    # 3*L*(2*s*h) less (4*L*(2*s*h) with recompute).
+    L, h, n, V, s = 3, 64, 4, 1000, 128
+    m = make_cfg("gelu", num_layers=L, hidden_size=h, num_attention_heads=n, num_kv_heads=n,
+                 ffn_hidden_size=4 * h, vocab_size=V).model
+    megatron = 72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    megatron_recompute = 96 * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    assert metrics.flops_per_token(m, s) + 3 * L * 2 * s * h == pytest.approx(megatron, rel=1e-12)
+    assert metrics.flops_per_token(m, s, recompute=True) + 4 * L * 2 * s * h == pytest.approx(
+        megatron_recompute, rel=1e-12)
+
+
+def test_matches_megatron_code_formula_for_gqa_swiglu():
+    # Megatron-LM's num_floating_point_operations (megatron/training/training.py), per token:
+    # 12*L*h^2*(1 + (f/h)*3/2 + k/n + s/h + V/(2*L*h)), attention not halved.
+    L, h, n, k, f, V, s = 2, 128, 8, 2, 352, 512, 256
+    m = make_cfg("swiglu", num_layers=L, hidden_size=h, num_attention_heads=n, num_kv_heads=k,
+                 ffn_hidden_size=f, vocab_size=V).model
+    megatron = 12 * L * h**2 * (1 + f / h * 3 / 2 + k / n + s / h + V / (2 * L * h))
+    assert metrics.flops_per_token(m, s) + 3 * L * 2 * s * h == pytest.approx(megatron, rel=1e-12)
+
+
+def test_flops_per_step_and_recompute_default():
+    cfg = make_cfg("gelu", **TINY)
+    cfg.train.update(dict(seq_length=4, global_batch_size=6, micro_batch_size=6))
+    assert metrics.flops_per_step(cfg) == 6 * 4 * 9312
+    assert metrics.flops_per_step(cfg, recompute=True) == 6 * 4 * 12256
+    cfg.model.remat = "full"
+    assert metrics.flops_per_step(cfg) == 6 * 4 * 12256
+    cfg.model.remat = "save_dots"  # keeps matmul outputs: no matmul is recomputed
+    assert metrics.flops_per_step(cfg) == 6 * 4 * 9312
+
+
+def test_unresolved_config_raises():
+    with pytest.raises(ValueError, match="resolved"):
+        metrics.flops_per_token(config.get_config().model, 16)
+
+
+def test_throughput():
+    cfg = make_cfg("gelu", remat="full", **TINY)
+    cfg.train.update(dict(seq_length=4, global_batch_size=6, micro_batch_size=6))
+    out = metrics.throughput(0.5, cfg, num_devices=2, peak_flops=1e6)
+    assert out["tokens_per_sec"] == 48 and out["tokens_per_sec_per_device"] == 24
+    assert out["mfu"] == pytest.approx(24 * 9312 / 1e6)  # model FLOPs: no recompute
+    assert out["hfu"] == pytest.approx(24 * 12256 / 1e6)  # hardware FLOPs: remat=full
+    assert out["tflops_per_device"] == pytest.approx(24 * 9312 / 1e12)
+
+
+# --- peak FLOP/s ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, bf16, fp32", [
+    ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12),
+    ("NVIDIA A100-PCIE-40GB", 312e12, 19.5e12),
+    ("NVIDIA H100 80GB HBM3", 989e12, 67e12),
+    ("NVIDIA H100 PCIe", 756e12, 51e12),
+    ("NVIDIA H100 NVL", 835e12, 60e12),
+    ("NVIDIA H200", 989e12, 67e12),
+    ("NVIDIA GH200 480GB", 989e12, 67e12),
+    ("Tesla V100-SXM2-16GB", 125e12, 15.7e12),
+    ("AMD Instinct MI250X", 191.5e12, 47.85e12),
+    ("AMD Instinct MI300X", 1307.4e12, 163.4e12),
+])
+def test_peak_table(kind, bf16, fp32):
+    gpu = types.SimpleNamespace(device_kind=kind, platform="gpu")
+    for dtype, want in (("bfloat16", bf16), (jnp.float16, bf16), ("float32", fp32)):
+        peak, source = metrics.peak_flops_per_device(gpu, dtype)
+        assert peak == pytest.approx(want, rel=1e-9), (kind, dtype)
+        assert source.startswith("datasheet")
+
+
+def test_unknown_gpu_is_measured(monkeypatch):
+    calls = []
+    monkeypatch.setattr(metrics, "_measure_matmul", lambda device, dtype, n: calls.append(n) or 1.5e12)
+    monkeypatch.setattr(metrics, "_MEASURED", {})
+    gpu = types.SimpleNamespace(device_kind="NVIDIA GeForce RTX 9090", platform="gpu")
+    assert metrics.peak_flops_per_device(gpu) == (1.5e12, "measured matmul on 'NVIDIA GeForce RTX 9090' "
+                                                            "(not in PEAK_FLOPS) (8192x8192 bfloat16)")
+    metrics.peak_flops_per_device(gpu)
+    assert calls == [8192]  # cached
+
+
+def test_cpu_peak_is_measured_once():
+    cpu = jax.devices("cpu")[0]
+    peak, source = metrics.peak_flops_per_device(cpu, "bfloat16")
+    assert source == "measured matmul on cpu (2048x2048 bfloat16)"
+    assert 1e8 < peak < 1e14  # positive and plausible for a CPU
+    start = time.perf_counter()
+    again = metrics.peak_flops_per_device(cpu, jnp.bfloat16)
+    assert time.perf_counter() - start < 0.05
+    assert again == (peak, source)
+
+
+# --- MetricsLogger -------------------------------------------------------------------------
+def read_events(directory):
+    """(tag, step, value) of every scalar in the TFRecord event files under ``directory``."""
+    files = glob.glob(os.path.join(directory, "events.out.tfevents.*"))
+    assert files and all(os.path.getsize(f) > 0 for f in files)
+    scalars = []
+    for name in files:
+        data = open(name, "rb").read()
+        pos = 0
+        while pos < len(data):  # record: u64 length, u32 crc, payload, u32 crc
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                scalars.append((v.tag, event.step, v.simple_value))
+    return scalars
+
+
+def strict_json(line):
+    def reject(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def test_logger_writes_jsonl_tensorboard_and_lines(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    with metrics.MetricsLogger(str(workdir), total_steps=600) as log:
+        log.log(200, {"loss": jnp.float32(2.1034), "lr": np.float32(9.8e-4), "grad_norm": 0.83,
+                      "tokens_per_sec": 12300.0, "tflops_per_device": 0.05, "mfu": 0.121,
+                      "step_time_s": 0.061, "hfu": 0.121, "tokens_per_sec_per_device": 12300.0})
+        log.log(200, {"eval_loss": jnp.asarray(1.9876), "eval_bpb": 2.8675}, kind="eval")
+        log.log(201, {"loss": float("nan"), "tokens": np.int64(7)})
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    train, evaluation, diverged = map(strict_json, lines)
+    assert train["step"] == 200 and train["kind"] == "train"
+    assert type(train["loss"]) is float and train["loss"] == pytest.approx(2.1034, rel=1e-6)
+    assert set(train) == {"step", "kind", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device",
+                          "mfu", "step_time_s", "hfu", "tokens_per_sec_per_device"}
+    assert evaluation == {"step": 200, "kind": "eval", "eval_loss": pytest.approx(1.9876), "eval_bpb": 2.8675}
+    assert diverged == {"step": 201, "kind": "train", "loss": None, "tokens": 7}
+
+    scalars = read_events(str(workdir / "tensorboard"))
+    assert ("train/loss", 200, pytest.approx(2.1034, rel=1e-6)) in scalars
+    assert ("eval/eval_bpb", 200, pytest.approx(2.8675, rel=1e-6)) in scalars
+    assert ("train/tokens", 201, 7.0) in scalars
+    assert sum(tag == "train/mfu" for tag, _, _ in scalars) == 1
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("step   200 | loss 2.1034 | lr 9.8e-04 | grad 0.83 | 12.3k tok/s | 0.05 TFLOP/s/dev"
+                      " | MFU 12.1% | 0.061 s/step")
+    assert out[1] == "step   200 | eval loss 1.9876 | bpb 2.8675"
+    assert out[2].startswith("step   201 | loss nan | tokens 7")
+
+
+def test_logger_appends(tmp_path, capsys):
+    for step in (1, 2):
+        with metrics.MetricsLogger(str(tmp_path), tensorboard=False) as log:
+            log.log(step, {"loss": 1.0})
+    assert [strict_json(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_disabled_logger_does_nothing(tmp_path, capsys):
+    workdir = tmp_path / "rank1"
+    log = metrics.MetricsLogger(str(workdir), enabled=False, total_steps=10)
+    log.log(1, {"loss": 1.0})
+    log.log(1, {"eval_loss": 1.0}, kind="eval")
+    log.advance()
+    log.close()
+    assert not workdir.exists()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    with metrics.MetricsLogger(str(tmp_path), tensorboard=False, total_steps=10) as log:
+        log.advance(3)
+        log.log(3, {"loss": 1.5})
+        log.advance(2)
+    text = terminal.getvalue()
+    assert "step     3 | loss 1.5000" in text
+    assert "5/10" in text
+
+
+def test_logger_rejects_bad_input(tmp_path, capsys):
+    with metrics.MetricsLogger(str(tmp_path), tensorboard=False) as log:
+        with pytest.raises(ValueError):
+            log.log(1, {"loss": 1.0}, kind="test")
+        with pytest.raises(ValueError):
+            log.log(1, {"step": 1})
+        with pytest.raises(TypeError):
+            log.log(1, {"loss": np.ones(3)})
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

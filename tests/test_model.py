@@ -1,0 +1,177 @@
+"""The GPT against an independent plain-jax.numpy forward, its masking, its size table, its training."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxllm import config, model, optim, step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_cfg(**model_overrides):
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=97)
+    c.model.update(**model_overrides)
+    c.train.update(seq_length=32, micro_batch_size=4, global_batch_size=4, warmup_iters=0, lr=1e-3, min_lr=1e-3)
+    return config.resolved(c)
+
+
+def reference_logits(cfg, p, tokens):
+    """GPT forward written out with jax.numpy, layer by layer, sharing no code with jaxllm.model."""
+    m = cfg.model
+    h, nh, nkv = m.hidden_size, m.num_attention_heads, m.num_kv_heads
+    d, s = h // nh, tokens.shape[1]
+
+    def norm(x, w):
+        if m.norm == "layernorm":
+            x = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + m.norm_eps)
+        else:
+            x = x / jnp.sqrt((x**2).mean(-1, keepdims=True) + m.norm_eps)
+        return x * w["scale"] + (w["bias"] if "bias" in w else 0)
+
+    def rope(x):
+        half = d // 2
+        freq = 1.0 / m.rotary_base ** (np.arange(half) / half)
+        ang = np.arange(s)[:, None] * freq[None]
+        cos, sin = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+        a, b = x[..., :half], x[..., half:]
+        return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    x = p["wte"][tokens]
+    if m.position_embedding == "learned":
+        x = x + p["wpe"][:s]
+    causal = np.tril(np.ones((s, s), bool))
+    for i in range(m.num_layers):
+        L = jax.tree.map(lambda a: a[i], p["layers"])
+        a, y = L["attn"], norm(x, L["ln1"])
+        q = jnp.einsum("bse,ehd->bshd", y, a["wq"]) + a.get("bq", 0)
+        k = jnp.einsum("bse,ehd->bshd", y, a["wk"]) + a.get("bk", 0)
+        v = jnp.einsum("bse,ehd->bshd", y, a["wv"]) + a.get("bv", 0)
+        if m.position_embedding == "rotary":
+            q, k = rope(q), rope(k)
+        k, v = jnp.repeat(k, nh // nkv, axis=2), jnp.repeat(v, nh // nkv, axis=2)
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+        att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+        x = x + jnp.einsum("bshd,hde->bse", o, a["wo"]) + a.get("bo", 0)
+        f, y = L["mlp"], norm(x, L["ln2"])
+        u = y @ f["w1"] + f.get("b1", 0)
+        u = jax.nn.silu(y @ f["wg"]) * u if m.activation == "swiglu" else 0.5 * u * (
+            1 + jnp.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+        x = x + u @ f["w2"] + f.get("b2", 0)
+    x = norm(x, p["ln_f"])
+    return x @ (p["wte"].T if m.tie_embeddings else p["lm_head"])
+
+
+VARIANTS = [
+    {},
+    dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", num_kv_heads=2, tie_embeddings=False,
+         use_bias=False),
+]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
+def test_loss_matches_plain_jax_reference(overrides):
+    cfg = small_cfg(**overrides)
+    graphdef, _ = model.abstract(cfg)
+    params = model.init(cfg, 0)
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
+    targets = jnp.roll(tokens, -1, axis=1)
+    ours = step.cross_entropy(model.forward(graphdef, params, tokens), targets).mean()
+    ref = optax.softmax_cross_entropy_with_integer_labels(reference_logits(cfg, params, tokens), targets).mean()
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    assert ours > 4.0  # near ln(97) = 4.57 at init: the comparison is not between two constants
+
+
+def test_initialization_scales():
+    cfg = small_cfg(num_layers=8, hidden_size=256)
+    p = model.init(cfg, 0)
+    np.testing.assert_allclose(np.std(p["wte"]), 0.02, rtol=0.05)
+    np.testing.assert_allclose(np.std(p["layers"]["mlp"]["w1"]), 0.02, rtol=0.05)
+    np.testing.assert_allclose(np.std(p["layers"]["attn"]["wo"]), 0.02 / math.sqrt(16), rtol=0.05)
+    np.testing.assert_allclose(np.std(p["layers"]["mlp"]["w2"]), 0.02 / math.sqrt(16), rtol=0.05)
+
+
+@pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
+def test_causal_masking(overrides):
+    cfg = small_cfg(**overrides)
+    graphdef, _ = model.abstract(cfg)
+    params = model.init(cfg, 0)
+    fwd = jax.jit(lambda t: model.forward(graphdef, params, t))
+    tokens = jax.random.randint(jax.random.key(2), (1, 32), 0, 97)
+    base = fwd(tokens)
+    for pos in (5, 20, 31):
+        changed = fwd(tokens.at[0, pos].set((tokens[0, pos] + 1) % 97))
+        np.testing.assert_array_equal(changed[0, :pos], base[0, :pos])
+        assert not np.allclose(changed[0, pos], base[0, pos])
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2)
+    graphdef, _ = model.abstract(cfg)
+    params = model.init(cfg, 0)
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)
+    full = model.forward(graphdef, params, tokens)
+    cache = model.init_cache(cfg, 2, 32)
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    logits, cache = model.forward(graphdef, params, tokens[:, :8], positions=pos, cache=cache)
+    np.testing.assert_allclose(logits, full[:, :8], atol=1e-5)
+    for i in range(8, 12):
+        logits, cache = model.forward(graphdef, params, tokens[:, i:i + 1], positions=jnp.full((2, 1), i), cache=cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
+
+
+def test_overfits_one_batch():
+    cfg = small_cfg()
+    cfg.train.update(lr=3e-3, min_lr=3e-3, weight_decay=0.0)
+    graphdef, _ = model.abstract(cfg)
+    opt = optim.make_optimizer(cfg)
+    state = step.init_state(cfg, opt, 0)
+    train_step = jax.jit(step.make_train_step(cfg, graphdef, opt, optim.lr_schedule(cfg.train)))
+    tokens = np.random.default_rng(0).integers(0, 97, (1, 4, 33)).astype(np.int32)
+    for _ in range(150):
+        state, m = train_step(state, tokens[..., :-1], tokens[..., 1:])
+    assert float(m["loss"]) < 0.1
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    cfg = small_cfg()
+    graphdef, _ = model.abstract(cfg)
+    opt = optim.make_optimizer(cfg)
+    train_step = jax.jit(step.make_train_step(cfg, graphdef, opt, optim.lr_schedule(cfg.train)))
+    tokens = np.random.default_rng(0).integers(0, 97, (8, 33)).astype(np.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    one, m1 = train_step(step.init_state(cfg, opt, 0), x[None], y[None])
+    four, m4 = train_step(step.init_state(cfg, opt, 0), x.reshape(4, 2, 32), y.reshape(4, 2, 32))
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one["params"], four["params"])
+
+
+def test_weight_decay_spares_norms_and_biases():
+    mask = model.decay_mask(small_cfg())
+    assert mask["wte"] and mask["wpe"] and mask["layers"]["attn"]["wq"] and mask["layers"]["mlp"]["w2"]
+    assert not mask["layers"]["ln1"]["scale"] and not mask["layers"]["attn"]["bq"] and not mask["ln_f"]["bias"]
+
+
+def _gpt3_sizes():
+    spec = importlib.util.spec_from_file_location("gpt3", ROOT / "configs" / "gpt3.py")
+    gpt3 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt3)
+    return gpt3
+
+
+@pytest.mark.parametrize("key", list(_gpt3_sizes().SIZES))
+def test_gpt3_parameter_counts(key):
+    cfg = config.resolved(_gpt3_sizes().get_config(key))
+    _, abstract = model.abstract(cfg)
+    n = model.num_params(abstract)
+    layers, h, _ = _gpt3_sizes().SIZES[key]
+    expected = 12 * layers * h * h + cfg.model.vocab_size * h
+    assert abs(n - expected) / expected < 0.03, (key, n, expected)
