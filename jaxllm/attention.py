@@ -1,15 +1,157 @@
-"""The one attention entry point of the model, dispatched on ``model.attention_impl``."""
+"""The one attention entry point of the model, dispatched on ``model.attention_impl``.
+
+Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``):
+
+``xla``
+    :func:`jaxllm_kernels.reference.attention`: plain XLA, every backend.  Materialises
+    the ``[q_len, kv_len]`` scores, so memory grows with the square of the sequence.
+``cudnn``
+    cuDNN flash attention through ``jax.nn.dot_product_attention(implementation="cudnn")``,
+    NVIDIA GPUs only.  Grouped-query attention is passed straight through (jax's API
+    accepts fewer key/value heads).  Calls that API cannot express with the reference's
+    semantics go to the ``pallas`` kernel instead (see :func:`cudnn_unsupported`):
+    ``return_lse`` (jax returns cuDNN's softmax statistics only cast to the output dtype
+    and not differentiably; ring attention needs float32 and its gradient), segment ids,
+    explicit positions, causal with ``q_len != kv_len`` (cuDNN's causal mask is aligned
+    top-left, the reference's bottom-right), a window without causal, float32 inputs, and
+    head_dim not a multiple of 8 or above 128.
+``pallas``
+    :func:`jaxllm_kernels.pallas_attention.flash_attention`: FlashAttention-2 in Pallas,
+    lowered through Triton; NVIDIA and AMD (ROCm) GPUs.  Supports everything the reference
+    does, explicit positions included.  On CPU Pallas runs only in interpret mode, which is
+    for tests, so ``pallas`` is not offered on CPU (call the kernel with ``interpret=True``).
+``triton``
+    :func:`jaxllm_kernels.triton_attention.flash_attention`: the same algorithm written in
+    the Triton language, through ``jax_triton``; GPUs where ``jax_triton`` imports.
+``auto``
+    :func:`resolve_impl` picks ``cudnn`` on NVIDIA GPUs, ``pallas`` on AMD (ROCm) GPUs and
+    ``xla`` elsewhere (CPU, TPU).
+"""
 
 from __future__ import annotations
 
-from jaxllm_kernels import reference
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from jaxllm_kernels import pallas_attention, reference, triton_attention
+
+AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
+_KINDS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def backend_kind(backend=None) -> str:
+    """``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"`` (or another platform name) for a JAX backend.
+
+    Args:
+      backend: None (the default backend), a JAX backend name (``"gpu"``, ``"cpu"``, ...),
+        or one of the kinds themselves, returned unchanged (to ask about another machine).
+    """
+    if backend in _KINDS:
+        return backend
+    client = jax.extend.backend.get_backend(backend)
+    platform = client.platform
+    if platform in ("gpu", "cuda", "rocm"):
+        version = str(client.platform_version).lower()
+        return "rocm" if ("rocm" in version or "hip" in version or platform == "rocm") else "cuda"
+    return platform
+
+
+def _why_not(impl, kind):
+    """None if ``impl`` runs on backend kind ``kind``, else the reason."""
+    if impl == "xla":
+        return None
+    if impl == "cudnn":
+        return None if kind == "cuda" else "cuDNN exists only on NVIDIA GPUs (the cuda backend)"
+    if impl == "pallas":
+        if kind in ("cuda", "rocm"):
+            return None
+        return ("the Pallas kernel lowers through Triton to NVIDIA and AMD GPUs only; on CPU it runs only in "
+                "interpret mode, for tests (jaxllm_kernels.pallas_attention.flash_attention(..., interpret=True))")
+    if impl == "triton":
+        if kind not in ("cuda", "rocm"):
+            return "jax_triton runs only on GPUs"
+        ok, why = triton_attention.available()
+        return None if ok else why
+    raise KeyError(impl)
+
+
+def available_impls(backend=None) -> list[str]:
+    """The concrete implementations that run on ``backend`` (see :func:`backend_kind`), in preference order.
+
+    ``"auto"`` is always accepted as well and resolves to one of these.
+    """
+    kind = backend_kind(backend)
+    return [name for name in ("xla", "cudnn", "pallas", "triton") if _why_not(name, kind) is None]
+
+
+def resolve_impl(impl, backend=None) -> str:
+    """The concrete implementation ``impl`` means on ``backend``.
+
+    Raises:
+      ValueError: ``impl`` is unknown, or not available on this backend; the message says why
+        and names the ones that are.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"model.attention_impl={impl!r} is unknown; choose one of {', '.join(IMPLS)}")
+    kind = backend_kind(backend)
+    if impl == "auto":
+        return AUTO.get(kind, "xla")
+    why = _why_not(impl, kind)
+    if why is not None:
+        raise ValueError(f"model.attention_impl={impl!r} is not available on the {kind} backend: {why}. "
+                         f"Available here: auto, {', '.join(available_impls(kind))}")
+    return impl
+
+
+def cudnn_unsupported(q, k, *, causal, q_segment_ids, window, q_positions, kv_positions, return_lse):
+    """None if the cuDNN path computes exactly the reference's attention for this call, else the reason."""
+    d = q.shape[-1]
+    if return_lse:
+        return "return_lse (cuDNN's softmax statistics come back in the output dtype, not differentiable)"
+    if q_segment_ids is not None:
+        return "segment ids"
+    if q_positions is not None or kv_positions is not None:
+        return "explicit positions"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (cuDNN flash attention takes bfloat16/float16)"
+    if causal and q.shape[1] != k.shape[1]:
+        return "causal with q_len != kv_len (cuDNN aligns the causal mask top-left)"
+    if window is not None and not causal:
+        return "a window without causal"
+    if d % 8 or d > 128:
+        return f"head_dim={d}"
+    return None
 
 
 def _xla(q, k, v, **kw):
     return reference.attention(q, k, v, **kw)
 
 
-IMPLS = {"xla": _xla}
+def _pallas(q, k, v, **kw):
+    return pallas_attention.flash_attention(q, k, v, **kw)
+
+
+def _triton(q, k, v, **kw):
+    return triton_attention.flash_attention(q, k, v, **kw)
+
+
+def _cudnn(q, k, v, *, causal, q_segment_ids, kv_segment_ids, window, q_positions, kv_positions, return_lse):
+    reason = cudnn_unsupported(q, k, causal=causal, q_segment_ids=q_segment_ids, window=window,
+                               q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    if reason is not None:  # documented fallback: the Pallas kernel has the reference's exact semantics
+        return _pallas(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                       window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn",
+        local_window_size=None if window is None else (int(window) - 1, 0))
+
+
+def _auto(q, k, v, **kw):
+    return IMPLS[resolve_impl("auto")](q, k, v, **kw)
+
+
+IMPLS = {"auto": _auto, "xla": _xla, "cudnn": _cudnn, "pallas": _pallas, "triton": _triton}
 
 
 def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segment_ids=None, window=None,
@@ -18,15 +160,15 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
-      impl: a key of :data:`IMPLS` (``model.attention_impl``).
+      impl: a key of :data:`IMPLS` (``model.attention_impl``); ``"auto"`` picks per backend.
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
       ``[batch, q_len, heads, head_dim]``, and with ``return_lse`` the float32
       log-sum-exp ``[batch, heads, q_len]`` that ring attention merges partial results with.
     Raises:
-      ValueError: ``impl`` is unknown.
+      ValueError: ``impl`` is unknown or not available on the default backend (the message
+        names the ones that are).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"model.attention_impl={impl!r} is not available; choose one of {', '.join(IMPLS)}")
+    impl = resolve_impl(impl)
     return IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                        window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)

@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
         dict(
             num_layers=4,
             hidden_size=256,
-            num_attention_heads=8,
+            num_attention_heads=4,
             num_kv_heads=0,  # 0: = num_attention_heads (multi-head attention)
             ffn_hidden_size=0,  # 0: 4 * hidden_size (gelu) or 8/3 * hidden_size rounded to 64 (swiglu)
             vocab_size=0,  # 0: the tokenizer's vocabulary, padded to make_vocab_size_divisible_by
@@ -67,13 +67,13 @@ def get_config() -> ml_collections.ConfigDict:
     )
     c.train = ml_collections.ConfigDict(
         dict(
-            seq_length=256,
+            seq_length=128,
             micro_batch_size=16,
             global_batch_size=16,
-            train_iters=600,
+            train_iters=400,
             lr=2e-3,
             min_lr=2e-4,
-            warmup_iters=50,
+            warmup_iters=40,
             lr_decay_iters=0,  # 0: = train_iters
             weight_decay=0.1,
             beta1=0.9,
@@ -81,7 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
             adam_eps=1e-8,
             grad_clip=1.0,
             seed=1234,
-            eval_interval=200,
+            eval_interval=100,
             eval_iters=10,
             log_interval=20,
         )
@@ -94,7 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
             val_fraction=0.1,  # the last fraction of the token stream is the validation split
         )
     )
-    c.mesh = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
+    # mesh.AXIS: devices along AXIS within a node (-1 on one axis: fill with what is left);
+    # mesh.dcn_AXIS: nodes along AXIS (the slow network); the axis spans AXIS x dcn_AXIS devices.
+    c.mesh = ml_collections.ConfigDict({**{a: 1 for a in MESH_AXES}, **{f"dcn_{a}": 1 for a in MESH_AXES}})
     c.parallel = ml_collections.ConfigDict(dict(zero_stage=0, megatron_sp=False))
     c.checkpoint = ml_collections.ConfigDict(
         dict(
@@ -133,26 +135,39 @@ def _resolve_heads(m) -> int:
     return m.num_kv_heads or m.num_attention_heads
 
 
-def resolved(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> ml_collections.ConfigDict:
+def _resolve_ffn(m) -> int:
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation == "swiglu" else 4 * m.hidden_size
+
+
+def resolved(cfg: ml_collections.ConfigDict, vocab_size: int | None = None,
+             num_devices: int | None = None) -> ml_collections.ConfigDict:
     """A copy of ``cfg`` with every derived (0) value filled in.
 
     Args:
       cfg: a config that passed :func:`validate`.
       vocab_size: the tokenizer's vocabulary size; needed when ``model.vocab_size`` is 0.
+      num_devices: fills a -1 mesh axis (default: ``jax.device_count()`` when one is -1).
     Raises:
       ConfigError: ``model.vocab_size`` is smaller than the tokenizer's vocabulary.
     """
     cfg = ml_collections.ConfigDict(cfg.to_dict())
     m, t = cfg.model, cfg.train
+    if any(cfg.mesh[a] == -1 for a in MESH_AXES):
+        if num_devices is None:
+            import jax  # noqa: PLC0415  (only needed to fill a -1 axis)
+
+            num_devices = jax.device_count()
+        sizes = mesh_shape(cfg, num_devices)
+        for a in MESH_AXES:
+            if cfg.mesh[a] == -1:
+                cfg.mesh[a] = sizes[a] // cfg.mesh[f"dcn_{a}"]
     m.num_kv_heads = _resolve_heads(m)
-    if not m.ffn_hidden_size:
-        if m.activation == "swiglu":
-            m.ffn_hidden_size = 64 * math.ceil(8 * m.hidden_size / 3 / 64)
-        else:
-            m.ffn_hidden_size = 4 * m.hidden_size
+    m.ffn_hidden_size = _resolve_ffn(m)
     if vocab_size is not None:
         if not m.vocab_size:
-            k = m.make_vocab_size_divisible_by
+            k = m.make_vocab_size_divisible_by * cfg.mesh.tensor * cfg.mesh.dcn_tensor
             m.vocab_size = k * math.ceil(vocab_size / k)
         elif m.vocab_size < vocab_size:
             raise ConfigError(
@@ -164,9 +179,43 @@ def resolved(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> m
     return cfg
 
 
+def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
+    """Devices along each mesh axis (ICI x DCN), with a -1 axis filled from ``num_devices``."""
+    dcn = math.prod(cfg.mesh[f"dcn_{a}"] for a in MESH_AXES)
+    known = math.prod(cfg.mesh[a] for a in MESH_AXES if cfg.mesh[a] != -1)
+    fill = max(1, num_devices // (dcn * known))
+    return {a: (fill if cfg.mesh[a] == -1 else cfg.mesh[a]) * cfg.mesh[f"dcn_{a}"] for a in MESH_AXES}
+
+
 def data_parallel_size(cfg) -> int:
-    """Number of model replicas the global batch is split over: ``mesh.data * mesh.fsdp``."""
-    return cfg.mesh.data * cfg.mesh.fsdp
+    """Number of model replicas the global batch is split over: the ``data`` x ``fsdp`` axes
+    (of a resolved config, where no axis is -1)."""
+    return cfg.mesh.data * cfg.mesh.dcn_data * cfg.mesh.fsdp * cfg.mesh.dcn_fsdp
+
+
+def _check_divisibility(cfg, sizes):
+    """Every mesh axis must divide the dimensions it shards (see ``jaxllm.sharding.rules``)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    kv = _resolve_heads(m)
+    tensor, fsdp, dp = sizes["tensor"], sizes["fsdp"], sizes["data"] * sizes["fsdp"]
+    needs = [
+        ("model.num_attention_heads", m.num_attention_heads, tensor, "mesh.tensor"),
+        ("model.num_kv_heads", kv, tensor, "mesh.tensor"),
+        ("model.ffn_hidden_size", _resolve_ffn(m), tensor, "mesh.tensor"),
+        ("model.vocab_size", m.vocab_size, tensor, "mesh.tensor"),
+        ("model.hidden_size", m.hidden_size, fsdp * (sizes["data"] if p.zero_stage >= 1 else 1),
+         "mesh.fsdp x mesh.data (ZeRO shards the embed dimension over both)" if p.zero_stage >= 1 else "mesh.fsdp"),
+        ("train.seq_length", t.seq_length, sizes["sequence"] * (tensor if p.megatron_sp else 1),
+         "mesh.sequence x mesh.tensor (megatron_sp)" if p.megatron_sp else "mesh.sequence"),
+    ]
+    for key, value, size, axis in needs:
+        if value and value % size:
+            raise ConfigError(key, value, f"must be divisible by {axis} = {size}")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            "train.global_batch_size", t.global_batch_size,
+            f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp) "
+            f"= {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
 
 
 def grad_accum_steps(cfg) -> int:
@@ -230,21 +279,24 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
         raise ConfigError("train.warmup_iters", t.warmup_iters,
                           f"must be <= train.lr_decay_iters (resolved: {decay})")
 
-    for axis in MESH_AXES:
-        size = cfg.mesh[axis]
-        if not isinstance(size, int) or size < 1:
-            raise ConfigError(f"mesh.{axis}", size, "must be an integer >= 1")
-    mesh_size = math.prod(cfg.mesh[a] for a in MESH_AXES)
-    if num_devices is not None and mesh_size != num_devices:
-        raise ConfigError("mesh", {a: cfg.mesh[a] for a in MESH_AXES},
-                          f"the product of the mesh axes is {mesh_size} but there are {num_devices} devices")
+    for key in [*MESH_AXES, *(f"dcn_{a}" for a in MESH_AXES)]:
+        size = cfg.mesh[key]
+        if not isinstance(size, int) or not (size >= 1 or (size == -1 and key in MESH_AXES)):
+            raise ConfigError(f"mesh.{key}", size, "must be an integer >= 1 (or -1 on one ICI axis: fill)")
+    fill = [a for a in MESH_AXES if cfg.mesh[a] == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
+    if num_devices is not None:
+        sizes = mesh_shape(cfg, num_devices)
+        if math.prod(sizes.values()) != num_devices:
+            raise ConfigError("mesh", {a: cfg.mesh[a] for a in MESH_AXES},
+                              f"the mesh covers {math.prod(sizes.values())} devices but there are {num_devices}; "
+                              f"make the product of mesh.* x mesh.dcn_* equal {num_devices}, or set one axis to -1")
+        _check_divisibility(cfg, sizes)
 
-    dp = data_parallel_size(cfg)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            "train.global_batch_size", t.global_batch_size,
-            f"must be divisible by train.micro_batch_size x data-parallel size "
-            f"= {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("train.global_batch_size", t.global_batch_size,
+                          f"must be divisible by train.micro_batch_size={t.micro_batch_size}")
 
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)")

@@ -1,46 +1,83 @@
 """The device mesh and the one table that maps the model's logical axes to mesh axes.
 
-The model names logical axes only (``batch``, ``length``, ``residual``,
-``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``,
-``layers``); :func:`rules` says which mesh axes each one is split over, and
-every sharding of the program (parameters, optimizer state, batch,
-activations) is derived from that table.
+The model names logical axes only: ``batch``, ``length`` (the sequence inside
+attention and MLP), ``residual`` (the sequence of the residual stream between
+blocks), ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``,
+``layers``.  :data:`RULES` says which mesh axes each one is split over, and
+every sharding of the program (parameters, optimizer state, gradients, batch,
+activations) is derived from it by :func:`rules`.
+
+Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
+
+* data parallelism: ``batch`` over ``data`` (and ``fsdp``);
+* ZeRO (Rajbhandari et al. 2020): stage 1 splits the optimizer state's
+  ``embed`` dimension over the data-parallel axes, stage 2 also the gradients
+  (the all-reduce becomes a reduce-scatter), stage 3 also the parameters, which
+  is what the ``fsdp`` axis always does (FSDP: ``embed`` over ``fsdp``);
+* Megatron-LM tensor parallelism (Shoeybi et al. 2019): ``heads``, ``kv_heads``,
+  ``mlp`` and ``vocab`` over ``tensor``, so QKV and the first MLP matrix are
+  column-parallel, the output projections row-parallel, the embedding and the
+  output layer vocabulary-parallel; with ``parallel.megatron_sp`` the
+  ``residual`` stream is also split along the sequence over ``tensor``
+  (Korthikanti et al. 2022), turning the all-reduces into reduce-scatter +
+  all-gather.
+
+The mesh uses ``AxisType.Auto`` (GSPMD) on purpose: the model constrains
+activations at a few logical boundaries and XLA propagates the rest, so model
+code stays free of mesh axes.  ``Explicit`` mode would make every einsum name
+its output sharding.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
+import numpy as np
 import optax
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import MESH_AXES
 
+# The rules table: logical axis -> mesh axes it is split over, in order of preference.
+RULES = {
+    "batch": ("data", "fsdp"),
+    "length": ("sequence",),
+    "residual": ("sequence",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": (),
+}
 
-def rules(cfg) -> dict[str, tuple[str, ...]]:
-    """The rules table: logical axis -> mesh axes it is split over, in order.
 
-    A mesh axis is used at most once per array: when two logical axes of one
-    array ask for the same mesh axis, the first keeps it (so an activation's
-    ``embed`` is not split over ``fsdp`` once its ``batch`` is).
+def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
+    """:data:`RULES` as ``cfg`` configures it.
+
+    Args:
+      cfg: the run config (``parallel.megatron_sp`` adds ``tensor`` to ``residual``).
+      zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data``.
     """
-    return {
-        "batch": ("data", "fsdp"),
-        "length": ("sequence",),
-        "residual": ("sequence",),
-        "embed": ("fsdp",),
-        "heads": ("tensor",),
-        "kv_heads": ("tensor",),
-        "mlp": ("tensor",),
-        "vocab": ("tensor",),
-        "head_dim": (),
-        "layers": (),
-    }
+    table = dict(RULES)
+    if cfg.parallel.megatron_sp:
+        table["residual"] = ("sequence", "tensor")
+    if zero:
+        table["embed"] = ("fsdp", "data")
+    return table
 
 
 def logical_to_spec(axes, table) -> PartitionSpec:
-    """PartitionSpec for an array whose dimensions have the logical names ``axes`` (None: not split)."""
+    """PartitionSpec for an array whose dimensions have the logical names ``axes`` (None: not split).
+
+    A mesh axis is used at most once per array: when two logical axes ask for the same
+    one, the first keeps it (so an activation's ``embed`` is not split over ``fsdp`` once
+    its ``batch`` is).
+    """
     used, spec = set(), []
     for name in axes:
         mesh_axes = tuple(a for a in table.get(name, ()) if a not in used) if name else ()
@@ -54,7 +91,7 @@ _ACTIVE: list[tuple[jax.sharding.Mesh, dict]] = []
 
 @contextlib.contextmanager
 def activation_sharding(mesh, table):
-    """Within this context, :func:`constrain` pins activations to ``mesh`` by ``table``."""
+    """Within this context (while tracing), :func:`constrain` pins activations to ``mesh`` by ``table``."""
     _ACTIVE.append((mesh, table))
     try:
         yield
@@ -72,11 +109,25 @@ def constrain(x, axes):
 
 
 def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
-    """The device mesh with axes ``data, fsdp, pipeline, tensor, sequence`` sized from ``cfg.mesh``."""
+    """The device mesh with axes ``data, fsdp, pipeline, tensor, sequence``.
+
+    Each axis spans ``mesh.AXIS x mesh.dcn_AXIS`` devices.  With any ``dcn_*`` > 1 the
+    devices are laid out hierarchically (``mesh_utils.create_hybrid_device_mesh``): the
+    ``dcn`` factors across slices (nodes: process groups on GPUs), the rest within one,
+    so tensor parallelism stays on the fast links.  ``cfg`` must be resolved (no -1).
+    """
     devices = jax.devices() if devices is None else devices
-    shape = tuple(cfg.mesh[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    ici = tuple(cfg.mesh[a] for a in MESH_AXES)
+    dcn = tuple(cfg.mesh[f"dcn_{a}"] for a in MESH_AXES)
+    if math.prod(dcn) > 1:
+        granule = "slice_index" if hasattr(devices[0], "slice_index") else "process_index"
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule == "process_index",
+                                                    allow_split_physical_axes=True)
+    elif len(devices) == 1:
+        grid = np.asarray(devices).reshape(ici)
+    else:
+        grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def param_specs(logical, table):
@@ -84,15 +135,35 @@ def param_specs(logical, table):
     return jax.tree.map(lambda axes: logical_to_spec(axes, table), logical, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def state_shardings(abstract_state, logical, optimizer, mesh, table):
+def state_shardings(cfg, abstract_state, logical, optimizer, mesh):
     """NamedShardings of the training state ``{"step", "params", "opt_state"}``.
 
-    Optimizer moments take their parameter's spec (``optax.tree_map_params`` finds them);
-    scalars such as Adam's count are replicated.
+    Parameters follow :func:`rules` (ZeRO table from stage 3); optimizer moments follow
+    the ZeRO table from stage 1 (``optax.tree_map_params`` finds them); scalars such as
+    Adam's count are replicated.
     """
-    specs = param_specs(logical, table)
+    stage = cfg.parallel.zero_stage
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    opt = optax.tree_map_params(optimizer, lambda _, spec: named(spec), abstract_state["opt_state"], specs,
+    opt_specs = param_specs(logical, rules(cfg, zero=stage >= 1))
+    opt = optax.tree_map_params(optimizer, lambda _, spec: named(spec), abstract_state["opt_state"], opt_specs,
                                 transform_non_params=lambda _: named(PartitionSpec()),
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return {"step": named(PartitionSpec()), "params": jax.tree.map(named, specs), "opt_state": opt}
+    params = jax.tree.map(named, param_specs(logical, rules(cfg, zero=stage >= 3)))
+    return {"step": named(PartitionSpec()), "params": params, "opt_state": opt}
+
+
+def grad_shardings(cfg, logical, mesh):
+    """Where gradients live after the data-parallel reduction: reduce-scattered over the
+    data axes for ZeRO stage >= 2, else laid out like the parameters."""
+    stage = cfg.parallel.zero_stage
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(logical, rules(cfg, zero=stage >= 2)))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of ``tree``'s arrays held by one device (the first), from the arrays' shardings;
+    leaves may be arrays or ``jax.ShapeDtypeStruct`` with a sharding."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -16,8 +16,16 @@ from jaxllm import model
 
 
 def cross_entropy(logits, targets):
-    """Per-token cross entropy in nats: float32 ``[batch, seq]`` from logits ``[batch, seq, vocab]``."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    """Per-token cross entropy in nats: float32 ``[batch, seq]`` from logits ``[batch, seq, vocab]``.
+
+    The target logit is picked with a comparison against the vocabulary index rather than a
+    gather, so with vocabulary-parallel logits every device reduces its own slice and only
+    ``[batch, seq]`` partial sums cross the network (Megatron-LM's parallel cross entropy).
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
 def init_state(cfg, optimizer, seed):
@@ -26,7 +34,7 @@ def init_state(cfg, optimizer, seed):
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
 
-def make_train_step(cfg, graphdef, optimizer, schedule):
+def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     """``train_step(state, inputs, targets) -> (state, metrics)``.
 
     The loss is the mean over every token of the global batch: gradients of the
@@ -34,8 +42,10 @@ def make_train_step(cfg, graphdef, optimizer, schedule):
     count, which equals one step on the whole batch.  Dropout keys are
     ``fold_in(key(seed), step)``, so a step is a pure function of its inputs.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
-    norm before clipping), ``lr``.
+    norm before clipping), ``lr``.  ``grad_sharding`` (optional) pins the gradient
+    accumulator, which is where ZeRO-2 turns the all-reduce into a reduce-scatter.
     """
+    pin = (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)) if grad_sharding else (lambda g: g)
     dropout = cfg.model.dropout > 0
     base_key = jax.random.key(cfg.train.seed)
 
@@ -52,9 +62,9 @@ def make_train_step(cfg, graphdef, optimizer, schedule):
         def micro_step(acc, xs):
             x, y, key = xs
             loss, grads = grad_fn(params, x, y, key if dropout else None)
-            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+            return jax.tree.map(jnp.add, acc, (loss, pin(grads))), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
         (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, keys))
         loss, grads = jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)

@@ -35,47 +35,67 @@ def setup(cfg, workdir: str):
     """
     config.validate(cfg, num_devices=jax.device_count())
     data = TokenData(data_dir(cfg, workdir))
-    cfg = config.resolved(cfg, vocab_size=data.vocab_size)
+    cfg = config.resolved(cfg, vocab_size=data.vocab_size, num_devices=jax.device_count())
     data.check_vocab(cfg.model.vocab_size)
     return cfg, data
 
 
 class Run:
-    """The compiled pieces of a run: mesh, shardings, state, train/eval steps."""
+    """The compiled pieces of a run on a device mesh: shardings, state, train and eval steps.
 
-    def __init__(self, cfg, workdir: str):
+    Args:
+      cfg: a resolved config (see :func:`setup`).
+      devices: the devices of the mesh (default: all).
+    """
+
+    def __init__(self, cfg, devices=None):
         self.cfg = cfg
-        self.mesh = sharding.make_mesh(cfg)
+        self.mesh = sharding.make_mesh(cfg, devices)
         self.table = sharding.rules(cfg)
         self.graphdef, _ = model.abstract(cfg)
         self.optimizer = optim.make_optimizer(cfg)
+        logical = model.logical_axes(cfg)
         abstract_state = jax.eval_shape(lambda: step.init_state(cfg, self.optimizer, cfg.train.seed))
-        self.state_sharding = sharding.state_shardings(abstract_state, model.logical_axes(cfg), self.optimizer,
-                                                       self.mesh, self.table)
+        self.state_sharding = sharding.state_shardings(cfg, abstract_state, logical, self.optimizer, self.mesh)
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                            abstract_state, self.state_sharding)
-        batch_spec = sharding.logical_to_spec((None, "batch", "length"), self.table)
-        self.batch_sharding = jax.sharding.NamedSharding(self.mesh, batch_spec)
-        eval_sharding = jax.sharding.NamedSharding(self.mesh, sharding.logical_to_spec(("batch", "length"), self.table))
-        self.eval_sharding = eval_sharding
-        train_fn = step.make_train_step(cfg, self.graphdef, self.optimizer, optim.lr_schedule(cfg.train))
-        self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+        spec = lambda *axes: jax.sharding.NamedSharding(self.mesh, sharding.logical_to_spec(axes, self.table))  # noqa: E731
+        self.batch_sharding, self.eval_sharding = spec(None, "batch", "length"), spec("batch", "length")
+        train_fn = step.make_train_step(cfg, self.graphdef, self.optimizer, optim.lr_schedule(cfg.train),
+                                        sharding.grad_shardings(cfg, logical, self.mesh))
+        self.train_step = jax.jit(self._in_mesh(train_fn), in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
-        self.eval_step = jax.jit(step.make_eval_step(self.graphdef),
-                                 in_shardings=(self.state_sharding["params"], eval_sharding, eval_sharding))
-        self.checkpointer = checkpoint.Checkpointer(workdir, cfg)
+        self.eval_step = jax.jit(self._in_mesh(step.make_eval_step(self.graphdef)),
+                                 in_shardings=(self.state_sharding["params"], self.eval_sharding, self.eval_sharding))
 
-    def initial_state(self):
+    def _in_mesh(self, fn):
+        """``fn`` traced with the activation constraints of this mesh and rules table."""
+
+        def traced(*args):
+            with sharding.activation_sharding(self.mesh, self.table):
+                return fn(*args)
+
+        return traced
+
+    def initial_state(self, checkpointer=None):
         """The latest checkpoint's state, or a fresh one created directly in its sharding."""
-        state = self.checkpointer.restore(self.abstract_state)
+        state = checkpointer.restore(self.abstract_state) if checkpointer else None
         if state is None:
             init = jax.jit(lambda: step.init_state(self.cfg, self.optimizer, self.cfg.train.seed),
                            out_shardings=self.state_sharding)
             state = init()
         return state
 
+    def process_rows(self) -> slice:
+        """The rows of the global batch this process feeds (its devices' part of the batch axis)."""
+        t = self.cfg.train
+        accum = config.grad_accum_steps(self.cfg)
+        index = self.batch_sharding.addressable_devices_indices_map((accum, t.global_batch_size // accum, 1))
+        rows = [i[1].indices(t.global_batch_size // accum)[:2] for i in index.values()]
+        return slice(min(r[0] for r in rows) * accum, max(r[1] for r in rows) * accum)
+
     def global_batch(self, inputs, targets):
-        """Host rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``.
+        """This process's rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``.
 
         Row ``r`` goes to micro batch ``r % microbatches``, so each process's contiguous
         rows stay contiguous within every micro batch."""
@@ -94,28 +114,42 @@ class Run:
             losses.append(self.eval_step(params, x, y))
         return float(np.mean(jax.device_get(losses)))
 
+    def describe(self, params) -> str:
+        """The mesh and a table of every parameter: shape, partition spec, bytes per device."""
+        lines = [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} device(s)",
+                 f"{'parameter':<28} {'shape':<22} {'partition spec':<44} {'bytes/device':>13}"]
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        for path, leaf in flat:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            spec = str(tuple(leaf.sharding.spec))
+            lines.append(f"{name:<28} {str(leaf.shape):<22} {spec:<44} {sharding.per_device_bytes(leaf):>13,}")
+        lines.append(f"{'total':<96}{sharding.per_device_bytes(params):>13,}")
+        return "\n".join(lines)
+
 
 def train(cfg, workdir: str) -> dict:
     """Trains ``cfg`` (validated and resolved by :func:`setup`) in ``workdir``; returns the last
     train and eval metrics. Resumes from ``workdir``'s latest checkpoint if there is one."""
     cfg, data = setup(cfg, workdir)
     t = cfg.train
-    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length)
-    run = Run(cfg, workdir)
-    state = run.initial_state()
+    run = Run(cfg)
+    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
+                    rows=run.process_rows())
+    checkpointer = checkpoint.Checkpointer(workdir, cfg)
+    state = run.initial_state(checkpointer)
     start = int(jax.device_get(state["step"]))
     n_params = model.num_params(state["params"])
     primary = jax.process_index() == 0
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"mesh {dict(run.mesh.shape)}, {config.grad_accum_steps(cfg)} microbatch(es)/step, "
+              f"{config.grad_accum_steps(cfg)} microbatch(es)/step, "
               f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
               f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.vocab_size})"
               + (f", resuming at step {start}" if start else ""))
+        print(run.describe(state["params"]))
 
     t0 = time.perf_counter()
-    with sharding.activation_sharding(run.mesh, run.table):
-        train_step = run.train_step.lower(state, *run.global_batch(*loader.train_batch(start))).compile()
+    train_step = run.train_step.lower(state, *run.global_batch(*loader.train_batch(start))).compile()
     compile_s = time.perf_counter() - t0
     flops_per_step = metrics.flops_per_step(cfg)
     peak, peak_source = metrics.peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
@@ -137,6 +171,9 @@ def train(cfg, workdir: str) -> dict:
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             elapsed = time.perf_counter() - tick
             m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
+            stats = jax.local_devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
+                m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
             logger.log(done, m)
             last, tick, steps_since = m, time.perf_counter(), 0
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
@@ -144,8 +181,8 @@ def train(cfg, workdir: str) -> dict:
             last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale}
             logger.log(done, last_eval, kind="eval")
             tick = time.perf_counter()
-        run.checkpointer.maybe_save(done, state, force=done == t.train_iters)
-    run.checkpointer.close()
+        checkpointer.maybe_save(done, state, force=done == t.train_iters)
+    checkpointer.close()
     logger.close()
 
     if primary and cfg.log.samples:
@@ -161,9 +198,9 @@ def train(cfg, workdir: str) -> dict:
 
 def restore_params(cfg, workdir: str):
     """The parameters of ``workdir``'s latest checkpoint (``cfg``: the run's resolved config)."""
-    run = Run(cfg, workdir)
-    params = run.checkpointer.restore(run.abstract_state)["params"]
-    run.checkpointer.close()
+    checkpointer = checkpoint.Checkpointer(workdir, cfg)
+    params = checkpointer.restore(Run(cfg).abstract_state)["params"]
+    checkpointer.close()
     return params
 
 
@@ -173,8 +210,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
         train(flags.FLAGS.config, flags.FLAGS.workdir)
-    except (config.ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except config.ConfigError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

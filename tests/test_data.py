@@ -136,12 +136,12 @@ def test_prepare_cli(tmp_path):
            "--output", str(out), "--val-fraction", "0.2"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "1,115,394 byte tokens" in r.stdout and r.stderr == ""  # no runpy double-import warning
+    assert "1,115,394 byte tokens" in r.stderr and "Warning" not in r.stderr  # no runpy double-import warning
     meta = json.loads((out / "meta.json").read_text())
     assert meta["val_tokens"] == 1_115_394 - int(1_115_394 * 0.8)
     r = subprocess.run(cmd[:-4] + ["--output", str(tmp_path / "x"), "--input", str(tmp_path / "nope")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "no such file or directory" in r.stderr and not (tmp_path / "x").exists()
+    assert r.returncode == 2 and "no such file or directory" in r.stderr and not (tmp_path / "x").exists()
 
 
 def test_directory_walk_and_join(tmp_path):

@@ -240,7 +240,7 @@ def _prepare(files: list[str], tokenizer: str, output: str, gpt2_dir: str, val_f
             return json.load(f)
     mb = sum(s["bytes"] for s in sources) / 1e6
     print(f"prepare: {num_tokens:,} {tok.name} tokens (train {train_tokens:,}, val {val_tokens:,}) from "
-          f"{len(files):,} files ({mb:.1f} MB) in {time.perf_counter() - t0:.1f}s -> {output}", flush=True)
+          f"{len(files):,} files ({mb:.1f} MB) in {time.perf_counter() - t0:.1f}s -> {output}", file=sys.stderr, flush=True)
     return meta
 
 
@@ -297,7 +297,7 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
         data = TokenData(directory)
         if data.meta["tokenizer"] != data_cfg.tokenizer:
             print(f"prepare: using {directory} as prepared, with its tokenizer {data.meta['tokenizer']!r} "
-                  f"(data.tokenizer={data_cfg.tokenizer!r} is ignored)", flush=True)
+                  f"(data.tokenizer={data_cfg.tokenizer!r} is ignored)", file=sys.stderr, flush=True)
         return directory
 
     files = collect_files(inputs)
@@ -316,10 +316,10 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
         try:
             meta = TokenData(directory).meta
             if [[s["path"], s["sha256"]] for s in meta["sources"]] == sources:
-                print(f"prepare: reusing {directory} ({meta['num_tokens']:,} {meta['tokenizer']} tokens)", flush=True)
+                print(f"prepare: reusing {directory} ({meta['num_tokens']:,} {meta['tokenizer']} tokens)", file=sys.stderr, flush=True)
                 return directory
         except DataError as e:
-            print(f"prepare: preparing again: {e}", flush=True)
+            print(f"prepare: preparing again: {e}", file=sys.stderr, flush=True)
     _prepare(files, data_cfg.tokenizer, directory, data_cfg.gpt2_dir, float(data_cfg.val_fraction),
              keep_existing=True)
     return directory
@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare(args.input, args.tokenizer, args.output, gpt2_dir=args.gpt2_dir, val_fraction=args.val_fraction)
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,186 @@
+"""Attention benchmark: forward and forward+backward TFLOP/s and memory of every implementation.
+
+    python benchmarks/attention.py                      # seq 1k..32k, every impl available here
+    python benchmarks/attention.py --seqs 256 --impls xla --heads 2   # a CPU smoke run
+
+FLOPs are counted, not measured: forward = 4 * batch * seq^2 * heads * head_dim (two
+matmuls of 2 * seq^2 * head_dim each), halved when causal; backward = 2.5 x forward
+(five matmuls instead of two), so forward+backward = 3.5 x forward.  Times are the median
+of ``--iters`` calls after ``--warmup`` calls, each ending in ``block_until_ready``.
+
+Memory: "compiled" is XLA's own accounting of the forward+backward executable
+(arguments + outputs + temporaries, ``Compiled.memory_analysis()``); "device peak" is the
+allocator's ``peak_bytes_in_use`` from ``device.memory_stats()`` where the backend has it
+(GPUs; not CPU).  That peak only grows within a process, so with ``--isolate`` (the
+default on GPUs) every (seq, impl) case runs in its own subprocess.
+
+Prints one Markdown table; a case that fails (out of memory, unsupported) shows the error
+in its row instead of numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="1024,2048,4096,8192,16384,32768", help="comma-separated sequence lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=0, help="0: = heads (multi-head attention)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--impls", default="", help="comma-separated; default: every impl available on this backend")
+    p.add_argument("--no-causal", dest="causal", action="store_false", help="full instead of causal attention")
+    p.add_argument("--window", type=int, default=0, help="sliding window (0: none); FLOPs are still counted dense")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--check", action="store_true", help="add max |out - xla float32 reference| per case")
+    p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
+                   help="one subprocess per case for a clean device peak (auto: yes on GPUs)")
+    p.add_argument("--_case", default="", help=argparse.SUPPRESS)  # "impl,seq": child mode, prints JSON
+    return p.parse_args()
+
+
+def flops(batch, seq, heads, head_dim, causal):
+    """(forward, forward+backward) counted FLOPs."""
+    fwd = 4 * batch * seq * seq * heads * head_dim
+    if causal:
+        fwd //= 2
+    return fwd, fwd * 3.5
+
+
+def _time(fn, args, iters, warmup):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _peak_bytes():
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without allocator stats
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def run_case(impl, seq, a):
+    """Measure one (impl, seq) case; returns a dict of results (or ``error``)."""
+    from jaxllm.attention import attention
+
+    kvh = a.kv_heads or a.heads
+    dtype = jnp.dtype(a.dtype)
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (a.batch, seq, a.heads, a.head_dim), dtype)
+    k = jax.random.normal(kk, (a.batch, seq, kvh, a.head_dim), dtype)
+    v = jax.random.normal(kv, (a.batch, seq, kvh, a.head_dim), dtype)
+    do = jax.random.normal(kd, q.shape, dtype)
+    kw = dict(impl=impl, causal=a.causal, window=a.window or None)
+    fwd = jax.jit(lambda q, k, v: attention(q, k, v, **kw))
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, **kw).astype(jnp.float32) * do.astype(jnp.float32))
+
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    res = {"impl": impl, "seq": seq}
+    try:
+        res["fwd_s"] = _time(fwd, (q, k, v), a.iters, a.warmup)
+        res["fwd_bwd_s"] = _time(fwd_bwd, (q, k, v), a.iters, a.warmup)
+        try:
+            ma = fwd_bwd.lower(q, k, v).compile().memory_analysis()
+            res["compiled_bytes"] = (ma.argument_size_in_bytes + ma.output_size_in_bytes
+                                     + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+        except Exception:  # noqa: BLE001 - memory_analysis is best effort
+            res["compiled_bytes"] = None
+        res["peak_bytes"] = _peak_bytes()
+        if a.check:
+            from jaxllm_kernels import reference
+
+            ref = reference.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                      causal=a.causal, window=a.window or None)
+            res["max_err"] = float(jnp.max(jnp.abs(fwd(q, k, v).astype(jnp.float32) - ref)))
+    except Exception as e:  # noqa: BLE001 - OOM, unsupported configuration: reported in the table
+        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return res
+
+
+def _run_isolated(impl, seq, argv):
+    cmd = [sys.executable, __file__, *argv, "--isolate", "no", "--_case", f"{impl},{seq}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"impl": impl, "seq": seq, "error": f"subprocess rc={proc.returncode}: {tail[:120]}"}
+
+
+def _gib(x):
+    return "n/a" if x is None else f"{x / 2**30:.2f}"
+
+
+def table(results, a):
+    cols = ["seq", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "compiled GiB", "device peak GiB"]
+    if a.check:
+        cols.append("max err")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in results:
+        if "error" in r:
+            row = [str(r["seq"]), r["impl"], f"error: {r['error']}"] + [""] * (len(cols) - 3)
+        else:
+            f_fwd, f_all = flops(a.batch, r["seq"], a.heads, a.head_dim, a.causal)
+            row = [str(r["seq"]), r["impl"], f"{r['fwd_s'] * 1e3:.3f}", f"{f_fwd / r['fwd_s'] / 1e12:.2f}",
+                   f"{r['fwd_bwd_s'] * 1e3:.3f}", f"{f_all / r['fwd_bwd_s'] / 1e12:.2f}",
+                   _gib(r.get("compiled_bytes")), _gib(r.get("peak_bytes"))]
+            if a.check:
+                row.append(f"{r['max_err']:.2e}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    a = _parse()
+    if a._case:
+        impl, seq = a._case.split(",")
+        print(json.dumps(run_case(impl, int(seq), a)))
+        return
+    from jaxllm.attention import available_impls, resolve_impl
+
+    impls = [s for s in a.impls.split(",") if s] or available_impls()
+    for impl in impls:
+        try:
+            resolve_impl(impl)  # fail early, with the reason, for an impl this backend lacks
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+    seqs = [int(s) for s in a.seqs.split(",") if s]
+    isolate = a.isolate == "yes" or (a.isolate == "auto" and jax.default_backend() == "gpu")
+    argv = sys.argv[1:]
+    dev = jax.devices()[0]
+    print(f"# attention benchmark on {dev.platform} ({getattr(dev, 'device_kind', '?')}), jax {jax.__version__}")
+    print(f"batch={a.batch} heads={a.heads} kv_heads={a.kv_heads or a.heads} head_dim={a.head_dim} dtype={a.dtype} "
+          f"causal={a.causal} window={a.window or None} iters={a.iters} (median) warmup={a.warmup}")
+    print("FLOPs counted: forward = 4*b*s^2*h*d" + (" / 2 (causal)" if a.causal else "")
+          + "; backward = 2.5 x forward; fwd+bwd = 3.5 x forward.\n")
+    results = []
+    for seq in seqs:
+        for impl in impls:
+            results.append(_run_isolated(impl, seq, argv) if isolate else run_case(impl, seq, a))
+            print(f"  done seq={seq} impl={impl}", file=sys.stderr, flush=True)
+    print(table(results, a))
+
+
+if __name__ == "__main__":
+    main()

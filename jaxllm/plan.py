@@ -1,0 +1,144 @@
+"""Memory plan without the hardware: ``python -m jaxllm.plan --config=... --devices=N [--device=H100]``.
+
+Compiles the training step ahead of time for N devices (fake CPU devices: the
+same SPMD partitioning, nothing allocated) and prints per-device bytes of
+parameters, gradients, optimizer state and XLA's temporaries, the FLOPs of a
+step, and whether it fits the named accelerator's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+
+def _devices_from_argv(argv) -> int:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return 1
+
+
+if __name__ == "__main__":  # the device count must be fixed before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from jaxllm import config, metrics, model, sharding  # noqa: E402
+
+GiB = 2**30
+# Memory per device in bytes (vendor datasheets; MI250X: one of its two GCDs).
+DEVICE_MEMORY = {
+    "A100-40GB": 40e9, "A100-80GB": 80e9, "H100": 80e9, "H200": 141e9, "MI250X": 64 * GiB, "MI300X": 192 * GiB,
+}
+TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GiB"``, ``"80GB"``, ``"1.5e9"`` -> bytes. Raises ValueError on anything else."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
+    if not m:
+        raise ValueError(f"--device-memory={text!r}: give a size such as 80GiB or 80GB")
+    unit = {"GiB": GiB, "GB": 1e9, "MiB": 2**20, "MB": 1e6, "TiB": 2**40, "TB": 1e12, None: 1}[m.group(2)]
+    return float(m.group(1)) * unit
+
+
+def plan(cfg, num_devices: int) -> dict:
+    """Compiles ``cfg``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
+
+    Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
+    ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
+    to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.metrics.flops_per_step`),
+    ``compile_s``.
+    Raises:
+      ConfigError: the config does not fit the mesh or the model.
+    """
+    from jaxllm.train import Run  # noqa: PLC0415  (imports the data stack, which a plan does not otherwise need)
+
+    config.validate(cfg, num_devices=num_devices)
+    vocab = None if cfg.model.vocab_size else TOKENIZER_VOCAB.get(cfg.data.tokenizer)
+    if not cfg.model.vocab_size and vocab is None:
+        raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
+    cfg = config.resolved(cfg, vocab_size=vocab, num_devices=num_devices)
+    run = Run(cfg, devices=jax.devices()[:num_devices])
+    t = cfg.train
+    accum = config.grad_accum_steps(cfg)
+    batch = jax.ShapeDtypeStruct((accum, t.global_batch_size // accum, t.seq_length), "int32",
+                                 sharding=run.batch_sharding)
+    t0 = time.perf_counter()
+    compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    state = run.abstract_state
+    grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state["params"],
+                         sharding.grad_shardings(cfg, model.logical_axes(cfg), run.mesh))
+    return {
+        "params": sharding.per_device_bytes(state["params"]),
+        "grads": sharding.per_device_bytes(grads),
+        "opt_state": sharding.per_device_bytes(state["opt_state"]),
+        "batch": 2 * sharding.per_device_bytes(batch),
+        "temp": mem.temp_size_in_bytes,
+        "total": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes,
+        "model_flops": metrics.flops_per_step(cfg),
+        "compile_s": compile_s,
+        "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
+        "mesh": dict(run.mesh.shape),
+    }
+
+
+def report(p: dict, device_memory: float | None, device_name: str | None) -> str:
+    """The plan as text, with a fits / does-not-fit verdict against ``device_memory`` bytes."""
+    gib = lambda b: f"{b / GiB:10.2f} GiB"  # noqa: E731
+    state = p["params"] + p["grads"] + p["opt_state"]
+    lines = [
+        f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters; compiled in {p['compile_s']:.1f} s",
+        "per device:",
+        f"  parameters            {gib(p['params'])}",
+        f"  gradients             {gib(p['grads'])}",
+        f"  optimizer state       {gib(p['opt_state'])}",
+        f"  model state (sum)     {gib(state)}   ({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
+        f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
+        f"  total (compiled)      {gib(p['total'])}",
+        f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.metrics.flops_per_step)",
+    ]
+    if device_memory:
+        verdict = "FITS" if p["total"] <= device_memory else "DOES NOT FIT"
+        lines.append(f"{verdict} in {device_name or ''} {device_memory / GiB:.1f} GiB "
+                     f"({p['total'] / device_memory:.0%} used)")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    F = flags.FLAGS
+    memory, name = None, F.device
+    try:
+        if F.device:
+            if F.device not in DEVICE_MEMORY:
+                raise ValueError(f"--device={F.device!r}: choose one of {', '.join(DEVICE_MEMORY)}")
+            memory = DEVICE_MEMORY[F.device]
+        if F.device_memory:
+            memory = parse_bytes(F.device_memory)
+        p = plan(F.config, F.devices)
+    except (config.ConfigError, ValueError) as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+    print(report(p, memory, name))
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "config.py"), "config file")
+    flags.DEFINE_integer("devices", 1, "number of devices to plan for")
+    flags.DEFINE_string("device", None, f"accelerator whose memory to check against: {', '.join(DEVICE_MEMORY)}")
+    flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
+    app.run(main)

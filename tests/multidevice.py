@@ -1,0 +1,85 @@
+"""Runs training layouts on 8 fake CPU devices and prints their results as JSON.
+
+Used by tests/test_sharding.py in a subprocess, because the device count must be
+set before jax is imported:  python tests/multidevice.py '<json list of layouts>'
+
+Each layout is ``{"mesh": {...}, "parallel": {...}, "model": {...}}`` overrides
+of :func:`base_config`; the result holds the three losses, the parameters after
+three steps (compared by the caller against the single-device run), whether
+every parameter's sharding is the one the rules table declares, and the bytes
+per device of parameters and optimizer state.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm import config, model, sharding  # noqa: E402
+from jaxllm.train import Run  # noqa: E402
+
+STEPS = 3
+
+
+def base_config():
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=128, num_attention_heads=8, vocab_size=128, dtype="float32")
+    c.train.update(seq_length=16, micro_batch_size=2, global_batch_size=16, warmup_iters=1, lr=1e-3, min_lr=1e-4,
+                   train_iters=10)
+    return c
+
+
+def run_layout(layout, batches):
+    cfg = base_config()
+    for section, values in layout.items():
+        cfg[section].update(values)
+    sizes = [cfg.mesh[a] for a in config.MESH_AXES]
+    n = 8 if -1 in sizes else int(np.prod(sizes))
+    config.validate(cfg, num_devices=n)
+    cfg = config.resolved(cfg, num_devices=n)
+    run = Run(cfg, devices=jax.devices()[:n])
+    state = run.initial_state()
+    rows = run.process_rows()
+    losses = []
+    for x, y in batches:
+        state, m = run.train_step(state, *run.global_batch(x[rows], y[rows]))
+        losses.append(float(m["loss"]))
+    logical = model.logical_axes(cfg)
+    declared = sharding.param_specs(logical, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
+    mismatched = [
+        jax.tree_util.keystr(path)
+        for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(state["params"])[0],
+                                      jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+        if not leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(run.mesh, spec), leaf.ndim)
+    ]
+    flat = {jax.tree_util.keystr(p): np.asarray(v).tolist()
+            for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]}
+    return {"losses": losses, "params": flat, "sharding_mismatches": mismatched,
+            "param_bytes": sharding.per_device_bytes(state["params"]),
+            "opt_bytes": sharding.per_device_bytes(state["opt_state"])}
+
+
+def main():
+    layouts = json.loads(sys.argv[1])
+    cfg = base_config()
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, 128, (cfg.train.global_batch_size, cfg.train.seq_length + 1)).astype(np.int32)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    results = []
+    for layout in layouts:
+        try:
+            results.append(run_layout(layout, batches))
+        except config.ConfigError as e:
+            results.append({"config_error": str(e), "key": e.key})
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Hugging Face conversion against real transformers + PyTorch (CPU, float32, small random models).
+
+Import: transformers' GPT-2 / Llama logits == jaxllm's on the imported parameters.
+Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
+CLI, and from a jaxllm-initialized model) and gives jaxllm's logits.  Bad inputs: pickle-only
+directories, unsupported configs both ways.
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxllm import checkpoint, config, convert, model, optim, step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2_DIR = ROOT.parent / "shared" / "data" / "gpt2"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+TOL = 1e-4
+VOCAB, SEQ = 101, 32
+F32 = {"model.dtype": "float32"}
+
+
+def gpt2(tied=True):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ, tie_word_embeddings=tied,
+        bos_token_id=None, eos_token_id=None))
+
+
+def llama(tied=False):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
+
+
+MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
+          "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True)}
+
+
+def randomize(m, seed):
+    """Every parameter random (biases and norm weights too, so that no mapping hides behind 0 or 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            base = 1.0 if name.endswith("weight") and ("ln" in name or "norm" in name) else 0.0
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+    return m.eval()
+
+
+def tokens(batch=2, seq=SEQ, vocab=VOCAB, seed=0):
+    return np.random.RandomState(seed).randint(0, vocab, (batch, seq)).astype(np.int32)
+
+
+def hf_logits(m, toks):
+    with torch.no_grad():
+        return m(torch.tensor(toks, dtype=torch.long)).logits.float().numpy()
+
+
+def jax_logits(cfg, params, toks):
+    graphdef, _ = model.abstract(cfg)
+    return np.asarray(model.forward(graphdef, params, toks))
+
+
+def load_hf(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxllm.convert", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def hf_dir(request, tmp_path_factory):
+    """(name, directory, logits of the transformers model on tokens()) for each small random model."""
+    torch.manual_seed(0)
+    m = randomize(MODELS[request.param](), seed=len(request.param))
+    d = tmp_path_factory.mktemp(request.param)
+    m.save_pretrained(d, safe_serialization=True)
+    return request.param, str(d), hf_logits(m, tokens())
+
+
+def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
+    name, d, ref = hf_dir
+    cfg, params = convert.from_hf(d, F32)
+    m = cfg.model
+    assert m.vocab_size == VOCAB and cfg.train.seq_length == SEQ
+    assert (m.position_embedding, m.norm, m.activation) == (("learned", "layernorm", "gelu") if "gpt2" in name
+                                                            else ("rotary", "rmsnorm", "swiglu"))
+    assert m.tie_embeddings == ("untied" not in name)
+    if "llama" in name:
+        assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
+    out = jax_logits(cfg, params, tokens())
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+
+    hf_config, tensors = convert.to_hf(cfg, params)
+    assert hf_config["architectures"] == [("GPT2LMHeadModel" if "gpt2" in name else "LlamaForCausalLM")]
+    convert.save_hf(cfg, params, str(tmp_path / "back"))
+    back = load_hf(tmp_path / "back")
+    np.testing.assert_allclose(hf_logits(back, tokens()), ref, atol=TOL, rtol=0)
+    # Exactly the same tensors as transformers itself saved (the tied head is not stored).
+    from safetensors.numpy import load_file
+
+    original = load_file(os.path.join(d, "model.safetensors"))
+    assert sorted(tensors) == sorted(original)
+    for k in original:
+        np.testing.assert_array_equal(tensors[k], original[k], err_msg=k)
+
+
+def test_rotary_layout_is_hf_llamas(hf_dir):
+    """jaxllm's half-split rotary is HF Llama's (checked, not assumed): logits match on arbitrary
+    positions, and the same weights read as the interleaved (GPT-J) layout would not."""
+    name, d, _ = hf_dir
+    if "llama" not in name:
+        pytest.skip("rotary only")
+    cfg, params = convert.from_hf(d, F32)
+    m = load_hf(d)
+    toks = tokens(batch=1, seq=8, seed=3)
+    positions = (20 + 3 * np.arange(8, dtype=np.int32))[None]  # shifted, with gaps
+    with torch.no_grad():
+        ref = m(torch.tensor(toks, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long))
+    graphdef, _ = model.abstract(cfg)
+    out = np.asarray(model.forward(graphdef, params, toks, positions=positions))
+    np.testing.assert_allclose(out, ref.logits.numpy(), atol=TOL, rtol=0)
+    # Interleaved pairs (0,1),(2,3),... instead of halves: the test above would catch that mix-up.
+    hd = params["layers"]["attn"]["wq"].shape[-1]
+    perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
+    wrong = jax.tree.map(lambda x: x, params)
+    for w in ("wq", "wk"):
+        wrong["layers"]["attn"][w] = params["layers"]["attn"][w][..., perm]
+    assert np.abs(np.asarray(model.forward(graphdef, wrong, toks, positions=positions)) - out).max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cli_round_trip_through_workdir(arch, tmp_path):
+    """--from-hf writes a real step-0 training checkpoint; --to-hf exports it; transformers agrees."""
+    torch.manual_seed(1)
+    m = randomize(gpt2(True) if arch == "gpt2" else llama(False), seed=7)
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ref = hf_logits(m, tokens())
+    work = tmp_path / "work"
+    r = cli("--from-hf", str(tmp_path / "hf"), str(work), "--config.train.train_iters=5", "--config.train.warmup_iters=1",
+            "--config.model.dtype=float32")
+    assert r.returncode == 0, r.stderr
+    assert "jaxllm.train --config=" in r.stdout and (work / "config.py").is_file()
+
+    cfg = checkpoint.load_config(str(work))
+    assert cfg.train.train_iters == 5 and cfg.model.vocab_size == VOCAB and cfg.data.to_dict() == config.get_config().data.to_dict()
+    # The checkpoint is what training resumes from: full state, step 0, HF's parameters.
+    from jaxllm import train
+
+    run = train.Run(cfg, str(work))
+    state = run.initial_state()
+    run.checkpointer.close()
+    assert int(state["step"]) == 0
+    assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(
+        jax.eval_shape(lambda: optim.make_optimizer(cfg).init(state["params"])))
+    np.testing.assert_allclose(jax_logits(cfg, state["params"], tokens()), ref, atol=TOL, rtol=0)
+    # config.py reproduces the stored config (what `jaxllm.train --config=WORKDIR/config.py` uses).
+    ns = {}
+    exec((work / "config.py").read_text(), ns)
+    assert ns["get_config"]().to_dict() == cfg.to_dict()
+
+    r = cli("--to-hf", str(work), str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(hf_logits(load_hf(tmp_path / "out"), tokens()), ref, atol=TOL, rtol=0)
+
+
+def small_cfg(**model):
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=128)
+    c.model.update(**model)
+    c.train.seq_length = SEQ
+    return config.resolved(c)
+
+
+LLAMA_CFG = dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False,
+                 num_kv_heads=2, tie_embeddings=False, rotary_base=10000.0, norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_jaxllm_model_exports(kind, tmp_path):
+    """A jaxllm-initialized model (padded vocab 128, all parameters perturbed) loads in transformers."""
+    cfg = small_cfg(**(LLAMA_CFG if kind == "llama" else {}))
+    params = model.init(cfg, 0)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    hf = convert.save_hf(cfg, params, str(tmp_path))
+    assert hf["vocab_size"] == 128  # the padded vocabulary, written whole
+    toks = tokens(vocab=128)
+    np.testing.assert_allclose(hf_logits(load_hf(tmp_path), toks), jax_logits(cfg, params, toks), atol=TOL, rtol=0)
+
+
+def test_bfloat16_safetensors_import(tmp_path):
+    torch.manual_seed(2)
+    m = randomize(llama(True), seed=3).to(torch.bfloat16)
+    m.save_pretrained(tmp_path, safe_serialization=True)
+    _, params = convert.from_hf(str(tmp_path), F32)
+    want = m.model.embed_tokens.weight.detach().float().numpy()
+    assert params["wte"].dtype == np.float32
+    np.testing.assert_array_equal(params["wte"], want)
+
+
+@pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file(), reason="GPT-2 tokenizer files not present")
+def test_gpt2_tokenizer_travels(tmp_path):
+    """A run on the gpt2 tokenizer exports HF tokenizer files; importing them sets data.tokenizer=gpt2."""
+    from jaxllm.data.tokenizers import GPT2Tokenizer
+
+    torch.manual_seed(3)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16))
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"),
+                              {"data.tokenizer": "gpt2", "data.gpt2_dir": str(GPT2_DIR)})
+    hf = convert.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
+    assert hf["eos_token_id"] == 50256
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "Hello world!  It's   a test\n\nof tokens, ünïcode and\ttabs"
+    assert tok(text)["input_ids"] == GPT2Tokenizer(str(GPT2_DIR)).encode(text).tolist()
+    cfg = convert.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2"))
+    assert cfg.data.tokenizer == "gpt2" and cfg.data.gpt2_dir == str(tmp_path / "w2" / "tokenizer")
+    GPT2Tokenizer(cfg.data.gpt2_dir)
+
+
+def test_pickle_weights_are_refused_unread(tmp_path):
+    """A pytorch_model.bin-only directory is an error; the file is never unpickled."""
+    marker = tmp_path / "unpickled"
+
+    class Trap:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(Trap()))
+    (tmp_path / "config.json").write_text(json.dumps(gpt2().config.to_dict()))
+    with pytest.raises(convert.ConvertError, match="pytorch_model.bin.*safetensors"):
+        convert.from_hf(str(tmp_path))
+    r = cli("--from-hf", str(tmp_path), str(tmp_path / "work"))
+    assert r.returncode == 2 and "pytorch_model.bin" in r.stderr and "safetensors" in r.stderr
+    assert not marker.exists() and not (tmp_path / "work" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("changes,keys", [
+    (dict(position_embedding="rotary"), ("model.position_embedding",)),
+    (dict(norm="rmsnorm", activation="swiglu"), ("model.norm", "model.activation")),
+    (dict(num_kv_heads=2), ("model.num_kv_heads",)),
+    (dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu"), ("model.use_bias",)),
+])
+def test_unsupported_combination_names_keys(changes, keys):
+    cfg = small_cfg(**changes)
+    with pytest.raises(convert.ConvertError) as e:
+        convert.to_hf(cfg, model.init(cfg, 0))
+    assert e.value.keys == keys
+    for k in keys:
+        assert k in str(e.value)
+
+
+def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
+    cfg = small_cfg(position_embedding="rotary")  # rotary + layernorm + gelu: neither GPT-2 nor Llama
+    optimizer = optim.make_optimizer(cfg)
+    ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
+    ckpt.maybe_save(1, step.init_state(cfg, optimizer, 0), force=True)
+    ckpt.close()
+    r = cli("--to-hf", str(tmp_path), str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "model.position_embedding" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("model_type,change,key", [
+    ("gpt2", {"activation_function": "gelu"}, "activation_function"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("llama", {"head_dim": 32}, "head_dim"),
+    ("mistral", {}, "model_type"),
+])
+def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
+    hf = (gpt2() if model_type == "gpt2" else llama()).config.to_dict()
+    hf.update(change)
+    if model_type == "mistral":
+        hf["model_type"] = "mistral"
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(convert.ConvertError) as e:
+        convert.from_hf(str(tmp_path))
+    assert e.value.keys == (key,) and key in str(e.value)
+
+
+def test_import_options_are_checked(hf_dir, tmp_path):
+    _, d, _ = hf_dir
+    with pytest.raises(convert.ConvertError, match="model.hidden_size"):
+        convert.from_hf(d, {"model.hidden_size": "128"})
+    with pytest.raises(convert.ConvertError, match="train.seq_length"):
+        convert.from_hf(d, {"train.seq_length": str(2 * SEQ)})
+    with pytest.raises(convert.ConvertError, match="no such config key"):
+        convert.from_hf(d, {"data.nope": "1"})
+    with pytest.raises(config.ConfigError, match="data.input"):
+        convert.from_hf(d, {"data.input": str(tmp_path / "missing.txt")})
+    convert.import_to_workdir(d, str(tmp_path / "w"))
+    with pytest.raises(convert.ConvertError, match="already holds checkpoints"):
+        convert.import_to_workdir(d, str(tmp_path / "w"))

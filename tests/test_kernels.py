@@ -1,0 +1,369 @@
+"""Attention kernels against the XLA reference, and the ``model.attention_impl`` dispatch.
+
+On CPU the Pallas kernel runs in interpret mode (slow), so the cases are small (batch 1,
+2-4 heads, large tiles) but together cover every feature: causal/full, MHA/GQA/MQA,
+segment ids, sliding window, explicit positions, uneven and padded lengths, seq 128-1024,
+head_dim 64 and 128, float32/bfloat16/float16, and ``return_lse`` (every case checks the
+lse and differentiates through it).  Tests marked ``slow`` are the seq-1024 cases; they
+still run in CI.  Tests needing a GPU (jax_triton, Pallas compiled, cuDNN) skip here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import attention as dispatch
+from jaxllm import config as jaxllm_config
+from jaxllm_kernels import pallas_attention as pa
+from jaxllm_kernels import reference, triton_attention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_GPU = jax.default_backend() == "gpu"
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    sq: int = 256
+    sk: int | None = None  # None: = sq
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: object = jnp.float32
+    causal: bool = True
+    window: int | None = None
+    segments: tuple[int, ...] | None = None  # segment lengths (packed documents), same for q and kv
+    positions: bool = False  # explicit q/kv positions (a ring-attention-like chunk)
+    blocks: pa.BlockSizes | None = None
+
+    def __str__(self):
+        return self.name
+
+
+SMALL = pa.BlockSizes(32, 64, 32, 64, 64, 32)  # several loop steps; q/k tiles differ (skipping bounds)
+
+CASES = [
+    Case("causal-mha-128-d64", sq=128),
+    Case("full-gqa-256-d128", heads=4, kv_heads=2, head_dim=128, causal=False),
+    Case("causal-mqa-256-smalltiles", heads=4, kv_heads=1, blocks=SMALL),
+    Case("segments-causal-gqa", heads=4, kv_heads=2, segments=(100, 60, 96), blocks=SMALL),
+    Case("segments-full", segments=(30, 226), causal=False, blocks=SMALL),
+    Case("window-causal-384", sq=384, window=100, blocks=SMALL),
+    Case("window-full-d128", head_dim=128, window=33, causal=False, blocks=SMALL),
+    Case("uneven-padded-200x328-window", sq=200, sk=328, heads=4, kv_heads=2, window=77, blocks=SMALL),
+    Case("q-longer-than-kv-empty-rows", sq=160, sk=96, blocks=SMALL),
+    Case("positions-chunk-window", sq=128, sk=384, positions=True, window=200, blocks=SMALL),
+    Case("head-dim-80-padded", sq=128, head_dim=80, heads=3, kv_heads=1, causal=False),
+    Case("bf16-causal-gqa-512-d128", sq=512, heads=4, kv_heads=2, head_dim=128, dtype=jnp.bfloat16),
+    Case("bf16-segments-window", segments=(64, 64, 128), window=48, dtype=jnp.bfloat16, blocks=SMALL),
+    Case("fp16-causal-128", sq=128, dtype=jnp.float16),
+]
+SLOW_CASES = [
+    Case("causal-gqa-1024-d128", sq=1024, heads=4, kv_heads=2, head_dim=128),
+    Case("bf16-full-segments-1024-d64", sq=1024, segments=(300, 500, 224), causal=False, dtype=jnp.bfloat16),
+    Case("window-mqa-1024-smalltiles", sq=1024, heads=4, kv_heads=1, window=200, blocks=SMALL),
+]
+
+
+def _inputs(c: Case, seed=0):
+    sk = c.sk or c.sq
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (1, c.sq, c.heads, c.head_dim), jnp.float32).astype(c.dtype)
+    k = jax.random.normal(ks[1], (1, sk, c.kv_heads, c.head_dim), jnp.float32).astype(c.dtype)
+    v = jax.random.normal(ks[2], (1, sk, c.kv_heads, c.head_dim), jnp.float32).astype(c.dtype)
+    do = jax.random.normal(ks[3], q.shape, jnp.float32)
+    dlse = jax.random.normal(ks[4], (1, c.heads, c.sq), jnp.float32)
+    kw = dict(causal=c.causal, window=c.window)
+    if c.segments:
+        seg = jnp.repeat(jnp.arange(len(c.segments)), jnp.array(c.segments), total_repeat_length=sum(c.segments))
+        assert seg.shape[0] == c.sq == sk
+        kw.update(q_segment_ids=seg[None], kv_segment_ids=seg[None])
+    if c.positions:  # the last q_len keys' positions, offset as if this were a later chunk
+        kw.update(q_positions=jnp.arange(sk - c.sq, sk)[None] + 1000, kv_positions=jnp.arange(sk)[None] + 1000)
+    return (q, k, v), do, dlse, kw
+
+
+def _value_and_grads(fn, qkv, do, dlse, kw):
+    def loss(q, k, v):
+        out, lse = fn(q, k, v, return_lse=True, **kw)
+        seen = lse > -1e29  # a query that sees no key has lse -1e30 in both implementations
+        total = jnp.sum(out.astype(jnp.float32) * do) + jnp.sum(jnp.where(seen, lse, 0.0) * dlse)
+        return total, (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*qkv)
+    return out, lse, grads
+
+
+def _assert_close(name, got, want, tol):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol,
+                               err_msg=name)
+
+
+def _check_against_reference(c: Case, fn):
+    qkv, do, dlse, kw = _inputs(c)
+    out, lse, grads = _value_and_grads(fn, qkv, do, dlse, kw)
+    r_out, r_lse, r_grads = _value_and_grads(reference.attention, qkv, do, dlse, kw)
+    tol = TOL[c.dtype]
+    assert out.dtype == qkv[0].dtype and out.shape == qkv[0].shape
+    assert lse.dtype == jnp.float32 and lse.shape == (1, c.heads, c.sq)
+    _assert_close("out", out, r_out, tol)
+    _assert_close("lse", lse, r_lse, 1e-5 if c.dtype == jnp.float32 else tol)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, r_grads):
+        assert g.dtype == rg.dtype and g.shape == rg.shape
+        _assert_close(name, g, rg, tol)
+
+
+def _pallas_interpret(c: Case):
+    return lambda q, k, v, **kw: pa.flash_attention(q, k, v, interpret=True, block_sizes=c.blocks, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_pallas_interpret_matches_reference(case):
+    _check_against_reference(case, _pallas_interpret(case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=str)
+def test_pallas_interpret_matches_reference_long(case):
+    _check_against_reference(case, _pallas_interpret(case))
+
+
+def test_pallas_without_lse_and_empty_rows():
+    """return_lse=False gives the output alone; queries that see no key give zeros (like the reference)."""
+    c = Case("empty", sq=64, sk=32, blocks=pa.BlockSizes(16, 16, 16, 16, 16, 16))
+    (q, k, v), *_ = _inputs(c)
+    out = pa.flash_attention(q, k, v, interpret=True, block_sizes=c.blocks)
+    assert isinstance(out, jax.Array) and out.shape == q.shape
+    _assert_close("out", out, reference.attention(q, k, v), 1e-5)
+    assert not np.asarray(out[:, :32]).any()  # query i sits at position i - 32 < 0: sees nothing
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, 7), (True, 40), (False, None)])
+@pytest.mark.parametrize("sq,sk,bq,bk", [(128, 128, 32, 16), (64, 200, 16, 32), (200, 64, 32, 16)])
+def test_block_skipping_bounds_are_exact(causal, window, sq, sk, bq, bk):
+    """The loop bounds visit every block with a visible pair and skip every fully masked one."""
+    cfg = pa._Cfg(sm_scale=1.0, causal=causal, window=window, offset=sk - sq, q_len=sq, kv_len=sk, kv_padded=False,
+                  group=1, has_seg=False, has_pos=False, exact=True, blocks=pa.BlockSizes(), interpret=True)
+    qp = np.arange(sq) + sk - sq
+    kp = np.arange(sk)
+    mask = np.ones((sq, sk), bool)
+    if causal:
+        mask &= kp[None] <= qp[:, None]
+    if window:
+        mask &= qp[:, None] - kp[None] < window
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    for i in range(nq):
+        lo, hi = (int(x) for x in pa._kv_range(cfg, i * bq, bq, bk, nk))
+        want = [j for j in range(nk) if mask[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
+        assert list(range(lo, hi)) == want or (not want and lo >= hi), (i, lo, hi, want)
+    for j in range(nk):
+        lo, hi = (int(x) for x in pa._q_range(cfg, j * bk, bq, bk, nq))
+        want = [i for i in range(nq) if mask[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
+        assert list(range(lo, hi)) == want or (not want and lo >= hi), (j, lo, hi, want)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("variant", ["bf16-gqa-segments-window", "f32-positions-d64"])
+def test_pallas_lowers_to_triton_for_gpus(platform, variant):
+    """Forward and both backward kernels lower to Triton IR for NVIDIA and AMD without a GPU (jax.export)."""
+    from jax import export
+
+    if variant.startswith("bf16"):
+        dtype, d, h, kvh = jnp.bfloat16, 128, 8, 2
+        extra = dict(window=128, segs=True)
+    else:
+        dtype, d, h, kvh = jnp.float32, 64, 4, 4
+        extra = dict(positions=True)
+    s = 512
+
+    def f(q, k, v, ids):
+        kw = dict(window=extra.get("window"))
+        if extra.get("segs"):
+            kw.update(q_segment_ids=ids, kv_segment_ids=ids)
+        if extra.get("positions"):
+            kw.update(q_positions=ids, kv_positions=ids)
+
+        def loss(q, k, v):
+            o, lse = pa.flash_attention(q, k, v, return_lse=True, interpret=False,
+                                        block_sizes=pa.DEFAULT_BLOCK_SIZES["hopper" if platform == "cuda" else "cdna"],
+                                        **kw)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    args = [jax.ShapeDtypeStruct((1, s, h, d), dtype), jax.ShapeDtypeStruct((1, s, kvh, d), dtype),
+            jax.ShapeDtypeStruct((1, s, kvh, d), dtype), jax.ShapeDtypeStruct((1, s), jnp.int32)]
+    exported = export.export(jax.jit(f), platforms=[platform],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dk/dv, dq
+
+
+def test_pallas_rejects_bad_arguments():
+    q = jnp.zeros((1, 32, 3, 16))
+    k = jnp.zeros((1, 32, 2, 16))
+    with pytest.raises(ValueError, match="not a multiple of kv_heads"):
+        pa.flash_attention(q, k, k, interpret=True)
+    q = jnp.zeros((1, 32, 2, 16))
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        pa.flash_attention(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32), interpret=True)
+    seg = jnp.zeros((1, 32), jnp.int32)
+    with pytest.raises(ValueError, match="together"):
+        pa.flash_attention(q, k, k, q_segment_ids=seg, interpret=True)
+    with pytest.raises(ValueError, match="window"):
+        pa.flash_attention(q, k, k, window=0, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        pa.flash_attention(q, k, k, block_q=48, interpret=True)
+
+
+def test_gpu_family_and_tables():
+    assert pa.gpu_family(jax.devices("cpu")[0]) == "interpret"
+    for fam, bs in pa.DEFAULT_BLOCK_SIZES.items():
+        for f in dataclasses.fields(bs):
+            if f.name.startswith("block_"):
+                assert pa._is_pow2(getattr(bs, f.name)) and getattr(bs, f.name) >= 16, (fam, f.name)
+
+
+# ----------------------------------------------------------------------------- GPU-only
+
+
+def _require_jax_triton():
+    try:
+        import jax_triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or jaxlib without gpu_triton
+        pytest.skip("jax_triton needs a GPU build of jaxlib")
+    if not ON_GPU:
+        pytest.skip("jax_triton needs a GPU build of jaxlib")
+
+
+def test_triton_module_imports_and_reports_availability():
+    ok, why = triton_attention.available()
+    assert isinstance(ok, bool) and isinstance(why, str)
+    if not ok:
+        assert "jax_triton" in why
+        with pytest.raises(RuntimeError, match="jax_triton"):
+            triton_attention.flash_attention(jnp.zeros((1, 16, 1, 16)), jnp.zeros((1, 16, 1, 16)),
+                                             jnp.zeros((1, 16, 1, 16)))
+
+
+GPU_CASES = [CASES[1], CASES[3], CASES[7], CASES[9], CASES[11], CASES[12], SLOW_CASES[0]]
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_triton_matches_reference(case):
+    _require_jax_triton()
+    _check_against_reference(case, lambda q, k, v, **kw: triton_attention.flash_attention(q, k, v, **kw))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas (Triton) needs a GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_pallas_gpu_matches_reference(case):
+    _check_against_reference(case, lambda q, k, v, **kw: pa.flash_attention(q, k, v, **kw))
+
+
+@pytest.mark.skipif(not ON_GPU or dispatch.backend_kind() != "cuda", reason="cuDNN needs an NVIDIA GPU")
+@pytest.mark.parametrize("case", [Case("bf16-causal", sq=512, heads=4, kv_heads=2, head_dim=128, dtype=jnp.bfloat16),
+                                  Case("bf16-window", sq=512, window=100, dtype=jnp.bfloat16)], ids=str)
+def test_cudnn_matches_reference(case):
+    qkv, do, _, kw = _inputs(case)
+    got = dispatch.attention(*qkv, impl="cudnn", **kw)
+    _assert_close("out", got, reference.attention(*qkv, **kw), TOL[case.dtype])
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_impls_match_config_choices():
+    assert set(dispatch.IMPLS) == set(jaxllm_config.CHOICES["model.attention_impl"])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU rules")
+def test_dispatch_on_cpu():
+    assert dispatch.backend_kind() == "cpu"
+    assert dispatch.available_impls() == ["xla"]
+    assert dispatch.resolve_impl("auto") == "xla"
+    (q, k, v), *_ = _inputs(Case("x", sq=32, heads=2, kv_heads=1, head_dim=16))
+    np.testing.assert_array_equal(dispatch.attention(q, k, v, impl="auto"), reference.attention(q, k, v))
+    with pytest.raises(ValueError, match=r"'pallas' is not available on the cpu backend: .*interpret.*"
+                                         r"Available here: auto, xla"):
+        dispatch.attention(q, k, v, impl="pallas")
+    with pytest.raises(ValueError, match=r"'cudnn' is not available on the cpu backend: cuDNN exists only on NVIDIA"):
+        dispatch.attention(q, k, v, impl="cudnn")
+    with pytest.raises(ValueError, match=r"'triton' is not available on the cpu backend: jax_triton"):
+        dispatch.attention(q, k, v, impl="triton")
+    with pytest.raises(ValueError, match=r"'flash' is unknown; choose one of auto, xla, cudnn, pallas, triton"):
+        dispatch.attention(q, k, v, impl="flash")
+
+
+def test_dispatch_rules_per_backend_kind():
+    assert dispatch.resolve_impl("auto", "cuda") == "cudnn"
+    assert dispatch.resolve_impl("auto", "rocm") == "pallas"
+    assert dispatch.resolve_impl("auto", "tpu") == "xla"
+    cuda, rocm = dispatch.available_impls("cuda"), dispatch.available_impls("rocm")
+    assert cuda[:3] == ["xla", "cudnn", "pallas"] and rocm[:2] == ["xla", "pallas"] and "cudnn" not in rocm
+    assert dispatch.available_impls("tpu") == ["xla"]
+    with pytest.raises(ValueError, match="'cudnn' is not available on the rocm backend.*Available here: auto, xla"):
+        dispatch.resolve_impl("cudnn", "rocm")
+    if not triton_attention.available()[0]:
+        assert "triton" not in cuda
+        with pytest.raises(ValueError, match="'triton' is not available on the cuda backend: jax_triton"):
+            dispatch.resolve_impl("triton", "cuda")
+
+
+def test_cudnn_falls_back_to_pallas_where_it_differs(monkeypatch):
+    """Calls cuDNN cannot express exactly go to the Pallas kernel (interpret mode here)."""
+    c = Case("fallback", sq=64, heads=2, kv_heads=1, segments=(20, 44), dtype=jnp.bfloat16)
+    qkv, _, _, kw = _inputs(c)
+    base = dict(causal=True, q_segment_ids=None, window=None, q_positions=None, kv_positions=None, return_lse=False)
+    q, k = qkv[0], qkv[1]
+    assert dispatch.cudnn_unsupported(q, k, **base) is None
+    assert "return_lse" in dispatch.cudnn_unsupported(q, k, **{**base, "return_lse": True})
+    assert "segment" in dispatch.cudnn_unsupported(q, k, **{**base, "q_segment_ids": kw["q_segment_ids"]})
+    assert "positions" in dispatch.cudnn_unsupported(q, k, **{**base, "q_positions": jnp.zeros((1, 64), int)})
+    assert "dtype" in dispatch.cudnn_unsupported(q.astype(jnp.float32), k, **base)
+    assert "q_len != kv_len" in dispatch.cudnn_unsupported(q[:, :32], k, **base)
+    assert "window without causal" in dispatch.cudnn_unsupported(q, k, **{**base, "causal": False, "window": 8})
+    calls = []
+    monkeypatch.setattr(dispatch, "_pallas", lambda *a, **kw_: calls.append(1) or pa.flash_attention(*a, **kw_))
+    out, lse = dispatch.IMPLS["cudnn"](*qkv, return_lse=True, q_positions=None, kv_positions=None, **kw)
+    assert calls
+    r_out, r_lse = reference.attention(*qkv, return_lse=True, **kw)
+    _assert_close("out", out, r_out, 2e-2)
+    _assert_close("lse", lse, r_lse, 1e-5)
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_flop_counting():
+    fwd, total = _bench_module().flops(2, 1024, 16, 128, causal=False)
+    assert fwd == 4 * 2 * 1024 * 1024 * 16 * 128 and total == 3.5 * fwd
+    assert _bench_module().flops(2, 1024, 16, 128, causal=True)[0] == fwd // 2
+
+
+def test_benchmark_runs_on_cpu():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "attention.py"), "--seqs", "256", "--impls", "xla",
+           "--heads", "2", "--iters", "1", "--warmup", "1", "--check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "| seq | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |" in out
+    assert "backward = 2.5 x forward" in out
+    row = [line for line in out.splitlines() if line.startswith("| 256 | xla |")]
+    assert row and "error" not in row[0], out

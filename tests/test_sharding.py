@@ -1,0 +1,75 @@
+"""Every parallel layout computes what one device computes (8 fake CPU devices, float32, 3 steps)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxllm import config, sharding
+
+LAYOUTS = {
+    "single": {},
+    "data8": {"mesh": {"data": 8}},
+    "fsdp8": {"mesh": {"fsdp": 8}},
+    "tensor4_data2": {"mesh": {"tensor": 4, "data": 2}},
+    "tensor2_fsdp2_data2_megatron_sp": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "parallel": {"megatron_sp": True}},
+    "zero1_data8": {"mesh": {"data": 8}, "parallel": {"zero_stage": 1}},
+    "zero2_data8": {"mesh": {"data": 8}, "parallel": {"zero_stage": 2}},
+    "zero3_data8": {"mesh": {"data": 8}, "parallel": {"zero_stage": 3}},
+    "single_gqa": {"model": {"num_kv_heads": 4}},
+    "tensor4_gqa": {"mesh": {"tensor": 4, "data": 2}, "model": {"num_kv_heads": 4}},
+    "fill_data_tensor2": {"mesh": {"data": -1, "tensor": 2}},
+    "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    script = Path(__file__).with_name("multidevice.py")
+    out = subprocess.run([sys.executable, str(script), json.dumps(list(LAYOUTS.values()))], capture_output=True,
+                         text=True, timeout=900, check=True)
+    return dict(zip(LAYOUTS, json.loads(out.stdout)))
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single") and n != "tensor8_kv2"])
+def test_layout_matches_single_device(results, name):
+    ref, got = results["single_gqa" if "gqa" in name else "single"], results[name]
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+    assert got["losses"][-1] < got["losses"][0]  # it trains
+    for key, value in ref["params"].items():
+        np.testing.assert_allclose(got["params"][key], value, rtol=1e-5, atol=1e-5, err_msg=key)
+    assert got["sharding_mismatches"] == []
+
+
+def test_tensor_8_with_2_kv_heads_is_a_config_error(results):
+    assert results["tensor8_kv2"]["key"] == "model.num_kv_heads"
+    assert "mesh.tensor = 8" in results["tensor8_kv2"]["config_error"]
+
+
+def test_fsdp_divides_parameter_and_optimizer_bytes(results):
+    ref, fsdp = results["single"], results["fsdp8"]
+    assert fsdp["param_bytes"] + fsdp["opt_bytes"] <= (ref["param_bytes"] + ref["opt_bytes"]) / 8 * 1.05
+
+
+def test_zero1_divides_optimizer_bytes_only(results):
+    ref, zero1 = results["single"], results["zero1_data8"]
+    assert zero1["opt_bytes"] <= ref["opt_bytes"] / 8 * 1.05
+    assert zero1["param_bytes"] == ref["param_bytes"]
+    assert results["zero3_data8"]["param_bytes"] <= ref["param_bytes"] / 8 * 1.05
+
+
+def test_rules_table_specs():
+    cfg = config.get_config()
+    table = sharding.rules(cfg)
+    P = sharding.PartitionSpec
+    assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), table) == P(None, "fsdp", "tensor", None)
+    assert sharding.logical_to_spec(("vocab", "embed"), table) == P("tensor", "fsdp")
+    # an activation's embed is not split over fsdp once its batch is
+    assert sharding.logical_to_spec(("batch", "length", "embed"), table) == P(("data", "fsdp"), "sequence", None)
+    cfg.parallel.megatron_sp = True
+    assert sharding.logical_to_spec(("batch", "residual", "embed"), sharding.rules(cfg)) == P(
+        ("data", "fsdp"), ("sequence", "tensor"), None)
+    assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data")

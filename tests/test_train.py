@@ -1,0 +1,143 @@
+"""The training CLI and loop end to end: config errors, a short real run, resume, metrics, generate."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxllm import config, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def cli(module, *args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+
+
+BAD = [
+    ("model.hidden_size=100", "model.num_attention_heads=3", "model.hidden_size"),
+    ("model.num_kv_heads=3", None, "model.num_kv_heads"),
+    ("model.norm=batchnorm", None, "model.norm"),
+    ("model.dropout=1.5", None, "model.dropout"),
+    ("model.num_layers=0", None, "model.num_layers"),
+    ("model.position_embedding=rotary", "model.hidden_size=36", "model.position_embedding"),
+    ("train.global_batch_size=20", "train.micro_batch_size=8", "train.global_batch_size"),
+    ("train.min_lr=0.1", None, "train.min_lr"),
+    ("train.warmup_iters=500", "train.train_iters=100", "train.warmup_iters"),
+    ("train.beta2=1.0", None, "train.beta2"),
+    ("mesh.tensor=2", None, "mesh"),
+    ("mesh.data=0", None, "mesh.data"),
+    ("data.input=/no/such/file", None, "data.input"),
+    ("data.tokenizer=gpt2", "data.gpt2_dir=/tmp", "data.gpt2_dir"),
+    ("data.val_fraction=0", None, "data.val_fraction"),
+    ("parallel.zero_stage=4", None, "parallel.zero_stage"),
+]
+
+
+def _apply(cfg, override):
+    key, value = override.split("=")
+    section, name = key.split(".")
+    old = cfg[section][name]
+    cfg[section][name] = type(old)(value) if not isinstance(old, str) else value
+
+
+@pytest.mark.parametrize("first,second,key", BAD, ids=[b[2] + ":" + b[0] for b in BAD])
+def test_each_config_error_names_its_key(first, second, key):
+    cfg = config.get_config()
+    for override in filter(None, (first, second)):
+        _apply(cfg, override)
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(cfg, num_devices=1)
+    assert e.value.key == key
+    assert e.value.fix and str(e.value).startswith(f"config error: {key}=")
+
+
+def test_vocab_smaller_than_tokenizer_is_a_config_error():
+    cfg = config.get_config()
+    cfg.model.vocab_size = 100
+    with pytest.raises(config.ConfigError, match="model.vocab_size=100.*256"):
+        config.resolved(cfg, vocab_size=256)
+
+
+@pytest.mark.parametrize("flag,key", [("--config.model.hidden_size=102", "model.hidden_size"),
+                                      ("--config.train.global_batch_size=10", "train.global_batch_size")])
+def test_cli_config_error_is_one_line_exit_2(tmp_path, flag, key):
+    r = cli("jaxllm.train", f"--workdir={tmp_path}", flag)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {key}="), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "checkpoints").exists()
+
+
+def test_cli_data_error_exit_2(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    r = cli("jaxllm.train", f"--workdir={tmp_path}", f"--config.data.input={tmp_path / 'empty.txt'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("data error:"), r.stderr
+
+
+def tiny_shakespeare(iters):
+    cfg = config.get_config()
+    cfg.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32",
+                     make_vocab_size_divisible_by=1)
+    cfg.train.update(seq_length=32, micro_batch_size=4, global_batch_size=8, train_iters=iters, warmup_iters=5,
+                     lr=3e-3, min_lr=3e-4, lr_decay_iters=60, eval_interval=20, eval_iters=2, log_interval=10)
+    cfg.data.update(input=str(SHAKESPEARE), tokenizer="char")
+    cfg.checkpoint.interval = 20
+    cfg.log.update(samples=1, sample_tokens=40)
+    return cfg
+
+
+def read_metrics(workdir):
+    return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_logs_resumes_and_generates(tmp_path, capsys):
+    out = train.train(tiny_shakespeare(40), str(tmp_path))
+    printed = capsys.readouterr().out
+    assert "--- sample ---" in printed and "2 microbatch(es)/step" in printed
+    lines = read_metrics(tmp_path)
+    train_lines = [m for m in lines if m["kind"] == "train"]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "step_time_s"):
+        assert key in train_lines[0]
+    assert [m["step"] for m in train_lines] == [10, 20, 30, 40]
+    assert train_lines[-1]["loss"] < train_lines[0]["loss"] - 0.1
+    evals = [m for m in lines if m["kind"] == "eval"]
+    assert [m["step"] for m in evals] == [20, 40] and evals[-1]["eval_loss"] == pytest.approx(out["eval_loss"])
+    assert evals[-1]["eval_bpb"] == pytest.approx(out["eval_loss"] / 0.6931471805599453, rel=1e-6)  # 1 char = 1 byte
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["20", "40"]
+
+    # Rerunning with more iterations resumes from step 40 and continues the same schedule.
+    resumed = train.train(tiny_shakespeare(60), str(tmp_path))
+    assert "resuming at step 40" in capsys.readouterr().out
+    assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"][-2:] == [50, 60]
+    assert resumed["eval_loss"] < out["eval_loss"] + 0.05
+
+    r = cli("jaxllm.generate", f"--workdir={tmp_path}", "--prompt=ROMEO:", "--num_tokens=30", "--num_samples=2")
+    assert r.returncode == 0, r.stderr
+    samples = [s for s in r.stdout.split("-" * 40) if s.strip()]
+    assert len(samples) == 2 and all(s.strip().startswith("ROMEO:") and len(s.strip()) > 30 for s in samples)
+
+
+def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
+    r = cli("jaxllm.generate", f"--workdir={tmp_path}")
+    assert r.returncode == 2 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_default_job_trains_on_the_standard_library(tmp_path):
+    """`python -m jaxllm.train` with only a shorter schedule: the default corpus and model."""
+    r = cli("jaxllm.train", f"--workdir={tmp_path}", "--config.train.train_iters=20",
+            "--config.train.warmup_iters=5", "--config.train.log_interval=10", "--config.train.eval_interval=20",
+            "--config.log.sample_tokens=20")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "byte" in r.stdout and "--- sample ---" in r.stdout
+    losses = [m["loss"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    assert losses[-1] < losses[0] < 6.0
