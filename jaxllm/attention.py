@@ -18,8 +18,8 @@ Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``)
 ``pallas``
     :func:`jaxllm_kernels.pallas_attention.flash_attention`: FlashAttention-2 in Pallas,
     lowered through Triton; NVIDIA and AMD (ROCm) GPUs.  Supports everything the reference
-    does, explicit positions included.  On CPU Pallas runs only in interpret mode, which is
-    for tests, so ``pallas`` is not offered on CPU (call the kernel with ``interpret=True``).
+    does, explicit positions included.  On CPU the same kernel runs in Pallas's interpret
+    mode: exact but slow, for tests and debugging (``auto`` never picks it there).
 ``triton``
     :func:`jaxllm_kernels.triton_attention.flash_attention`: the same algorithm written in
     the Triton language, through ``jax_triton``; GPUs where ``jax_triton`` imports.
@@ -64,10 +64,9 @@ def _why_not(impl, kind):
     if impl == "cudnn":
         return None if kind == "cuda" else "cuDNN exists only on NVIDIA GPUs (the cuda backend)"
     if impl == "pallas":
-        if kind in ("cuda", "rocm"):
+        if kind in ("cuda", "rocm", "cpu"):  # on CPU: Pallas's interpret mode, slow, for tests and debugging
             return None
-        return ("the Pallas kernel lowers through Triton to NVIDIA and AMD GPUs only; on CPU it runs only in "
-                "interpret mode, for tests (jaxllm_kernels.pallas_attention.flash_attention(..., interpret=True))")
+        return "the Pallas kernel lowers through Triton to NVIDIA and AMD GPUs (and runs interpreted on CPU)"
     if impl == "triton":
         if kind not in ("cuda", "rocm"):
             return "jax_triton runs only on GPUs"

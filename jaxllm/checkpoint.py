@@ -1,50 +1,115 @@
-"""Sharded, asynchronous checkpoints with Orbax's CheckpointManager.
+"""Sharded, asynchronous checkpoints with Orbax's CheckpointManager, and preemption.
 
-A checkpoint holds the training state (step, parameters, optimizer state) and
-the run's full config as JSON.  Nothing else is needed to resume exactly: the
-data position and the dropout keys are functions of the step.  Orbax writes
-each step into a temporary directory and renames it when complete, so an
-interrupted save never replaces the last good checkpoint.
+What a checkpoint holds: the training state (``step``, ``params``, ``opt_state`` and
+the skipped-step counters ``nonfinite_steps``/``nonfinite_in_a_row``) and the run's
+full config as JSON.  Nothing else is needed to resume exactly: the data position
+is a function of the step (batch ``s`` is :meth:`jaxllm.data.Loader.train_batch`
+``(s)``), and so are the dropout keys (``fold_in(key(train.seed), step)``, see
+:func:`jaxllm.step.make_train_step`); a resumed run computes bit for bit what an
+uninterrupted one computes.
+
+Policy: a save every ``checkpoint.interval`` steps and at the end (or on
+preemption); the last ``checkpoint.keep`` are kept, and with
+``checkpoint.keep_period`` = k also every step that is a multiple of k.
+
+Crash safety: Orbax writes each step into ``STEP.orbax-checkpoint-tmp-*`` and
+renames it to ``STEP`` once every file is written, so a process killed during a
+(possibly asynchronous) save leaves the previous checkpoints intact, and the
+step listing (hence :meth:`Checkpointer.latest_step`) never includes a
+temporary directory.  A finalized step directory damaged afterwards (a deleted or
+truncated file) is detected at restore: :meth:`Checkpointer.restore` warns and
+falls back to the previous step.
+
+Restoring takes an abstract state (``jax.ShapeDtypeStruct`` leaves with
+shardings), which may describe another mesh than the one that saved: each
+process then reads only the shards its devices need.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
+import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from absl import logging
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be restored; the message names each step and why."""
+
+
+def _reason(e: Exception) -> str:
+    """One line saying why a restore failed (Orbax and TensorStore errors span many lines)."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 class Checkpointer:
     """``WORKDIR/checkpoints``: saves every ``checkpoint.interval`` steps (and when forced),
-    keeps the last ``checkpoint.keep``."""
+    keeps the last ``checkpoint.keep`` and every ``checkpoint.keep_period``-th step."""
 
     def __init__(self, workdir: str, cfg):
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, create=True,
-                                               enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                             options=options)
-        self.interval = cfg.checkpoint.interval
+        c = cfg.checkpoint
+        options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, keep_period=c.get("keep_period") or None,
+                                               create=True, enable_async_checkpointing=True)
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.interval = c.interval
         self.config = cfg.to_dict()
+        self.invalid: set[int] = set()  # steps that failed to restore: overwritten when training reaches them again
 
     def latest_step(self) -> int | None:
+        """The newest finalized step (temporary directories of interrupted saves are not steps)."""
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """Every finalized step, ascending."""
+        return sorted(self.manager.all_steps())
+
     def restore(self, abstract_state, step: int | None = None):
-        """The state saved at ``step`` (default: the latest), laid out as ``abstract_state``
-        (a pytree of ``jax.ShapeDtypeStruct`` with shardings); None if there is no checkpoint."""
-        step = self.manager.latest_step() if step is None else step
-        if step is None:
-            return None
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        return restored["state"]
+        """The state saved at ``step``, laid out as ``abstract_state`` (a pytree of
+        ``jax.ShapeDtypeStruct`` with shardings, on any mesh); None if there is no checkpoint.
+
+        With ``step=None`` it tries the newest step first; when a step cannot be read (a
+        file deleted or truncated, a shape that does not match) it logs a one-line warning
+        naming the step and the reason and tries the one before.  In a multi-process run
+        every process must see the same files (a shared filesystem), so that all of them
+        fall back alike.
+
+        Raises:
+          CheckpointError: ``step`` was given and cannot be restored, or no step can; the
+            message lists each step tried and why it failed.
+        """
+        steps = self.all_steps()[::-1] if step is None else [step]
+        failures = []
+        for s in steps:
+            try:
+                restored = self.manager.restore(s, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state)))
+                return restored["state"]
+            except Exception as e:  # noqa: BLE001  Orbax/TensorStore raise many types for damaged files
+                failures.append(f"step {s}: {_reason(e)}")
+                self.invalid.add(s)
+                logging.warning("checkpoint step %d in %s cannot be restored (%s)%s", s, self.directory, _reason(e),
+                                "; trying the previous one" if s != steps[-1] else "")
+        if failures:
+            raise CheckpointError(f"no checkpoint in {self.directory} can be restored: " + "; ".join(failures)
+                                  + ". Delete the damaged step directories, or the whole directory to start over.")
+        return None
 
     def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
-        """Starts an asynchronous save of ``state`` if ``step`` is on the interval or ``force``."""
+        """Starts an asynchronous save of ``state`` if ``step`` is on the interval or ``force``;
+        returns whether it did.  A step that exists already is kept, unless it failed to restore."""
         if not force and not (self.interval and step % self.interval == 0):
             return False
         if step in self.manager.all_steps():
-            return False
+            if step not in self.invalid:
+                return False
+            logging.warning("replacing checkpoint step %d, which could not be restored", step)
+            self.manager.delete(step)
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.config)), force=True)
 
@@ -52,6 +117,57 @@ class Checkpointer:
         """Waits for pending saves and releases the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+class Preemption:
+    """SIGTERM or SIGUSR1 -> save at the next step boundary and exit (a context manager).
+
+    Call :meth:`reached` with the number of completed steps at every step boundary; once
+    it returns True, save and stop.  Single process: a Python handler for both signals
+    sets a flag.  Several processes must all stop after the same step, or the collective
+    save hangs: JAX's preemption sync manager (started by ``jax.distributed.initialize``)
+    catches SIGTERM in every process and agrees on a step through the coordination
+    service, and :meth:`reached` is ``multihost_utils.reached_preemption_sync_point``; so
+    SIGTERM is left to it (a Python handler would replace it) and SIGUSR1 is forwarded to
+    it as SIGTERM.  Handlers are installed only from the main thread (Python's rule);
+    :meth:`uninstall` (or leaving the ``with`` block) puts the previous ones back.
+    """
+
+    def install(self) -> Preemption:
+        """Installs the signal handlers; returns self."""
+        self.multi = jax.process_count() > 1
+        self.signum = None
+        signals = (signal.SIGUSR1,) if self.multi else (signal.SIGTERM, signal.SIGUSR1)
+        in_main = threading.current_thread() is threading.main_thread()
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals} if in_main else {}
+        return self
+
+    def uninstall(self) -> None:
+        """Puts the previous signal handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    __enter__ = install
+
+    def _handle(self, signum, frame):
+        if self.multi:
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.signum = signum
+
+    def reached(self, step: int) -> bool:
+        """Whether to save after ``step`` completed steps and stop (collective when multi-process:
+        every process must call it at every step)."""
+        if self.multi:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signum is not None
+
+    def __exit__(self, *exc):
+        self.uninstall()
+        return False
 
 
 def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:

@@ -84,6 +84,9 @@ def get_config() -> ml_collections.ConfigDict:
             eval_interval=100,
             eval_iters=10,
             log_interval=20,
+            # consecutive steps with a non-finite loss or gradient norm (each skipped: no update)
+            # after which the run stops with an error; a diverged run rarely recovers
+            max_nonfinite_steps=10,
         )
     )
     c.data = ml_collections.ConfigDict(
@@ -102,6 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
         dict(
             interval=0,  # steps between saves; 0: only at the end
             keep=2,  # most recent checkpoints kept
+            keep_period=0,  # also keep every checkpoint whose step is a multiple of this; 0: off
         )
     )
     c.log = ml_collections.ConfigDict(
@@ -247,11 +251,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     m, t = cfg.model, cfg.train
     for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.init_std",
                 "model.norm_eps", "train.seq_length", "train.micro_batch_size", "train.global_batch_size",
-                "train.train_iters", "train.lr", "train.eval_iters", "train.log_interval", "train.adam_eps"):
+                "train.train_iters", "train.lr", "train.eval_iters", "train.log_interval", "train.adam_eps",
+                "train.max_nonfinite_steps"):
         positive(key)
     for key in ("model.num_kv_heads", "model.ffn_hidden_size", "model.vocab_size", "train.min_lr",
                 "train.warmup_iters", "train.lr_decay_iters", "train.weight_decay", "train.grad_clip",
-                "train.eval_interval", "checkpoint.interval", "log.samples", "log.sample_tokens", "log.top_k"):
+                "train.eval_interval", "checkpoint.interval", "checkpoint.keep_period", "log.samples", "log.sample_tokens", "log.top_k"):
         non_negative(key)
     positive("model.make_vocab_size_divisible_by")
     positive("checkpoint.keep")

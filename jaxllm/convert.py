@@ -43,6 +43,13 @@ trained on bytes.  ``WORKDIR/config.py`` holds the imported config, so that::
     python -m jaxllm.train --config=WORKDIR/config.py --workdir=WORKDIR   # continues at step 0
     python -m jaxllm.generate --workdir=WORKDIR                            # samples
 
+(``jaxllm.train`` takes its config from ``--config``, not from the checkpoint: without that
+flag it builds the default model, whose shapes do not match the checkpoint.)
+
+Dropout: GPT-2's ``resid_pdrop`` becomes ``model.dropout`` (jaxllm drops the embedding and
+each residual branch; ``attn_pdrop`` has no counterpart and is ignored), Llama's is 0; the
+export writes ``resid_pdrop = embd_pdrop = model.dropout`` and ``attn_pdrop = 0``.
+
 Safety: only JSON and safetensors are ever read; there is no pickle or ``torch.load`` path.
 A directory with only ``pytorch_model.bin`` (or another pickle-based format) is refused.
 
@@ -59,10 +66,10 @@ import os
 import re
 import shutil
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from jaxllm import config, model
@@ -253,8 +260,7 @@ def _write_gpt2_tokenizer(cfg, out: str, hf: dict) -> bool:
         return False
     src = [os.path.join(cfg.data.gpt2_dir, n) for n in GPT2_FILES]
     if not all(os.path.isfile(s) for s in src):
-        print(f"warning: the run's GPT-2 tokenizer files ({cfg.data.gpt2_dir}) are gone; no tokenizer written",
-              file=sys.stderr)
+        warnings.warn(f"the run's GPT-2 tokenizer files ({cfg.data.gpt2_dir}) are gone; no tokenizer written")
         return False
     shutil.copyfile(src[0], os.path.join(out, "vocab.json"))
     shutil.copyfile(src[1], os.path.join(out, "merges.txt"))
@@ -308,10 +314,13 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
     ``out``; returns the config.json dict.
 
     Raises:
-      FileNotFoundError: no checkpoint. ConvertError: the model fits no target.
+      FileNotFoundError: no checkpoint. ConvertError: the model fits no target, or ``out``
+        exists and is not empty (stale files there could be loaded along with the new ones).
     """
     from jaxllm import checkpoint
 
+    if os.path.isdir(out) and os.listdir(out):
+        raise ConvertError(f"{out} exists and is not empty: export into a new directory")
     cfg = checkpoint.load_config(workdir, step)
     hf_architecture(cfg)  # fail before reading the parameters
     return save_hf(cfg, restore_params(cfg, workdir, step), out)
@@ -359,7 +368,7 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
                 else:
                     tensors[k] = f.get_tensor(k)
         if later:
-            with safe_open(path, framework="flax") as f:
+            with safe_open(path, framework="flax") as f, jax.default_device(jax.devices("cpu")[0]):
                 for k in later:
                     tensors[k] = np.asarray(f.get_tensor(k).astype(jnp.float32))
     return tensors
@@ -605,6 +614,11 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict | None = Non
     """``--from-hf``: a step-0 training checkpoint of the Hugging Face model in ``directory``,
     written to ``workdir`` (which must hold no checkpoint), plus ``workdir/config.py``.
 
+    The state is :func:`jaxllm.step.init_state`'s (``step`` 0, fresh counters) with the
+    parameters from HF and ``opt_state`` freshly initialized for them, saved with :class:`jaxllm.checkpoint.Checkpointer` as training saves it.  Unless
+    ``overrides`` set ``data.tokenizer`` or ``data.gpt2_dir``, GPT-2's tokenizer found in
+    ``directory`` is copied to ``workdir/tokenizer`` and used (``data.tokenizer=gpt2``).
+
     Returns the resolved config. Raises what :func:`from_hf` raises, and ConvertError when
     ``workdir`` already has checkpoints.
     """
@@ -620,10 +634,6 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict | None = Non
         tok_dir = os.path.abspath(os.path.join(workdir, "tokenizer"))
         if vocab >= 50257 and _find_gpt2_tokenizer(directory, tok_dir):
             overrides.update({"data.tokenizer": "gpt2", "data.gpt2_dir": tok_dir})
-        else:
-            print(f"note: {directory} holds no GPT-2 tokenizer for this model; the config keeps jaxllm's default "
-                  f"data section: the data must be tokenized as the model expects (set --config.data.*)",
-                  file=sys.stderr)
     try:
         cfg, params = from_hf(directory, overrides)
     except Exception:
@@ -631,10 +641,16 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict | None = Non
             shutil.rmtree(overrides["data.gpt2_dir"], ignore_errors=True)
         raise
     optimizer = optim.make_optimizer(cfg)
-    cpu = jax.devices("cpu")[0]
-    params = jax.device_put(params, cpu)
-    state = {"step": jax.device_put(jnp.zeros((), jnp.int32), cpu), "params": params,
-             "opt_state": optimizer.init(params)}
+
+    def initial_state(params):
+        # A fresh training state (every entry as training starts it) holding HF's parameters;
+        # the random parameters it would draw are dead code under jit and never computed.
+        state = step.init_state(cfg, optimizer, cfg.train.seed)
+        state.update(params=params, opt_state=optimizer.init(params))
+        return state
+
+    with jax.default_device(jax.devices("cpu")[0]):  # host memory, whatever accelerator is present
+        state = jax.jit(initial_state)(params)
     os.makedirs(workdir, exist_ok=True)
     ckpt = checkpoint.Checkpointer(workdir, cfg)
     ckpt.maybe_save(0, state, force=True)
@@ -681,6 +697,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             directory, workdir = args.from_hf
             cfg = import_to_workdir(directory, workdir, overrides)
+            if not any(k.startswith("data.") for k in overrides) and cfg.data.tokenizer != "gpt2":
+                print(f"note: {directory} holds no GPT-2 tokenizer for this model, so the config keeps jaxllm's "
+                      f"default data section (data.tokenizer={cfg.data.tokenizer}, data.input={cfg.data.input}); "
+                      f"the data must be tokenized as the model expects: import again with --config.data.* "
+                      f"or edit {os.path.join(workdir, 'config.py')}", file=sys.stderr)
             kind = "GPT-2" if cfg.model.position_embedding == "learned" else "Llama"
             print(f"imported {kind} from {directory} into {workdir} (step 0, data.tokenizer={cfg.data.tokenizer})\n"
                   f"train on:  python -m jaxllm.train --config={os.path.join(workdir, 'config.py')} "

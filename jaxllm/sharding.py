@@ -136,11 +136,11 @@ def param_specs(logical, table):
 
 
 def state_shardings(cfg, abstract_state, logical, optimizer, mesh):
-    """NamedShardings of the training state ``{"step", "params", "opt_state"}``.
+    """NamedShardings of the training state ``{"step", "params", "opt_state", ...}``.
 
     Parameters follow :func:`rules` (ZeRO table from stage 3); optimizer moments follow
     the ZeRO table from stage 1 (``optax.tree_map_params`` finds them); scalars such as
-    Adam's count are replicated.
+    ``step``, the other top-level counters and Adam's count are replicated.
     """
     stage = cfg.parallel.zero_stage
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
@@ -149,7 +149,8 @@ def state_shardings(cfg, abstract_state, logical, optimizer, mesh):
                                 transform_non_params=lambda _: named(PartitionSpec()),
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
     params = jax.tree.map(named, param_specs(logical, rules(cfg, zero=stage >= 3)))
-    return {"step": named(PartitionSpec()), "params": params, "opt_state": opt}
+    scalars = {k: named(PartitionSpec()) for k in abstract_state if k not in ("params", "opt_state")}
+    return {**scalars, "params": params, "opt_state": opt}
 
 
 def grad_shardings(cfg, logical, mesh):

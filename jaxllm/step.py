@@ -1,6 +1,9 @@
 """The pure functions of training: loss, train step (with gradient accumulation), eval step.
 
-State is a dict ``{"step": int32 [], "params": ..., "opt_state": ...}``.  A
+State is a dict ``{"step": int32 [], "params": ..., "opt_state": ...,
+"nonfinite_steps": int32 [], "nonfinite_in_a_row": int32 []}`` (the last two count
+skipped steps, see :func:`make_train_step`; they live in the state so that a
+resumed run continues them exactly).  A
 batch is a pair of int32 arrays ``inputs, targets`` of shape
 ``[microbatches, micro_batch_size x data_parallel, seq]``: the leading axis is
 the gradient-accumulation axis, scanned over inside the step.
@@ -31,7 +34,9 @@ def cross_entropy(logits, targets):
 def init_state(cfg, optimizer, seed):
     """Fresh training state (jit it with ``out_shardings`` to create it sharded)."""
     params = model.init(cfg, seed)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+    zero = jnp.zeros((), jnp.int32)
+    return {"step": zero, "params": params, "opt_state": optimizer.init(params),
+            "nonfinite_steps": zero, "nonfinite_in_a_row": zero}
 
 
 def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
@@ -42,8 +47,15 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     count, which equals one step on the whole batch.  Dropout keys are
     ``fold_in(key(seed), step)``, so a step is a pure function of its inputs.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
-    norm before clipping), ``lr``.  ``grad_sharding`` (optional) pins the gradient
-    accumulator, which is where ZeRO-2 turns the all-reduce into a reduce-scatter.
+    norm before clipping), ``lr``, and the int32 counters ``nonfinite_steps`` (total
+    skipped steps of the run) and ``nonfinite_in_a_row`` (consecutive ones, ending at
+    this step).  ``grad_sharding`` (optional) pins the gradient accumulator, which is
+    where ZeRO-2 turns the all-reduce into a reduce-scatter.
+
+    Non-finite guard: when the loss or the gradient norm is NaN or inf, the step keeps
+    ``params`` and ``opt_state`` unchanged (so the optimizer's own count, and with it the
+    learning-rate schedule, does not advance either, as Megatron-LM's skipped iterations)
+    but still increments ``step``, so the next step sees the next batch.
     """
     pin = (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)) if grad_sharding else (lambda g: g)
     dropout = cfg.model.dropout > 0
@@ -67,10 +79,20 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
         (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, keys))
         loss, grads = jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state}
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A select rather than lax.cond: XLA fuses it into the update, and both sides are computed anyway.
+        keep_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        skipped = (~finite).astype(jnp.int32)
+        new_state = {"step": state["step"] + 1,
+                     "params": jax.tree.map(keep_if_bad, optax.apply_updates(params, updates), params),
+                     "opt_state": jax.tree.map(keep_if_bad, opt_state, state["opt_state"]),
+                     "nonfinite_steps": state["nonfinite_steps"] + skipped,
+                     "nonfinite_in_a_row": (state["nonfinite_in_a_row"] + 1) * skipped}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "nonfinite_steps": new_state["nonfinite_steps"],
+                   "nonfinite_in_a_row": new_state["nonfinite_in_a_row"]}
         return new_state, metrics
 
     return train_step

@@ -2,8 +2,15 @@
 
 With no flags it trains the default config (``jaxllm/config.py``) on the Python
 standard library's sources.  Rerunning with the same ``--workdir`` resumes from
-the latest checkpoint.  Bad config or data exits with code 2 and one line
-naming the key, the value and the fix, before anything is compiled.
+the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.checkpoint`).
+
+Exit codes: 0 done; 1 an unexpected error, or :class:`NonFiniteError` (the loss or
+gradient norm was NaN/inf for ``train.max_nonfinite_steps`` steps in a row), or
+:class:`jaxllm.checkpoint.CheckpointError` (checkpoints exist but none can be read);
+2 bad config or data, one line naming the key, the value and the fix, before
+anything is compiled; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
+made the run save a checkpoint at the next step boundary and stop; rerun the same
+command to continue.
 """
 
 from __future__ import annotations
@@ -18,9 +25,25 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxllm import checkpoint, config, metrics, model, optim, sharding, step
+from jaxllm import attention, checkpoint, config, distributed, metrics, model, optim, sharding, step
 from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
 from jaxllm.sampling import Sampler
+
+# Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+    """The run saved a checkpoint at ``step`` on SIGTERM/SIGUSR1 and stopped; rerunning resumes it."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm was non-finite for ``train.max_nonfinite_steps`` steps in a row."""
+
 
 def data_dir(cfg, workdir: str) -> str:
     """The prepared token directory of a run (prepared into ``WORKDIR/data`` if needed)."""
@@ -34,6 +57,10 @@ def setup(cfg, workdir: str):
       ConfigError, DataError: with the key or file, the value and the fix.
     """
     config.validate(cfg, num_devices=jax.device_count())
+    try:
+        attention.resolve_impl(cfg.model.attention_impl)
+    except ValueError as e:
+        raise config.ConfigError("model.attention_impl", cfg.model.attention_impl, str(e).split(": ", 1)[-1]) from None
     data = TokenData(data_dir(cfg, workdir))
     cfg = config.resolved(cfg, vocab_size=data.vocab_size, num_devices=jax.device_count())
     data.check_vocab(cfg.model.vocab_size)
@@ -129,7 +156,14 @@ class Run:
 
 def train(cfg, workdir: str) -> dict:
     """Trains ``cfg`` (validated and resolved by :func:`setup`) in ``workdir``; returns the last
-    train and eval metrics. Resumes from ``workdir``'s latest checkpoint if there is one."""
+    train and eval metrics. Resumes from ``workdir``'s latest valid checkpoint if there is one.
+
+    Raises:
+      Preempted: SIGTERM/SIGUSR1 arrived; a checkpoint was saved at the next step boundary.
+      NonFiniteError: ``train.max_nonfinite_steps`` skipped (non-finite) steps in a row.
+      jaxllm.checkpoint.CheckpointError: checkpoints exist and none can be restored.
+      ConfigError, DataError: see :func:`setup`.
+    """
     cfg, data = setup(cfg, workdir)
     t = cfg.train
     run = Run(cfg)
@@ -162,30 +196,50 @@ def train(cfg, workdir: str) -> dict:
                                    progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
     last, last_eval = {}, {}
     tick, steps_since = time.perf_counter(), 0
-    for s in range(start, t.train_iters):
-        state, m = train_step(state, *run.global_batch(*loader.train_batch(s)))
-        steps_since += 1
-        logger.advance(1)
-        done = s + 1
-        if done % t.log_interval == 0 or done == t.train_iters:
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            elapsed = time.perf_counter() - tick
-            m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
-            stats = jax.local_devices()[0].memory_stats() or {}
-            if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
-                m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
-            logger.log(done, m)
-            last, tick, steps_since = m, time.perf_counter(), 0
-        if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
-            loss = run.evaluate(state["params"], loader)
-            last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale}
-            logger.log(done, last_eval, kind="eval")
-            tick = time.perf_counter()
-        checkpointer.maybe_save(done, state, force=done == t.train_iters)
-    checkpointer.close()
-    logger.close()
+    batch = run.global_batch(*loader.train_batch(start))
+    # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
+    preemption = checkpoint.Preemption().install()
+    try:
+        for s in range(start, t.train_iters):
+            state, m = train_step(state, *batch)
+            done = s + 1
+            if done < t.train_iters:  # prepared while the step runs
+                batch = run.global_batch(*loader.train_batch(done))
+            steps_since += 1
+            logger.advance(1)
+            # One scalar read per step (the batch above is already queued): stopping exactly after N needs it.
+            diverged = int(m["nonfinite_in_a_row"]) >= t.max_nonfinite_steps
+            if done % t.log_interval == 0 or done == t.train_iters or diverged:
+                m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
+                elapsed = time.perf_counter() - tick
+                m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
+                stats = jax.local_devices()[0].memory_stats() or {}
+                if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
+                    m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
+                logger.log(done, m)
+                last, tick, steps_since = m, time.perf_counter(), 0
+            if diverged:
+                raise NonFiniteError(f"the loss or gradient norm was NaN/inf for {t.max_nonfinite_steps} steps in a "
+                                     f"row (steps {done - t.max_nonfinite_steps + 1}-{done}, updates skipped); "
+                                     "lower train.lr, raise train.warmup_iters or check the data, then resume")
+            if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
+                loss = run.evaluate(state["params"], loader)
+                last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale}
+                logger.log(done, last_eval, kind="eval")
+                tick = time.perf_counter()
+            stop = preemption.reached(done)
+            checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
+            if stop:
+                raise Preempted(done)
+    finally:  # a pending asynchronous save completes before the process ends
+        preemption.uninstall()
+        checkpointer.close()
+        logger.close()
 
-    if primary and cfg.log.samples:
+    # Multi-process: parameters span other hosts' devices (device_get cannot fetch them); sample afterwards.
+    if primary and cfg.log.samples and jax.process_count() > 1:
+        print(f"samples skipped (multi-process run): python -m jaxllm.generate --workdir={workdir}")
+    elif primary and cfg.log.samples:
         prompt = cfg.log.sample_prompt
         tokens = data.tokenizer.encode(prompt) if prompt else np.asarray(data.val[:8])
         sampler = Sampler(cfg, run.graphdef, jax.device_get(state["params"]))
@@ -209,6 +263,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
+        distributed.initialize()  # first: joins a multi-process job before any backend starts; a LaunchError is a ConfigError
         train(flags.FLAGS.config, flags.FLAGS.workdir)
     except config.ConfigError as e:
         print(e, file=sys.stderr)
@@ -216,6 +271,12 @@ def main(argv):
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as e:
+        print(f"jaxllm: {e}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    except (NonFiniteError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -116,12 +116,11 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         np.testing.assert_array_equal(tensors[k], original[k], err_msg=k)
 
 
+@pytest.mark.parametrize("hf_dir", ["llama-gqa-untied"], indirect=True)
 def test_rotary_layout_is_hf_llamas(hf_dir):
     """jaxllm's half-split rotary is HF Llama's (checked, not assumed): logits match on arbitrary
     positions, and the same weights read as the interleaved (GPT-J) layout would not."""
-    name, d, _ = hf_dir
-    if "llama" not in name:
-        pytest.skip("rotary only")
+    _, d, _ = hf_dir
     cfg, params = convert.from_hf(d, F32)
     m = load_hf(d)
     toks = tokens(batch=1, seq=8, seed=3)
@@ -148,19 +147,21 @@ def test_cli_round_trip_through_workdir(arch, tmp_path):
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
     ref = hf_logits(m, tokens())
     work = tmp_path / "work"
-    r = cli("--from-hf", str(tmp_path / "hf"), str(work), "--config.train.train_iters=5", "--config.train.warmup_iters=1",
-            "--config.model.dtype=float32")
+    r = cli("--from-hf", str(tmp_path / "hf"), str(work), "--config.train.train_iters=5",
+            "--config.train.warmup_iters=1", "--config.model.dtype=float32")
     assert r.returncode == 0, r.stderr
     assert "jaxllm.train --config=" in r.stdout and (work / "config.py").is_file()
+    assert "the data must be tokenized as the model expects" in r.stderr
 
     cfg = checkpoint.load_config(str(work))
-    assert cfg.train.train_iters == 5 and cfg.model.vocab_size == VOCAB and cfg.data.to_dict() == config.get_config().data.to_dict()
+    assert cfg.train.train_iters == 5 and cfg.model.vocab_size == VOCAB
+    assert cfg.data.to_dict() == config.get_config().data.to_dict()  # no tokenizer in the dir: the defaults
     # The checkpoint is what training resumes from: full state, step 0, HF's parameters.
     from jaxllm import train
 
-    run = train.Run(cfg, str(work))
-    state = run.initial_state()
-    run.checkpointer.close()
+    ckpt = checkpoint.Checkpointer(str(work), cfg)
+    state = train.Run(cfg).initial_state(ckpt)
+    ckpt.close()
     assert int(state["step"]) == 0
     assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(
         jax.eval_shape(lambda: optim.make_optimizer(cfg).init(state["params"])))
@@ -209,6 +210,15 @@ def test_bfloat16_safetensors_import(tmp_path):
     want = m.model.embed_tokens.weight.detach().float().numpy()
     assert params["wte"].dtype == np.float32
     np.testing.assert_array_equal(params["wte"], want)
+
+
+def test_sharded_safetensors_import(tmp_path):
+    torch.manual_seed(4)
+    m = randomize(llama(False), seed=5)
+    m.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    cfg, params = convert.from_hf(str(tmp_path), F32)
+    np.testing.assert_allclose(jax_logits(cfg, params, tokens()), hf_logits(m, tokens()), atol=TOL, rtol=0)
 
 
 @pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file(), reason="GPT-2 tokenizer files not present")
@@ -294,6 +304,7 @@ def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
     assert e.value.keys == (key,) and key in str(e.value)
 
 
+@pytest.mark.parametrize("hf_dir", ["gpt2-tied", "llama-gqa-untied"], indirect=True)
 def test_import_options_are_checked(hf_dir, tmp_path):
     _, d, _ = hf_dir
     with pytest.raises(convert.ConvertError, match="model.hidden_size"):

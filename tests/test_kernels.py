@@ -289,14 +289,13 @@ def test_impls_match_config_choices():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU rules")
 def test_dispatch_on_cpu():
     assert dispatch.backend_kind() == "cpu"
-    assert dispatch.available_impls() == ["xla"]
+    assert dispatch.available_impls() == ["xla", "pallas"]
     assert dispatch.resolve_impl("auto") == "xla"
     (q, k, v), *_ = _inputs(Case("x", sq=32, heads=2, kv_heads=1, head_dim=16))
     np.testing.assert_array_equal(dispatch.attention(q, k, v, impl="auto"), reference.attention(q, k, v))
-    with pytest.raises(ValueError, match=r"'pallas' is not available on the cpu backend: .*interpret.*"
-                                         r"Available here: auto, xla"):
-        dispatch.attention(q, k, v, impl="pallas")
-    with pytest.raises(ValueError, match=r"'cudnn' is not available on the cpu backend: cuDNN exists only on NVIDIA"):
+    np.testing.assert_allclose(dispatch.attention(q, k, v, impl="pallas"), reference.attention(q, k, v), atol=1e-5)
+    with pytest.raises(ValueError, match=r"'cudnn' is not available on the cpu backend: cuDNN exists only on NVIDIA"
+                                         r".*Available here: auto, xla, pallas"):
         dispatch.attention(q, k, v, impl="cudnn")
     with pytest.raises(ValueError, match=r"'triton' is not available on the cpu backend: jax_triton"):
         dispatch.attention(q, k, v, impl="triton")

@@ -175,3 +175,17 @@ def test_gpt3_parameter_counts(key):
     layers, h, _ = _gpt3_sizes().SIZES[key]
     expected = 12 * layers * h * h + cfg.model.vocab_size * h
     assert abs(n - expected) / expected < 0.03, (key, n, expected)
+
+
+def test_pallas_attention_gives_the_xla_loss():
+    """The whole model with model.attention_impl=pallas (interpreted on CPU) against xla, float32."""
+    losses = []
+    for impl in ("xla", "pallas"):
+        cfg = small_cfg(attention_impl=impl, num_kv_heads=2)
+        graphdef, _ = model.abstract(cfg)
+        params = model.init(cfg, 0)
+        tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
+        loss_fn = lambda p: step.cross_entropy(model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, 1)).mean()  # noqa: E731
+        losses.append(jax.value_and_grad(loss_fn)(params))
+    np.testing.assert_allclose(losses[1][0], losses[0][0], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), losses[1][1], losses[0][1])

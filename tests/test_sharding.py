@@ -73,3 +73,23 @@ def test_rules_table_specs():
     assert sharding.logical_to_spec(("batch", "residual", "embed"), sharding.rules(cfg)) == P(
         ("data", "fsdp"), ("sequence", "tensor"), None)
     assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data")
+
+
+def test_plan_gpt1_5b_on_8_devices_with_fsdp():
+    """The acceptance command: compiles ahead of time and reports 16 bytes/param / 8 of model state."""
+    r = subprocess.run([sys.executable, "-m", "jaxllm.plan", "--config=configs/gpt3.py:GPT1_5B", "--devices=8",
+                        "--config.mesh.fsdp=8", "--device=H200"], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    n = float(out.split("B parameters")[0].split()[-1]) * 1e9
+    state_gib = float(out.split("model state (sum)")[1].split("GiB")[0])
+    assert abs(state_gib * 2**30 - 16 * n / 8) / (16 * n / 8) < 0.10, out
+    assert "FITS in H200" in out or "DOES NOT FIT in H200" in out
+
+
+def test_plan_config_error_exits_2():
+    r = subprocess.run([sys.executable, "-m", "jaxllm.plan", "--config=configs/gpt3.py:GPT125M", "--devices=8",
+                        "--config.mesh.tensor=8", "--config.model.num_attention_heads=12"], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2 and r.stderr.startswith("config error: model.num_attention_heads=12"), r.stderr

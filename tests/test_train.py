@@ -66,7 +66,8 @@ def test_vocab_smaller_than_tokenizer_is_a_config_error():
 
 
 @pytest.mark.parametrize("flag,key", [("--config.model.hidden_size=102", "model.hidden_size"),
-                                      ("--config.train.global_batch_size=10", "train.global_batch_size")])
+                                      ("--config.train.global_batch_size=10", "train.global_batch_size"),
+                                      ("--config.model.attention_impl=cudnn", "model.attention_impl")])
 def test_cli_config_error_is_one_line_exit_2(tmp_path, flag, key):
     r = cli("jaxllm.train", f"--workdir={tmp_path}", flag)
     assert r.returncode == 2, r.stderr

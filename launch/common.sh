@@ -1,0 +1,127 @@
+# shellcheck shell=bash disable=SC2034  # (it sets variables for the scripts that source it)
+# launch/common.sh: what every launch script shares, sourced by them (not run).
+#
+# Megatron-DeepSpeed-style knobs (environment variables) -> jaxllm.train flags:
+#   MODEL_SIZE_KEY  --config=configs/gpt3.py:KEY
+#   SEQ_LEN         --config.train.seq_length
+#   MICRO_BATCH     --config.train.micro_batch_size
+#   GAS             --config.train.global_batch_size = MICRO_BATCH x GAS x DP
+#   TP / PP / SP    --config.mesh.tensor / .pipeline / .sequence, and --config.mesh.data = DP
+#   SP_TYPE         --config.parallel.sequence_impl (arrives with the sequence-parallel issue)
+#   ZERO_STAGE      --config.parallel.zero_stage
+#   WORKDIR         --workdir
+# DP = world devices / (TP x PP x SP).  The mesh is pinned (tensor, pipeline, sequence, data)
+# only when one of TP, PP, SP, MICRO_BATCH, GAS is set, since the global batch needs DP;
+# otherwise the config's own mesh is used.  Other arguments (--config=FILE, --config.*) pass
+# through: a --config=FILE goes first (absl needs it before any --config.* override), the
+# rest last, so they win over the knobs.  DRY_RUN=1 or --dry-run prints the exports and the
+# command instead of running it.
+
+# jaxllm_die MESSAGE: one line on stderr, exit 2 (as jaxllm.train does for a bad config).
+jaxllm_die() {
+  echo "launch: $*" >&2
+  exit 2
+}
+
+# jaxllm_posint NAME VALUE: VALUE must be a positive integer.
+jaxllm_posint() {
+  [[ "$2" =~ ^[1-9][0-9]*$ ]] || jaxllm_die "$1=$2: must be a positive integer"
+}
+
+# jaxllm_setup "$@": sets DRY_RUN, ARGS (the positional arguments other than --dry-run) and
+# changes to the repository (JAXLLM_DIR, else this file's parent, else the submit directory).
+jaxllm_setup() {
+  DRY_RUN=${DRY_RUN:-0}
+  ARGS=()
+  local a
+  for a in "$@"; do
+    if [[ "$a" == --dry-run ]]; then DRY_RUN=1; else ARGS+=("$a"); fi
+  done
+  local here
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  # sbatch/qsub run a copy of the script from a spool directory, so fall back to where it was submitted.
+  if [[ -z "${JAXLLM_DIR:-}" ]]; then
+    if [[ -f "$here/jaxllm/train.py" ]]; then JAXLLM_DIR=$here
+    else JAXLLM_DIR=${SLURM_SUBMIT_DIR:-${PBS_O_WORKDIR:-$PWD}}; fi
+  fi
+  [[ -f "$JAXLLM_DIR/jaxllm/train.py" ]] || jaxllm_die "JAXLLM_DIR=$JAXLLM_DIR: not the jaxllm repository (set JAXLLM_DIR)"
+  cd "$JAXLLM_DIR" || jaxllm_die "cannot cd to $JAXLLM_DIR"
+  JAXLLM_EXPORTS=()
+}
+
+# jaxllm_export NAME=VALUE...: exports and remembers them for the dry-run listing.
+jaxllm_export() {
+  local kv
+  for kv in "$@"; do
+    export "${kv?}"
+    JAXLLM_EXPORTS+=("${kv%%=*}")
+  done
+}
+
+# jaxllm_train_cmd WORLD_DEVICES [ARG...]: sets TRAIN_CMD (python -m jaxllm.train with the knobs'
+# overrides and ARG... passed through), DP and GLOBAL_BATCH.
+jaxllm_train_cmd() {
+  local world=$1 config_file=() rest=() overrides=() a
+  shift
+  jaxllm_posint "world devices" "$world"
+  for a in "$@"; do
+    if [[ "$a" == --config=* ]]; then config_file=("$a"); else rest+=("$a"); fi
+  done
+  if [[ -n "${MODEL_SIZE_KEY:-}" ]]; then
+    [[ ${#config_file[@]} -eq 0 ]] || jaxllm_die "MODEL_SIZE_KEY=$MODEL_SIZE_KEY and ${config_file[0]}: give one of them"
+    config_file=("--config=configs/gpt3.py:$MODEL_SIZE_KEY")
+  fi
+  local tp=${TP:-1} pp=${PP:-1} sp=${SP:-1} mb=${MICRO_BATCH:-1} gas=${GAS:-1} name
+  for name in TP PP SP MICRO_BATCH GAS SEQ_LEN; do
+    if [[ -n "${!name:-}" ]]; then jaxllm_posint "$name" "${!name}"; fi
+  done
+  if (( world % (tp * pp * sp) )); then
+    jaxllm_die "TP x PP x SP = $tp x $pp x $sp = $((tp * pp * sp)) does not divide the $world devices"
+  fi
+  DP=$((world / (tp * pp * sp)))
+  GLOBAL_BATCH=""
+  if [[ -n "${TP:-}${PP:-}${SP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then
+    overrides+=("--config.mesh.tensor=$tp" "--config.mesh.pipeline=$pp" "--config.mesh.sequence=$sp"
+                "--config.mesh.data=$DP")
+  fi
+  if [[ -n "${MICRO_BATCH:-}${GAS:-}" ]]; then
+    GLOBAL_BATCH=$((mb * gas * DP))
+    overrides+=("--config.train.micro_batch_size=$mb" "--config.train.global_batch_size=$GLOBAL_BATCH")
+  fi
+  if [[ -n "${SEQ_LEN:-}" ]]; then overrides+=("--config.train.seq_length=$SEQ_LEN"); fi
+  if [[ -n "${SP_TYPE:-}" ]]; then overrides+=("--config.parallel.sequence_impl=$SP_TYPE"); fi
+  if [[ -n "${ZERO_STAGE:-}" ]]; then
+    [[ "$ZERO_STAGE" =~ ^[0-3]$ ]] || jaxllm_die "ZERO_STAGE=$ZERO_STAGE: choose 0, 1, 2 or 3"
+    overrides+=("--config.parallel.zero_stage=$ZERO_STAGE")
+  fi
+  if [[ -n "${WORKDIR:-}" ]]; then overrides+=("--workdir=$WORKDIR"); fi
+  TRAIN_CMD=("${PYTHON:-python}" -u -m jaxllm.train "${config_file[@]}" "${overrides[@]}" "${rest[@]}")
+}
+
+# jaxllm_summary NODES PROCESSES DEVICES: a comment line (also printed on dry runs).
+jaxllm_summary() {
+  echo "# jaxllm launch: nodes=$1 processes=$2 devices=$3 dp=$DP global_batch=${GLOBAL_BATCH:-config}"
+}
+
+# jaxllm_exec CMD...: DRY_RUN=1: print the exports and the command (shell-quoted); else run it.
+jaxllm_exec() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    local v
+    for v in "${JAXLLM_EXPORTS[@]}"; do printf 'export %s=%q\n' "$v" "${!v}"; done
+    printf '%q ' "$@"
+    printf '\n'
+  else
+    exec "$@"
+  fi
+}
+
+# jaxllm_slurm_nodes: nodes of the Slurm allocation (a dry run outside Slurm: NNODES or 1).
+jaxllm_slurm_nodes() {
+  local n=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-${NNODES:-}}}
+  if [[ -z "$n" ]]; then
+    [[ "$DRY_RUN" == 1 ]] || jaxllm_die "not inside a Slurm allocation (submit with sbatch, or set DRY_RUN=1)"
+    n=1
+  fi
+  jaxllm_posint SLURM_JOB_NUM_NODES "$n"
+  echo "$n"
+}

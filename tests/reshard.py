@@ -1,0 +1,56 @@
+"""Restores one checkpoint onto other meshes and prints, as JSON, whether every value and sharding matches.
+
+Used by tests/test_checkpoint.py in a subprocess (8 fake CPU devices must be set before
+jax is imported):  python tests/reshard.py WORKDIR '<json {name: mesh overrides}>'
+
+WORKDIR's latest checkpoint is first restored in the layout it was saved with (its
+stored config); each named layout then restores the same step, and the result says
+whether each leaf is bitwise equal and laid out as that layout's ``Run.state_sharding``.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm import checkpoint, config  # noqa: E402
+from jaxllm.train import Run  # noqa: E402
+
+
+def restore(saved_cfg, workdir, mesh):
+    cfg = config.resolved(saved_cfg)
+    cfg.mesh.update({a: 1 for a in config.MESH_AXES})
+    cfg.mesh.update(mesh)
+    n = int(np.prod([cfg.mesh[a] for a in config.MESH_AXES]))
+    run = Run(cfg, devices=jax.devices()[:n])
+    ckpt = checkpoint.Checkpointer(workdir, cfg)
+    state = ckpt.restore(run.abstract_state)
+    ckpt.close()
+    shardings_ok = all(leaf.sharding.is_equivalent_to(s, leaf.ndim)
+                       for leaf, s in zip(jax.tree.leaves(state), jax.tree.leaves(run.state_sharding)))
+    return state, shardings_ok, n
+
+
+def main():
+    workdir, layouts = sys.argv[1], json.loads(sys.argv[2])
+    saved_cfg = checkpoint.load_config(workdir)
+    saved_mesh = {a: saved_cfg.mesh[a] for a in config.MESH_AXES if saved_cfg.mesh[a] != 1}
+    reference, _, _ = restore(saved_cfg, workdir, saved_mesh)
+    reference = jax.device_get(reference)
+    results = {"saved_mesh": saved_mesh, "step": int(reference["step"])}
+    for name, mesh in layouts.items():
+        state, shardings_ok, n = restore(saved_cfg, workdir, mesh)
+        leaves = zip(jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0], jax.tree.leaves(reference))
+        different = [jax.tree_util.keystr(p) for (p, a), b in leaves if not np.array_equal(a, b)]
+        results[name] = {"devices": n, "different": different, "shardings_ok": shardings_ok,
+                         "leaves": len(jax.tree.leaves(state))}
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
