@@ -37,6 +37,11 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 
+# The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
+_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+               "position_embedding", "norm", "activation", "use_bias", "tie_embeddings")
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be restored; the message names each step and why."""
 
@@ -84,6 +89,8 @@ class Checkpointer:
             message lists each step tried and why it failed.
         """
         steps = self.all_steps()[::-1] if step is None else [step]
+        if steps:
+            self._check_model_matches(steps[0])
         failures = []
         for s in steps:
             try:
@@ -99,6 +106,21 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint in {self.directory} can be restored: " + "; ".join(failures)
                                   + ". Delete the damaged step directories, or the whole directory to start over.")
         return None
+
+    def _check_model_matches(self, step: int) -> None:
+        """A checkpoint of another model would fail to restore on shapes and look damaged: say what differs."""
+        try:
+            saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception:  # noqa: BLE001  an unreadable config is a damaged step: restore() reports it
+            return
+        ours, theirs = self.config["model"], saved.get("model", {})
+        differ = [f"model.{k}={theirs[k]!r} (this run: {ours[k]!r})" for k in _SHAPE_KEYS
+                  if k in ours and k in theirs and ours[k] != theirs[k] and ours[k] != 0]  # 0: derived, unknown here
+        if differ:
+            raise CheckpointError(
+                f"the checkpoint at step {step} in {self.directory} is of another model: {', '.join(differ)}. "
+                "Run with the config it was written with (--config=... and the same --config.model.* flags), "
+                "or use another --workdir")
 
     def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
         """Starts an asynchronous save of ``state`` if ``step`` is on the interval or ``force``;

@@ -304,3 +304,23 @@ def test_checkpoint_config_errors(key, value):
     with pytest.raises(config.ConfigError) as e:
         config.validate(cfg, num_devices=1)
     assert e.value.key == key and str(e.value).startswith(f"config error: {key}={value}")
+
+
+def test_resuming_with_another_model_is_a_clear_error(tmp_path):
+    """A checkpoint of another model is not "damaged": the error names the keys that differ."""
+    from jaxllm import config as config_lib
+    from jaxllm.checkpoint import CheckpointError, Checkpointer
+    from jaxllm.train import Run
+
+    cfg = config_lib.get_config()
+    cfg.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32")
+    cfg = config_lib.resolved(cfg)
+    ckpt = Checkpointer(str(tmp_path), cfg)
+    ckpt.maybe_save(1, Run(cfg).initial_state(), force=True)
+    ckpt.close()
+    cfg.model.hidden_size = 64
+    ckpt = Checkpointer(str(tmp_path), cfg)
+    with pytest.raises(CheckpointError, match=r"another model: model.hidden_size=32 \(this run: 64\)"):
+        ckpt.restore(Run(cfg).abstract_state)
+    ckpt.close()
+    assert (tmp_path / "checkpoints" / "1").exists()  # nothing deleted
