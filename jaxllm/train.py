@@ -236,18 +236,23 @@ def train(cfg, workdir: str) -> dict:
         checkpointer.close()
         logger.close()
 
-    # Multi-process: parameters span other hosts' devices (device_get cannot fetch them); sample afterwards.
-    if primary and cfg.log.samples and jax.process_count() > 1:
-        print(f"samples skipped (multi-process run): python -m jaxllm.generate --workdir={workdir}")
-    elif primary and cfg.log.samples:
-        prompt = cfg.log.sample_prompt
-        tokens = data.tokenizer.encode(prompt) if prompt else np.asarray(data.val[:8])
-        sampler = Sampler(cfg, run.graphdef, jax.device_get(state["params"]))
-        rows = sampler(np.tile(np.asarray(tokens)[None], (cfg.log.samples, 1)), cfg.log.sample_tokens,
-                       temperature=cfg.log.temperature, top_k=cfg.log.top_k, seed=t.seed)
-        for row in rows:
-            print(f"--- sample ---\n{data.tokenizer.decode(list(tokens) + row.tolist())}\n--------------")
+    if primary and cfg.log.samples:
+        print_samples(cfg, run.graphdef, state["params"], data.tokenizer, np.asarray(data.val[:8]), workdir)
     return {**last, **last_eval, "compile_s": compile_s}
+
+
+def print_samples(cfg, graphdef, params, tokenizer, default_prompt, workdir):
+    """Prints ``log.samples`` continuations of ``log.sample_prompt`` (default: ``default_prompt`` tokens)."""
+    if jax.process_count() > 1:  # the parameters span other hosts' devices: device_get cannot fetch them
+        print(f"samples skipped (multi-process run): python -m jaxllm.generate --workdir={workdir}")
+        return
+    log = cfg.log
+    tokens = tokenizer.encode(log.sample_prompt) if log.sample_prompt else default_prompt
+    sampler = Sampler(cfg, graphdef, jax.device_get(params))
+    rows = sampler(np.tile(np.asarray(tokens)[None], (log.samples, 1)), log.sample_tokens,
+                   temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
+    for row in rows:
+        print(f"--- sample ---\n{tokenizer.decode(list(tokens) + row.tolist())}\n--------------")
 
 
 def restore_params(cfg, workdir: str):

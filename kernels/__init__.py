@@ -1,5 +1,8 @@
 """jaxllm's attention kernels, installed as the package ``jaxllm_kernels``.
 
-``reference.attention`` is the plain XLA implementation that every kernel is
-tested against.
+- ``reference``: plain XLA attention, the ``xla`` path and the reference every kernel is tested against;
+- ``pallas_attention``: FlashAttention-2 in Pallas (Triton lowering: NVIDIA and AMD GPUs; interpreted on CPU);
+- ``triton_attention``: the same algorithm in the Triton language through ``jax_triton`` (GPUs only).
+
+``jaxllm.attention`` dispatches between them by ``model.attention_impl``.
 """

@@ -65,6 +65,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxllm_kernels import reference
+
 _MASKED = -1e30  # the reference's masked score / lse of a query that sees no key
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -626,10 +628,7 @@ def flash_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
 
     has_pos = q_positions is not None or kv_positions is not None
     if has_pos:
-        if q_positions is None:
-            q_positions = jnp.broadcast_to(jnp.arange(sq) + (sk - sq), (b, sq))
-        if kv_positions is None:
-            kv_positions = jnp.broadcast_to(jnp.arange(sk), (b, sk))
+        q_positions, kv_positions = reference.default_positions(q_positions, kv_positions, b, sq, sk)
     has_seg = q_segment_ids is not None
 
     bs = _resolve_blocks(block_sizes, block_q, block_k, sq, sk, d, family)

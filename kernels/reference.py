@@ -12,6 +12,15 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so a fully masked row gives zeros instead of NaN
 
 
+def default_positions(q_positions, kv_positions, batch, q_len, kv_len):
+    """Fills missing positions with ``arange``, the queries aligned to the end of the keys."""
+    if q_positions is None:
+        q_positions = jnp.broadcast_to(jnp.arange(q_len) + (kv_len - q_len), (batch, q_len))
+    if kv_positions is None:
+        kv_positions = jnp.broadcast_to(jnp.arange(kv_len), (batch, kv_len))
+    return q_positions, kv_positions
+
+
 def attention_mask(q_positions, kv_positions, *, causal, q_segment_ids=None, kv_segment_ids=None, window=None):
     """Boolean mask ``[batch, q_len, kv_len]``: True where a query may attend to a key.
 
@@ -54,10 +63,7 @@ def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, 
     sk, kvh = k.shape[1], k.shape[2]
     if h % kvh:
         raise ValueError(f"heads={h} is not a multiple of kv_heads={kvh}")
-    if q_positions is None:
-        q_positions = jnp.broadcast_to(jnp.arange(sq) + (sk - sq), (b, sq))
-    if kv_positions is None:
-        kv_positions = jnp.broadcast_to(jnp.arange(sk), (b, sk))
+    q_positions, kv_positions = default_positions(q_positions, kv_positions, b, sq, sk)
     mask = attention_mask(q_positions, kv_positions, causal=causal, q_segment_ids=q_segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window)
     qg = q.reshape(b, sq, kvh, h // kvh, d)

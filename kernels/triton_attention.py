@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm_kernels import pallas_attention as _pa
+from jaxllm_kernels import reference
 from jaxllm_kernels.pallas_attention import DEFAULT_BLOCK_SIZES, BlockSizes, gpu_family
 
 triton = None  # bound by _load(); the kernels below resolve ``tl`` from these module globals
@@ -407,10 +408,7 @@ def flash_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
     bs = _pa._resolve_blocks(block_sizes, block_q, block_k, sq, sk, d, gpu_family())
     has_pos = q_positions is not None or kv_positions is not None
     if has_pos:
-        if q_positions is None:
-            q_positions = jnp.broadcast_to(jnp.arange(sq) + (sk - sq), (b, sq))
-        if kv_positions is None:
-            kv_positions = jnp.broadcast_to(jnp.arange(sk), (b, sk))
+        q_positions, kv_positions = reference.default_positions(q_positions, kv_positions, b, sq, sk)
     segs = None
     if q_segment_ids is not None:
         segs = (jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
