@@ -289,13 +289,14 @@ _TRAIN_FORMATS = {
     "tflops_per_device": lambda v: f"{v:.3g} TFLOP/s/dev",
     "mfu": lambda v: f"MFU {100 * v:.1f}%",
     "step_time_s": lambda v: f"{v:.3g} s/step",
+    "nonfinite_steps": lambda v: f"{v} non-finite steps skipped" if v else "",
 }
 _EVAL_FORMATS = {
     "eval_loss": lambda v: f"eval loss {v:.4f}",
     "eval_bpb": lambda v: f"bpb {v:.4f}",
     "eval_ppl": lambda v: f"ppl {v:.2f}",
 }
-_QUIET = {"tokens_per_sec_per_device", "hfu"}  # logged to files, left off the human line
+_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row"}  # logged to files, left off the human line
 
 
 class MetricsLogger:
@@ -379,7 +380,7 @@ class MetricsLogger:
         parts = [f"step {step:>{self._step_width}}"]
         for key, fmt in formats.items():
             v = values.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and fmt(v):
                 parts.append(fmt(v))
         for key, v in values.items():
             if key not in formats and key not in _QUIET:

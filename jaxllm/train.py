@@ -223,10 +223,11 @@ def train(cfg, workdir: str) -> dict:
                                      f"row (steps {done - t.max_nonfinite_steps + 1}-{done}, updates skipped); "
                                      "lower train.lr, raise train.warmup_iters or check the data, then resume")
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
+                t_eval = time.perf_counter()
                 loss = run.evaluate(state["params"], loader)
                 last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale}
                 logger.log(done, last_eval, kind="eval")
-                tick = time.perf_counter()
+                tick += time.perf_counter() - t_eval  # throughput counts training steps only
             stop = preemption.reached(done)
             checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
             if stop:

@@ -303,6 +303,16 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path):
     assert "resuming at step 5" in r.stdout
     np.testing.assert_allclose(metrics_of(resumed)[6], want[6], rtol=1e-5)
 
+    # The hierarchical mesh: the data axis across the two processes (DCN), tensor x fsdp within each.
+    hybrid = tmp_path / "hybrid"
+    r = subprocess.run(["bash", "launch/local.sh", "2", f"--workdir={hybrid}", *TINY, "--config.mesh.data=1",
+                        "--config.mesh.dcn_data=2", "--config.train.train_iters=5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "mesh {'data': 2, 'fsdp': 2, 'pipeline': 1, 'tensor': 2, 'sequence': 1}" in r.stdout
+    got = metrics_of(hybrid)
+    np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)], rtol=1e-5)
+
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["kill_worker", "kill_coordinator"])
 def test_losing_a_process_fails_the_other_quickly(tmp_path, victim):
