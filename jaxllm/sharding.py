@@ -39,7 +39,7 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllm.config import MESH_AXES
+from jaxllm.config import MESH_AXES, ConfigError
 
 # The rules table: logical axis -> mesh axes it is split over, in order of preference.
 RULES = {
@@ -112,21 +112,40 @@ def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
     """The device mesh with axes ``data, fsdp, pipeline, tensor, sequence``.
 
     Each axis spans ``mesh.AXIS x mesh.dcn_AXIS`` devices.  With any ``dcn_*`` > 1 the
-    devices are laid out hierarchically (``mesh_utils.create_hybrid_device_mesh``): the
-    ``dcn`` factors across slices (nodes: process groups on GPUs), the rest within one,
-    so tensor parallelism stays on the fast links.  ``cfg`` must be resolved (no -1).
+    mesh is hierarchical, as ``mesh_utils.create_hybrid_device_mesh`` builds it: the
+    devices are split into ``prod(dcn_*)`` granules (slices where the devices report
+    several, else consecutive groups of processes: nodes, when process ids are numbered
+    node by node as Slurm and PALS do), each granule is laid out as the ``mesh.*`` (ICI)
+    shape, and the granules along the ``dcn_*`` shape, outermost.  So tensor parallelism
+    stays on the fast links inside a node.  ``cfg`` must be resolved (no -1).
+
+    Raises:
+      ConfigError: the devices do not split into ``prod(dcn_*)`` equal granules.
     """
     devices = jax.devices() if devices is None else devices
     ici = tuple(cfg.mesh[a] for a in MESH_AXES)
     dcn = tuple(cfg.mesh[f"dcn_{a}"] for a in MESH_AXES)
-    if math.prod(dcn) > 1:
-        granule = "slice_index" if hasattr(devices[0], "slice_index") else "process_index"
-        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule == "process_index",
-                                                    allow_split_physical_axes=True)
-    elif len(devices) == 1:
-        grid = np.asarray(devices).reshape(ici)
+    granules = math.prod(dcn)
+    if granules == 1:
+        grid = (np.asarray(devices).reshape(ici) if len(devices) == 1 else
+                mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True))
     else:
-        grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+        slices = sorted({getattr(d, "slice_index", 0) for d in devices})
+        if len(slices) == granules:
+            groups = [[d for d in devices if getattr(d, "slice_index", 0) == s] for s in slices]
+        else:
+            ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+            size = len(ordered) // granules
+            groups = [ordered[i * size:(i + 1) * size] for i in range(granules)]
+        if len({len(g) for g in groups}) != 1 or len(groups[0]) != math.prod(ici):
+            raise ConfigError("mesh", {k: cfg.mesh[k] for k in cfg.mesh},
+                              f"{len(devices)} devices do not split into {granules} (prod of mesh.dcn_*) granules "
+                              f"of {math.prod(ici)} (prod of mesh.*) devices each")
+        per_granule = np.stack([mesh_utils.create_device_mesh(ici, g, allow_split_physical_axes=True)
+                                for g in groups]).reshape(dcn + ici)
+        # interleave (dcn_0, ici_0, dcn_1, ici_1, ...) so each mesh axis is dcn-major
+        order = [i for pair in zip(range(len(dcn)), range(len(dcn), 2 * len(dcn))) for i in pair]
+        grid = per_granule.transpose(order).reshape([d * i for d, i in zip(dcn, ici)])
     return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 

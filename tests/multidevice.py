@@ -38,7 +38,7 @@ def run_layout(layout, batches):
     cfg = base_config()
     for section, values in layout.items():
         cfg[section].update(values)
-    sizes = [cfg.mesh[a] for a in config.MESH_AXES]
+    sizes = [cfg.mesh[a] for a in config.MESH_AXES] + [cfg.mesh[f"dcn_{a}"] for a in config.MESH_AXES]
     n = 8 if -1 in sizes else int(np.prod(sizes))
     config.validate(cfg, num_devices=n)
     cfg = config.resolved(cfg, num_devices=n)

@@ -22,6 +22,7 @@ LAYOUTS = {
     "single_gqa": {"model": {"num_kv_heads": 4}},
     "tensor4_gqa": {"mesh": {"tensor": 4, "data": 2}, "model": {"num_kv_heads": 4}},
     "fill_data_tensor2": {"mesh": {"data": -1, "tensor": 2}},
+    "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
 }
 
