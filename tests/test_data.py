@@ -21,8 +21,6 @@ PEPS = SHARED / "peps.txt"
 GPT2_DIR = SHARED / "gpt2"
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"shared data not found at {SHARED}")
-
 
 @pytest.fixture(scope="module")
 def shakespeare():
