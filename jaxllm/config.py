@@ -30,6 +30,8 @@ CHOICES = {
     "model.attention_impl": ("auto", "xla", "cudnn", "pallas", "triton"),
     "data.tokenizer": ("char", "byte", "gpt2"),
     "parallel.zero_stage": (0, 1, 2, 3),
+    "parallel.pipeline_schedule": ("gpipe", "interleaved"),
+    "parallel.sequence_impl": ("allgather", "ring", "ulysses"),
 }
 
 
@@ -100,7 +102,20 @@ def get_config() -> ml_collections.ConfigDict:
     # mesh.AXIS: devices along AXIS within a node (-1 on one axis: fill with what is left);
     # mesh.dcn_AXIS: nodes along AXIS (the slow network); the axis spans AXIS x dcn_AXIS devices.
     c.mesh = ml_collections.ConfigDict({**{a: 1 for a in MESH_AXES}, **{f"dcn_{a}": 1 for a in MESH_AXES}})
-    c.parallel = ml_collections.ConfigDict(dict(zero_stage=0, megatron_sp=False))
+    c.parallel = ml_collections.ConfigDict(
+        dict(
+            zero_stage=0,
+            megatron_sp=False,
+            # with mesh.pipeline > 1 the step's microbatches (global batch / (micro batch x
+            # data-parallel size)) flow through the stages; interleaved: the circular schedule
+            # with pipeline_virtual_stages chunks of layers per device
+            pipeline_schedule="gpipe",
+            pipeline_virtual_stages=1,
+            # attention with mesh.sequence > 1: allgather (keys/values gathered), ring (context
+            # parallelism, load-balanced), ulysses (all-to-all to heads)
+            sequence_impl="allgather",
+        )
+    )
     c.checkpoint = ml_collections.ConfigDict(
         dict(
             interval=0,  # steps between saves; 0: only at the end
