@@ -235,6 +235,18 @@ def _check_divisibility(cfg, sizes):
             "train.global_batch_size", t.global_batch_size,
             f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp) "
             f"= {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+    stages, virtual = sizes["pipeline"], p.pipeline_virtual_stages
+    if m.num_layers % (stages * virtual):
+        raise ConfigError("model.num_layers", m.num_layers,
+                          f"must be divisible by pipeline stages x virtual stages (mesh.pipeline x "
+                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if stages > 1 and microbatches % stages:
+        raise ConfigError(
+            "train.global_batch_size", t.global_batch_size,
+            f"gives {microbatches} microbatches (global batch / (micro batch {t.micro_batch_size} x data-parallel "
+            f"size {dp})), which must be a multiple of the {stages} pipeline stages; use a global batch that is a "
+            f"multiple of {t.micro_batch_size * dp * stages}, or a smaller train.micro_batch_size")
 
 
 def grad_accum_steps(cfg) -> int:
@@ -274,6 +286,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
                 "train.eval_interval", "checkpoint.interval", "checkpoint.keep_period", "log.samples", "log.sample_tokens", "log.top_k"):
         non_negative(key)
     positive("model.make_vocab_size_divisible_by")
+    positive("parallel.pipeline_virtual_stages")
+    interleaved = cfg.parallel.pipeline_schedule == "interleaved"
+    if interleaved != (cfg.parallel.pipeline_virtual_stages > 1):
+        raise ConfigError("parallel.pipeline_virtual_stages", cfg.parallel.pipeline_virtual_stages,
+                          "the interleaved schedule needs >= 2 virtual stages, gpipe exactly 1: set "
+                          "parallel.pipeline_schedule=interleaved with pipeline_virtual_stages >= 2, or gpipe with 1")
     positive("checkpoint.keep")
 
     if m.hidden_size % m.num_attention_heads:

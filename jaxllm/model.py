@@ -215,9 +215,17 @@ class GPT(nnx.Module):
         Returns:
           float32 logits ``[batch, len, vocab]``, and the updated cache when one was given.
         """
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x, keys = self.embed(tokens, positions, dropout_key)
+        x, cache_out = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, cache)
+        logits = self.head(x)
+        return logits if cache is None else (logits, cache_out)
+
+    def embed(self, tokens, positions, dropout_key=None):
+        """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
+        dropout, and the per-layer dropout keys ``[layers]`` (None without ``dropout_key``)."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = self.wte[...].astype(dt)[tokens]
         if self.wpe is not None:
             x = x + self.wpe[...].astype(dt)[positions]
@@ -226,25 +234,38 @@ class GPT(nnx.Module):
             dropout_key, emb_key = jax.random.split(dropout_key)
             x = _dropout(x, cfg.dropout, emb_key)
             keys = jax.random.split(dropout_key, cfg.num_layers)
-        x = constrain(x, ("batch", "residual", "embed"))
+        return constrain(x, ("batch", "residual", "embed")), keys
 
-        graphdef, layer_params = nnx.split(self.layers)
+    def run_layers(self, x, positions, layer_params, keys=None, cache=None):
+        """Applies the layers whose parameters are ``layer_params`` (a slice of ``params["layers"]``
+        along its leading ``layers`` axis: all of them, or one pipeline stage's) in order.
+
+        Args:
+          x: ``[batch, len, embed]``; positions: int32 ``[batch, len]``.
+          keys: dropout keys, one per layer of ``layer_params``, or None.
+          cache: decoding cache of these layers, or None.
+        Returns:
+          ``(x, cache)``.
+        """
+        graphdef = nnx.graphdef(self.layers)
 
         def layer(x, xs):
             params, key, layer_cache = xs
             return nnx.merge(graphdef, params)(x, positions, key, layer_cache)
 
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x, cache_out = jax.lax.scan(layer, x, (layer_params, keys, cache))
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return jax.lax.scan(layer, x, (layer_params, keys, cache))
 
+    def head(self, x):
+        """Final norm and output layer: float32 logits ``[batch, len, vocab]`` from ``[batch, len, embed]``."""
+        dt = jnp.dtype(self.cfg.dtype)
         x = self.ln_f(x)
         if self.lm_head is None:
             logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(dt), preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("bse,ev->bsv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "length", "vocab"))
-        return logits if cache is None else (logits, cache_out)
+        return constrain(logits, ("batch", "length", "vocab"))
 
 
 def model_config(cfg):

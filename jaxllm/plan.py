@@ -32,7 +32,7 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jaxllm import config, metrics, model, sharding  # noqa: E402
+from jaxllm import config, metrics, model, pipeline, sharding  # noqa: E402
 
 GiB = 2**30
 # Memory per device in bytes (vendor datasheets; MI250X: one of its two GCDs).
@@ -57,7 +57,7 @@ def plan(cfg, num_devices: int) -> dict:
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
     to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.metrics.flops_per_step`),
-    ``compile_s``.
+    ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
@@ -92,6 +92,7 @@ def plan(cfg, num_devices: int) -> dict:
         "compile_s": compile_s,
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
+        "pipeline": (pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages, accum),
     }
 
 
@@ -110,6 +111,10 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"  total (compiled)      {gib(p['total'])}",
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.metrics.flops_per_step)",
     ]
+    stages, virtual, microbatches = p["pipeline"]
+    if stages > 1:
+        lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, "
+                     f"bubble {pipeline.bubble_fraction(stages, virtual, microbatches):.1%}")
     if device_memory:
         verdict = "FITS" if p["total"] <= device_memory else "DOES NOT FIT"
         lines.append(f"{verdict} in {device_name or ''} {device_memory / GiB:.1f} GiB "

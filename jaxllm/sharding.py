@@ -3,13 +3,15 @@
 The model names logical axes only: ``batch``, ``length`` (the sequence inside
 attention and MLP), ``residual`` (the sequence of the residual stream between
 blocks), ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``,
-``layers``.  :data:`RULES` says which mesh axes each one is split over, and
+``layers``, and ``stage`` (the pipeline stages, see :mod:`jaxllm.pipeline`).  :data:`RULES` says which mesh axes each one is split over, and
 every sharding of the program (parameters, optimizer state, gradients, batch,
 activations) is derived from it by :func:`rules`.
 
 Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
 
 * data parallelism: ``batch`` over ``data`` (and ``fsdp``);
+* pipeline parallelism: ``layers`` (so each stage holds its own layers) and
+  ``stage`` over ``pipeline`` (:mod:`jaxllm.pipeline`);
 * ZeRO (Rajbhandari et al. 2020): stage 1 splits the optimizer state's
   ``embed`` dimension over the data-parallel axes, stage 2 also the gradients
   (the all-reduce becomes a reduce-scatter), stage 3 also the parameters, which
@@ -52,7 +54,8 @@ RULES = {
     "head_dim": (),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
-    "layers": (),
+    "layers": ("pipeline",),
+    "stage": ("pipeline",),
 }
 
 
@@ -106,6 +109,11 @@ def constrain(x, axes):
         return x
     mesh, table = _ACTIVE[-1]
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, table)))
+
+
+def mesh_axes(name) -> tuple[str, ...]:
+    """The mesh axes the active table (see :func:`activation_sharding`) splits logical axis ``name`` over."""
+    return tuple(_ACTIVE[-1][1].get(name, ()))
 
 
 def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import model
+from jaxllm import model, pipeline
 
 
 def cross_entropy(logits, targets):
@@ -67,10 +67,7 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
 
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def train_step(state, inputs, targets):
-        params = state["params"]
-        keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), inputs.shape[0])
-
+    def accumulated(params, inputs, targets, keys):  # micro batches one after another
         def micro_step(acc, xs):
             x, y, key = xs
             loss, grads = grad_fn(params, x, y, key if dropout else None)
@@ -78,7 +75,19 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
 
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
         (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, keys))
-        loss, grads = jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
+        return jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
+
+    def pipelined(params, inputs, targets, keys):  # micro batches through the pipeline stages
+        loss, grads = jax.value_and_grad(lambda p: pipeline.loss(
+            cfg, graphdef, p, inputs, targets, keys if dropout else None, cross_entropy))(params)
+        return loss, pin(grads)
+
+    loss_and_grads = pipelined if pipeline.num_stages(cfg) > 1 else accumulated
+
+    def train_step(state, inputs, targets):
+        params = state["params"]
+        keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), inputs.shape[0])
+        loss, grads = loss_and_grads(params, inputs, targets, keys)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -98,10 +107,17 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     return train_step
 
 
-def make_eval_step(graphdef):
-    """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch."""
+def make_eval_step(cfg, graphdef, microbatches=1):
+    """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch.
+
+    With pipeline stages the batch goes through the pipeline as ``microbatches`` micro batches
+    (row ``r`` in micro batch ``r % microbatches``, as in training).
+    """
 
     def eval_step(params, inputs, targets):
-        return cross_entropy(model.forward(graphdef, params, inputs), targets).mean()
+        if pipeline.num_stages(cfg) == 1:
+            return cross_entropy(model.forward(graphdef, params, inputs), targets).mean()
+        split = lambda a: a.reshape(-1, microbatches, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
+        return pipeline.loss(cfg, graphdef, params, split(inputs), split(targets), None, cross_entropy)
 
     return eval_step

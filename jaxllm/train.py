@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxllm import attention, checkpoint, config, distributed, metrics, model, optim, sharding, step
+from jaxllm import attention, checkpoint, config, distributed, metrics, model, optim, pipeline, sharding, step
 from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
 from jaxllm.sampling import Sampler
 
@@ -92,7 +92,7 @@ class Run:
                                         sharding.grad_shardings(cfg, logical, self.mesh))
         self.train_step = jax.jit(self._in_mesh(train_fn), in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
-        self.eval_step = jax.jit(self._in_mesh(step.make_eval_step(self.graphdef)),
+        self.eval_step = jax.jit(self._in_mesh(step.make_eval_step(cfg, self.graphdef, config.grad_accum_steps(cfg))),
                                  in_shardings=(self.state_sharding["params"], self.eval_sharding, self.eval_sharding))
 
     def _in_mesh(self, fn):
@@ -154,6 +154,17 @@ class Run:
         return "\n".join(lines)
 
 
+def pipeline_note(cfg) -> str:
+    """``" through 4 pipeline stages (gpipe, bubble 27.3%)"``, or ``""`` without pipeline."""
+    p = pipeline.num_stages(cfg)
+    if p == 1:
+        return ""
+    v = cfg.parallel.pipeline_virtual_stages
+    bubble = pipeline.bubble_fraction(p, v, config.grad_accum_steps(cfg))
+    chunks = f" x {v} virtual" if v > 1 else ""
+    return f" through {p}{chunks} pipeline stages ({cfg.parallel.pipeline_schedule}, bubble {bubble:.1%})"
+
+
 def train(cfg, workdir: str) -> dict:
     """Trains ``cfg`` (validated and resolved by :func:`setup`) in ``workdir``; returns the last
     train and eval metrics. Resumes from ``workdir``'s latest valid checkpoint if there is one.
@@ -176,7 +187,7 @@ def train(cfg, workdir: str) -> dict:
     primary = jax.process_index() == 0
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"{config.grad_accum_steps(cfg)} microbatch(es)/step, "
+              f"{config.grad_accum_steps(cfg)} microbatch(es)/step{pipeline_note(cfg)}, "
               f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
               f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.vocab_size})"
               + (f", resuming at step {start}" if start else ""))
@@ -213,6 +224,9 @@ def train(cfg, workdir: str) -> dict:
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
                 elapsed = time.perf_counter() - tick
                 m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
+                if pipeline.num_stages(cfg) > 1:  # the schedule's theoretical idle fraction, next to the MFU it costs
+                    m["pipeline_bubble"] = pipeline.bubble_fraction(
+                        pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages, config.grad_accum_steps(cfg))
                 stats = jax.local_devices()[0].memory_stats() or {}
                 if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
                     m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30

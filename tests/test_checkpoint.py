@@ -245,8 +245,8 @@ def test_8_devices_resume_exactly_and_restore_onto_other_meshes(data_dir, tmp_pa
     assert rc == 0, out[-3000:]
     assert_matches(workdir, reference)
 
-    # Pipeline parallelism does not exist yet: data 4 x tensor 2 stands in for pipeline 2 x data 4.
-    layouts = {"fsdp8": {"fsdp": 8}, "single": {}, "data4_tensor2": {"data": 4, "tensor": 2}}
+    layouts = {"fsdp8": {"fsdp": 8}, "single": {}, "data4_tensor2": {"data": 4, "tensor": 2},
+               "pipeline2_data4": {"pipeline": 2, "data": 4}}
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "reshard.py"), str(ref), json.dumps(layouts)],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -254,7 +254,7 @@ def test_8_devices_resume_exactly_and_restore_onto_other_meshes(data_dir, tmp_pa
     assert results["saved_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and results["step"] == ITERS
     for name in layouts:
         assert results[name]["different"] == [] and results[name]["shardings_ok"], (name, results[name])
-    assert [results[n]["devices"] for n in layouts] == [8, 1, 8]
+    assert [results[n]["devices"] for n in layouts] == [8, 1, 8, 8]
 
 
 HUGE_INIT = {"model.init_std": 1e30}  # gradients overflow float32: every step's gradient norm is NaN

@@ -66,7 +66,7 @@ def test_rules_table_specs():
     cfg = config.get_config()
     table = sharding.rules(cfg)
     P = sharding.PartitionSpec
-    assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), table) == P(None, "fsdp", "tensor", None)
+    assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), table) == P("pipeline", "fsdp", "tensor", None)
     assert sharding.logical_to_spec(("vocab", "embed"), table) == P("tensor", "fsdp")
     # an activation's embed is not split over fsdp once its batch is
     assert sharding.logical_to_spec(("batch", "length", "embed"), table) == P(("data", "fsdp"), "sequence", None)

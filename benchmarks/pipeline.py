@@ -1,0 +1,95 @@
+"""Pipeline schedules side by side: per-device memory and step time on fake CPU devices.
+
+    python benchmarks/pipeline.py                       # p = 4 x data 2 on 8 CPU devices, m = 4, 8, 16
+    python benchmarks/pipeline.py --microbatches 4 --steps 1   # a quick look
+
+For each schedule (GPipe, interleaved with ``--virtual`` chunks per stage) and each
+microbatch count ``m`` it compiles the train step of a small GPT (``--layers`` layers,
+float32, full remat off) and prints one Markdown row: XLA's per-device temporaries
+(``Compiled.memory_analysis().temp_size_in_bytes``: activations kept for the backward
+pass, gradients in flight, collective buffers), the whole executable's bytes, the
+median step time of ``--steps`` steps after one warm-up step, and the theoretical
+bubble fraction ``(p - 1) / (v m + p - 1)``.  A first row per ``m`` runs the same
+batch without pipeline (``data`` only, ``m`` accumulated micro batches) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if __name__ == "__main__":  # the device count must be fixed before jax is imported
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm import config, pipeline  # noqa: E402
+from jaxllm.train import Run  # noqa: E402
+
+
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--data", type=int, default=2)
+    p.add_argument("--virtual", type=int, default=2, help="chunks per stage of the interleaved schedule")
+    p.add_argument("--microbatches", default="4,8,16")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    return p.parse_args()
+
+
+def measure(args, m, stages, schedule, virtual):
+    """(temp bytes, total bytes, median step seconds) of one layout."""
+    cfg = config.get_config()
+    cfg.model.update(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8, vocab_size=256,
+                     dtype="float32")
+    cfg.train.update(seq_length=args.seq, micro_batch_size=args.micro_batch,
+                     global_batch_size=args.micro_batch * args.data * m, warmup_iters=1)
+    cfg.mesh.update(pipeline=stages, data=args.data)
+    cfg.parallel.update(pipeline_schedule=schedule, pipeline_virtual_stages=virtual)
+    n = stages * args.data
+    config.validate(cfg, num_devices=n)
+    cfg = config.resolved(cfg, num_devices=n)
+    run = Run(cfg, devices=jax.devices()[:n])
+    tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch_size, args.seq + 1), dtype=np.int32)
+    batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])
+    state = run.initial_state()
+    compiled = run.train_step.lower(state, *batch).compile()
+    mem = compiled.memory_analysis()
+    times = []
+    for _ in range(args.steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, *batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    return mem.temp_size_in_bytes, total, statistics.median(times[1:])
+
+
+def main():
+    args = _parse()
+    p = args.stages
+    print(f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch {args.micro_batch}, "
+          f"float32; pipeline {p} x data {args.data} on {jax.device_count()} {jax.devices()[0].platform} devices\n")
+    print("| m | schedule | v | bubble | temporaries MiB/device | executable MiB/device | step s |")
+    print("|---|---|---|---|---|---|---|")
+    for m in map(int, args.microbatches.split(",")):
+        rows = [("none (data only)", 1, 1), ("gpipe", p, 1), ("interleaved", p, args.virtual)]
+        for name, stages, v in rows:
+            schedule = "interleaved" if v > 1 else "gpipe"
+            temp, total, secs = measure(args, m, stages, schedule, v)
+            bubble = f"{pipeline.bubble_fraction(stages, v, m):.1%}" if stages > 1 else "-"
+            print(f"| {m} | {name} | {v} | {bubble} | {temp / 2**20:.1f} | {total / 2**20:.1f} | {secs:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
