@@ -14,8 +14,8 @@ L4 = {"num_layers": 4}
 INTERLEAVED2 = {"pipeline_schedule": "interleaved", "pipeline_virtual_stages": 2}
 # tests/multidevice.py's batch: global 16, micro batch 2, so 8 microbatches / data-parallel size.
 LAYOUTS = {
-    "single": {"model": L4},
-    "pipeline2": {"mesh": {"pipeline": 2}, "model": L4},
+    "single": {"model": L4, "eval": True},
+    "pipeline2": {"mesh": {"pipeline": 2}, "model": L4, "eval": True},
     "pipeline4": {"mesh": {"pipeline": 4}, "model": L4},
     "pipeline4_data2": {"mesh": {"pipeline": 4, "data": 2}, "model": L4},
     "pipeline2_tensor2_data2": {"mesh": {"pipeline": 2, "tensor": 2, "data": 2}, "model": L4},
@@ -46,6 +46,10 @@ def test_pipeline_matches_single_device(results, name):
     for key, value in ref["params"].items():
         np.testing.assert_allclose(got["params"][key], value, rtol=1e-5, atol=1e-5, err_msg=key)
     assert got["sharding_mismatches"] == []  # each stage holds its own layers: "layers" over pipeline
+
+
+def test_pipelined_eval_step_matches_single_device(results):
+    assert results["pipeline2"]["eval_loss"] == pytest.approx(results["single"]["eval_loss"], rel=1e-5)
 
 
 def test_bubble_fraction():
