@@ -19,7 +19,7 @@ The step's micro batches (global batch / (micro batch x data-parallel size), the
 gradient-accumulation count of a run without pipeline) are the pipeline's
 microbatches.  All ``p`` stages run every iteration as one ``vmap`` over the
 stage axis, whose dimension is sharded over ``pipeline``; moving the activations
-one stage on is a shift of that axis, which XLA turns into a collective permute.
+one stage on is a roll of that axis, which XLA turns into one collective permute.
 Iteration ``t`` feeds microbatch ``t mod m`` to stage 0 (its embedding in the
 first pass, the last stage's output of the previous pass after that), so
 ``v m + p - 1`` iterations run, of which the fraction ``(p - 1) / (v m + p - 1)``
