@@ -112,6 +112,57 @@ def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
     return tokens * flops_per_token(cfg.model, cfg.train.seq_length, recompute=recompute)
 
 
+def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
+    """Matmul FLOPs per token that activation recomputation (``model.remat``) adds to a step.
+
+    * ``"none"``: 0.
+    * ``"full"`` (``nothing_saveable``): one more forward of the transformer layers, i.e.
+      ``flops_per_token(recompute=True) - flops_per_token()``.
+    * ``"save_dots"`` (``dots_with_no_batch_dims_saveable``): the projection and MLP matmuls
+      (no dot batch dimensions) are saved; the attention score and value matmuls (batched over
+      batch and heads) are recomputed, so one forward of them: ``L * 2*s*n*d`` per token
+      (causal-halved as in :func:`flops_per_token`).  Approximation: norms, softmax, GELU
+      and the other elementwise work that is also recomputed are not matmuls and are not
+      counted, like everywhere in this module; a fused attention kernel (``pallas``,
+      ``cudnn``, ``triton``) recomputes inside its own backward whatever the policy says,
+      which no policy term counts either.
+
+    Args:
+      model_cfg: a resolved ``model`` section (see :func:`flops_per_token`).
+      seq_length: tokens per sequence.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"``.
+    Returns:
+      FLOPs per token (a float).
+    Raises:
+      ValueError: unknown ``remat``, or the errors of :func:`flops_per_token`.
+    """
+    if remat == "none":
+        return 0.0
+    if remat == "full":
+        return flops_per_token(model_cfg, seq_length, recompute=True) - flops_per_token(model_cfg, seq_length)
+    if remat == "save_dots":
+        flops_per_token(model_cfg, seq_length)  # the same checks
+        m = model_cfg
+        head_dim = m.hidden_size // m.num_attention_heads
+        return float(m.num_layers * 2 * 2 * seq_length * m.num_attention_heads * head_dim / 2)
+    raise ValueError(f"remat={remat!r}: choose none, full or save_dots")
+
+
+def hardware_flops_per_step(cfg) -> float:
+    """Matmul FLOPs one step actually executes, all devices: :func:`flops_per_step` without
+    recomputation plus :func:`recompute_flops_per_token` of ``cfg.model.remat`` per token
+    (the basis of HFU; MFU uses the model FLOPs alone).
+
+    Args:
+      cfg: a full config passed through :func:`jaxllm.config.resolved`.
+    Returns:
+      FLOPs per step (a float).
+    """
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    return flops_per_step(cfg, recompute=False) + tokens * recompute_flops_per_token(
+        cfg.model, cfg.train.seq_length, cfg.model.remat)
+
+
 # ---------------------------------------------------------------------------------------------
 # Peak FLOP/s per device
 # ---------------------------------------------------------------------------------------------
@@ -236,12 +287,13 @@ def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) 
       ``step_time_s``; ``tokens_per_sec`` (all devices) and ``tokens_per_sec_per_device``
       (tokens/s); ``tflops_per_device``: model TFLOP/s (1e12 FLOP/s) per device;
       ``mfu``: model FLOPs utilisation (model FLOP/s per device / peak, recomputation not
-      counted); ``hfu``: hardware FLOPs utilisation (counts the recomputed forward of
-      ``remat="full"``; equals ``mfu`` otherwise). Fractions, not percent.
+      counted); ``hfu``: hardware FLOPs utilisation (:func:`hardware_flops_per_step`: adds
+      the matmuls ``model.remat`` recomputes; equals ``mfu`` for ``remat="none"``).
+      Fractions, not percent.
     """
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     model_flops = flops_per_step(cfg, recompute=False) / step_time_s / num_devices
-    hardware_flops = flops_per_step(cfg) / step_time_s / num_devices
+    hardware_flops = hardware_flops_per_step(cfg) / step_time_s / num_devices
     return {
         "step_time_s": float(step_time_s),
         "tokens_per_sec": tokens / step_time_s,

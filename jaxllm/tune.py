@@ -1,0 +1,554 @@
+"""Parallel-strategy autotuner: ``python -m jaxllm.tune --config=... --devices=N [flags]``.
+
+Search space: every ordered factorization of N devices over the mesh axes in ``--axes``
+(data, fsdp, pipeline, tensor, sequence) x ``--micro_batch`` x ``--remat`` x
+``--attention`` x pipeline virtual stages (``--virtual_stages``, only with pipeline > 1;
+> 1 means the interleaved schedule) x ``--sequence_impls`` (only with sequence > 1).
+
+1. Constraints: each candidate goes through :func:`jaxllm.config.validate` (heads,
+   FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
+   global batch by micro batch x data-parallel size; pipeline: layers divisible by stages
+   x virtual stages, microbatches a multiple of the stages) and :func:`constraint` (ulysses: heads divisible by sequence x tensor; ring: sequence divisible by 2 x
+   sequence axis; the attention impl available on this backend).  Rejected candidates
+   are counted by the key that rejects them; nothing is compiled for them.
+2. Memory: :func:`jaxllm.plan.plan` compiles the step ahead of time; a candidate whose
+   per-device total exceeds the target memory (``--device_memory=4GiB``,
+   ``--device=H100``; default on GPU the device's ``bytes_limit``, on CPU none) is pruned
+   without running.
+3. Measurement: :func:`jaxllm.bench.benchmark` with ``--steps`` timed steps after
+   ``--warmup``.  The config as given (the baseline) is measured first.  When the
+   budget (``--budget=N`` measured candidates or ``--budget=10m`` minutes) covers the
+   whole space the candidates are enumerated; otherwise Optuna's TPE sampler picks them
+   (constrained: rejected and pruned trials are infeasible).  The ``--confirm`` best
+   and the baseline are measured once more at the end, interleaved, and ranked by the
+   mean of their two measurements (the machine's load moves single measurements).
+
+Output (in ``--output_dir``): ``tune.md`` (summary and ranked table), ``tune.csv``,
+``tune.png`` (tokens/s per measured candidate) and the chosen config as a ready
+``--config.*`` line, also printed.
+
+Exit codes: 0 done; 2 a bad flag or config (one line); 1 anything unexpected.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # the CPU device count must be fixed before jax is imported
+    from jaxllm.bench import force_host_devices
+
+    force_host_devices(sys.argv)
+
+import csv  # noqa: E402
+import dataclasses  # noqa: E402
+import itertools  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+from jaxllm import attention, bench, config, plan  # noqa: E402
+from jaxllm.data import DataError  # noqa: E402
+
+GiB = 2**30
+AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search space."""
+
+    mesh: tuple[int, ...]  # sizes along config.MESH_AXES
+    micro_batch: int
+    remat: str
+    attention: str
+    virtual_stages: int = 1
+    sequence_impl: str = "allgather"
+
+    def overrides(self) -> dict[str, object]:
+        """``{"SECTION.KEY": value}`` that turn the base config into this candidate."""
+        out = {f"mesh.{a}": n for a, n in zip(AXES, self.mesh)}
+        out.update({"train.micro_batch_size": self.micro_batch, "model.remat": self.remat,
+                    "model.attention_impl": self.attention,
+                    "parallel.pipeline_virtual_stages": self.virtual_stages,
+                    "parallel.pipeline_schedule": "interleaved" if self.virtual_stages > 1 else "gpipe",
+                    "parallel.sequence_impl": self.sequence_impl})
+        return out
+
+    def flags(self) -> str:
+        """The candidate as ``--config.*`` flags."""
+        return " ".join(f"--config.{k}={v}" for k, v in self.overrides().items())
+
+    def mesh_text(self) -> str:
+        return " ".join(f"{a}{n}" for a, n in zip(AXES, self.mesh) if n > 1) or "1 device"
+
+
+@dataclasses.dataclass
+class Result:
+    candidate: Candidate
+    status: str  # measured | pruned (memory) | failed
+    memory: float | None = None  # plan total, bytes per device
+    tokens_per_sec: list = dataclasses.field(default_factory=list)  # tokens/s of each measurement
+    record: dict | None = None  # the last bench record
+    error: str = ""
+    baseline: bool = False
+
+    @property
+    def throughput(self) -> float:
+        return sum(self.tokens_per_sec) / len(self.tokens_per_sec) if self.tokens_per_sec else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The search space
+# ---------------------------------------------------------------------------------------------
+
+
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every ordered ``k``-tuple of positive integers whose product is ``n``."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
+
+
+def candidate_config(base, c: Candidate, vocab: int | None):
+    """``base`` with candidate ``c`` applied (``vocab``: the tokenizer's, padded as
+    :func:`jaxllm.config.resolved` would for the candidate's tensor size when the base
+    leaves ``model.vocab_size`` derived)."""
+    cfg = bench.apply_overrides(base, [(k, str(v)) for k, v in c.overrides().items()])
+    if not base.model.vocab_size and vocab:
+        k = cfg.model.make_vocab_size_divisible_by * c.mesh[AXES.index("tensor")]
+        cfg.model.vocab_size = k * math.ceil(vocab / k)
+    return cfg
+
+
+def constraint(cfg, num_devices: int) -> str | None:
+    """None if ``cfg`` can run on ``num_devices``, else the key that rejects it
+    (:func:`jaxllm.config.validate` first, then the pipeline, sequence and attention rules
+    of the module docstring)."""
+    try:
+        config.validate(cfg, num_devices=num_devices)
+    except config.ConfigError as e:
+        return e.key
+    m, p = cfg.model, cfg.parallel
+    sp = cfg.mesh.sequence
+    if sp > 1 and p.sequence_impl == "ulysses" and m.num_attention_heads % (sp * cfg.mesh.tensor):
+        return "parallel.sequence_impl (ulysses: heads % (sequence x tensor))"
+    if sp > 1 and p.sequence_impl == "ring" and cfg.train.seq_length % (2 * sp):
+        return "parallel.sequence_impl (ring: seq % (2 x sequence))"
+    try:
+        attention.resolve_impl(m.attention_impl)
+    except ValueError:
+        return "model.attention_impl (not on this backend)"
+    return None
+
+
+def space(base, num_devices: int, *, axes, micro_batches, remats, attentions, virtual_stages,
+          sequence_impls) -> list[Candidate]:
+    """The full search space (before constraints), in a fixed order."""
+    out = []
+    idx = [AXES.index(a) for a in axes]
+    for sizes in factorizations(num_devices, len(axes)):
+        mesh = [1] * len(AXES)
+        for i, s in zip(idx, sizes):
+            mesh[i] = s
+        vss = virtual_stages if mesh[AXES.index("pipeline")] > 1 else [1]
+        sis = sequence_impls if mesh[AXES.index("sequence")] > 1 else [base.parallel.sequence_impl]
+        for mb, remat, attn, vs, si in itertools.product(micro_batches, remats, attentions, vss, sis):
+            out.append(Candidate(tuple(mesh), mb, remat, attn, vs, si))
+    return out
+
+
+def baseline_candidate(base, num_devices: int) -> Candidate:
+    """The base config as a candidate (its -1 mesh axis filled)."""
+    sizes = config.mesh_shape(base, num_devices)
+    return Candidate(tuple(sizes[a] for a in AXES), base.train.micro_batch_size, base.model.remat,
+                     base.model.attention_impl, base.parallel.pipeline_virtual_stages, base.parallel.sequence_impl)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """``"20"`` -> (20 measured candidates, None); ``"10m"`` / ``"90s"`` -> (None, seconds).
+
+    Raises:
+      ValueError: anything else, or a budget <= 0.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(m|min|s)?\s*", text)
+    if not m or float(m.group(1)) <= 0 or (m.group(2) is None and "." in m.group(1)):
+        raise ValueError(f"--budget={text!r}: give a number of trials (20) or minutes (10m) / seconds (90s), > 0")
+    if m.group(2) is None:
+        return int(m.group(1)), None
+    return None, float(m.group(1)) * (1 if m.group(2) == "s" else 60)
+
+
+class Tuner:
+    """Runs the search; see the module docstring.
+
+    Args:
+      base: the config to tune (validated as given: it is the baseline).
+      num_devices: devices to lay out.
+      memory_limit: bytes per device; None: no memory pruning.
+      steps, warmup: of each measurement (:func:`jaxllm.bench.benchmark`).
+      vocab: the tokenizer's vocabulary when ``model.vocab_size`` is 0 (derived).
+      log: a function taking one line of progress (default: print it).
+    """
+
+    def __init__(self, base, num_devices: int, *, memory_limit: float | None, steps: int = 3, warmup: int = 1,
+                 vocab: int | None = None, log=None):
+        self.base, self.n, self.memory_limit = base, num_devices, memory_limit
+        self.steps, self.warmup, self.vocab = steps, warmup, vocab
+        self.log = log or (lambda line: print(line, flush=True))
+        self.results: dict[Candidate, Result] = {}
+        self.rejected: dict[str, int] = {}
+        self.valid: list[Candidate] = []
+        self.space_size = 0
+        self.measured_count = 0
+
+    def filter(self, candidates: list[Candidate]) -> None:
+        """Applies the constraints to every candidate, counting rejections by key."""
+        self.space_size = len(candidates)
+        for c in candidates:
+            why = constraint(candidate_config(self.base, c, self.vocab), self.n)
+            if why:
+                self.rejected[why] = self.rejected.get(why, 0) + 1
+            else:
+                self.valid.append(c)
+
+    def evaluate(self, c: Candidate, baseline: bool = False) -> Result:
+        """Plans ``c`` and, if it fits, measures it (once; later calls return the result)."""
+        if c in self.results:
+            return self.results[c]
+        cfg = candidate_config(self.base, c, self.vocab)
+        try:
+            p = plan.plan(cfg, self.n)
+        except Exception as e:  # noqa: BLE001  (a candidate XLA cannot compile is a result, not the end)
+            r = self.results[c] = Result(c, "failed", error=f"plan: {type(e).__name__}: {str(e)[:200]}",
+                                         baseline=baseline)
+            self.log(f"  {c.mesh_text():<28} failed to plan: {r.error}")
+            return r
+        if self.memory_limit is not None and p["total"] > self.memory_limit:
+            r = self.results[c] = Result(c, "pruned (memory)", memory=p["total"], baseline=baseline)
+            self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} plan {p['total'] / GiB:.3f} GiB > "
+                     f"{self.memory_limit / GiB:.3f} GiB: pruned")
+            return r
+        r = self.results[c] = Result(c, "measured", memory=p["total"], baseline=baseline)
+        self._measure(r)
+        self.measured_count += 1
+        return r
+
+    def _measure(self, r: Result) -> None:
+        c = r.candidate
+        try:
+            cfg, _ = bench.prepare(candidate_config(self.base, c, self.vocab), self.n)
+            rec = bench.benchmark(cfg, num_devices=self.n, steps=self.steps, warmup=self.warmup,
+                                  name=c.mesh_text())
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory on a GPU)
+            r.status, r.error = "failed", f"{type(e).__name__}: {str(e)[:200]}"
+            self.log(f"  {c.mesh_text():<28} failed: {r.error}")
+            return
+        r.record = rec
+        r.tokens_per_sec.append(rec["tokens_per_sec"])
+        self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} {c.attention} "
+                 f"plan {r.memory / GiB:.3f} GiB: {rec['tokens_per_sec']:,.0f} tokens/s "
+                 f"({rec['step_time_s']:.3g} s/step)" + (" [baseline]" if r.baseline else ""))
+
+    def run(self, *, trials: int | None, seconds: float | None, sampler: str = "auto", seed: int = 0,
+            confirm: int = 2) -> None:
+        """Measures the baseline, then searches the valid candidates within the budget.
+
+        Args:
+          trials: measured candidates at most (the baseline included); seconds: wall-time
+            budget of the search (confirmation not included); one of them set.
+          sampler: ``grid`` (in order), ``optuna`` (TPE) or ``auto`` (grid when the trial
+            budget covers every valid candidate, else optuna).
+          confirm: re-measure this many of the best and the baseline at the end.
+        """
+        start = time.perf_counter()
+        base = baseline_candidate(self.base, self.n)
+        self.evaluate(base, baseline=True)
+        self.baseline = base
+
+        def budget_left():
+            if trials is not None and self.measured_count >= trials:
+                return False
+            return seconds is None or time.perf_counter() - start < seconds
+
+        if sampler == "auto":
+            sampler = "grid" if trials is not None and trials >= len(set(self.valid) | {base}) else "optuna"
+        self.sampler = sampler
+        if sampler == "grid":
+            for c in self.valid:
+                if not budget_left():
+                    break
+                self.evaluate(c)
+        else:
+            self._optuna(budget_left, seed)
+        if confirm:
+            best = sorted((r for r in self.results.values() if r.status == "measured" and not r.baseline),
+                          key=lambda r: -r.throughput)[:confirm]
+            self.log(f"confirming: the baseline and the best {len(best)}, measured again")
+            for r in [self.results[base], *best]:
+                if r.status == "measured":
+                    self._measure(r)
+
+    def _optuna(self, budget_left, seed: int) -> None:
+        import optuna  # noqa: PLC0415
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        valid = set(self.valid)
+        dims = {
+            "mesh": sorted({c.mesh for c in self.valid}),
+            "micro_batch": sorted({c.micro_batch for c in self.valid}),
+            "remat": sorted({c.remat for c in self.valid}),
+            "attention": sorted({c.attention for c in self.valid}),
+            "virtual_stages": sorted({c.virtual_stages for c in self.valid}),
+            "sequence_impl": sorted({c.sequence_impl for c in self.valid}),
+        }
+        sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=lambda t: [t.user_attrs["infeasible"]])
+        study = optuna.create_study(direction="maximize", sampler=sampler)
+        seen: set[Candidate] = set()
+        attempts = 0
+        while budget_left() and len(seen) < len(valid) and attempts < 200 * max(1, len(valid)):
+            attempts += 1
+            trial = study.ask()
+            mesh_i = trial.suggest_categorical("mesh", [",".join(map(str, m)) for m in dims["mesh"]])
+            c = Candidate(tuple(int(x) for x in mesh_i.split(",")),
+                          *(trial.suggest_categorical(k, dims[k]) for k in
+                            ("micro_batch", "remat", "attention", "virtual_stages", "sequence_impl")))
+            if c not in valid:  # a combination the constraints reject: infeasible, costs nothing
+                trial.set_user_attr("infeasible", 1.0)
+                study.tell(trial, 0.0)
+                continue
+            seen.add(c)
+            r = self.evaluate(c)
+            trial.set_user_attr("infeasible", 0.0 if r.status == "measured" else 1.0)
+            study.tell(trial, r.throughput)
+
+    # -- report -----------------------------------------------------------------------------
+
+    def ranked(self) -> list[Result]:
+        order = {"measured": 0, "pruned (memory)": 1, "failed": 2}
+        return sorted(self.results.values(), key=lambda r: (order[r.status], -r.throughput,
+                                                             r.memory or 0))
+
+    def best(self) -> Result | None:
+        measured = [r for r in self.results.values() if r.status == "measured"]
+        return max(measured, key=lambda r: r.throughput) if measured else None
+
+    def summary(self) -> list[str]:
+        rejected = sum(self.rejected.values())
+        pruned = sum(r.status == "pruned (memory)" for r in self.results.values())
+        failed = sum(r.status == "failed" for r in self.results.values())
+        measured = sum(r.status == "measured" for r in self.results.values())
+        limit = f"{self.memory_limit / GiB:.3f} GiB/device" if self.memory_limit else "none"
+        lines = [f"- search space: {self.space_size} candidates on {self.n} device(s); sampler {self.sampler}",
+                 f"- rejected by the constraints (config.validate + tune.constraint), never compiled: {rejected}"]
+        lines += [f"  - {key}: {count}" for key, count in sorted(self.rejected.items(), key=lambda kv: -kv[1])]
+        lines += [f"- planned (ahead-of-time memory plan): {len(self.results)} of {len(self.valid)} valid",
+                  f"- pruned by the memory plan (> {limit}), not run: {pruned}",
+                  f"- measured: {measured}; failed: {failed}"]
+        return lines
+
+    def rows(self) -> list[dict]:
+        base = self.results[self.baseline].throughput or None
+        out = []
+        for rank, r in enumerate(self.ranked(), 1):
+            c, rec = r.candidate, r.record or {}
+            out.append({
+                "rank": rank if r.status == "measured" else "",
+                "status": r.status + (" [baseline]" if r.baseline else ""),
+                **{a: n for a, n in zip(AXES, c.mesh)},
+                "micro_batch": c.micro_batch, "microbatches": rec.get("microbatches", ""),
+                "remat": c.remat, "attention": c.attention, "virtual_stages": c.virtual_stages,
+                "sequence_impl": c.sequence_impl,
+                "plan_memory_gib": round(r.memory / GiB, 4) if r.memory is not None else "",
+                "tokens_per_sec": round(r.throughput, 1) if r.tokens_per_sec else "",
+                "measurements": len(r.tokens_per_sec),
+                "step_time_s": round(rec["tokens_per_step"] / r.throughput, 5) if r.tokens_per_sec else "",
+                "mfu": round(rec["mfu"], 5) if rec else "",
+                "vs_baseline": round(r.throughput / base, 3) if (base and r.tokens_per_sec) else "",
+                "error": r.error,
+            })
+        return out
+
+    def write(self, out_dir: str, command: str) -> dict:
+        """Writes ``tune.md``, ``tune.csv``, ``tune.png`` into ``out_dir``; returns their paths."""
+        os.makedirs(out_dir, exist_ok=True)
+        rows = self.rows()
+        paths = {k: os.path.join(out_dir, f"tune.{k}") for k in ("md", "csv", "png")}
+        with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        cols = ["rank", "status", *AXES, "micro_batch", "microbatches", "remat", "attention", "virtual_stages",
+                "sequence_impl", "plan_memory_gib", "tokens_per_sec", "measurements", "mfu", "vs_baseline"]
+        md = [f"```\n{command}\n```", "", *self.summary(), ""]
+        best = self.best()
+        if best:
+            base = self.results[self.baseline]
+            versus = (f"{best.throughput / base.throughput:.2f}x the baseline measured in the same run"
+                      if base.tokens_per_sec else f"the baseline was not measured: {base.status}")
+            md += [f"chosen ({best.throughput:,.0f} tokens/s, {versus}):",
+                   "", f"```\n{best.candidate.flags()}\n```", ""]
+        md.append("| " + " | ".join(cols) + " |")
+        md.append("|" + "---|" * len(cols))
+        for row in rows:
+            md.append("| " + " | ".join(str(row[k]) for k in cols) + " |")
+        with open(paths["md"], "w", encoding="utf-8") as f:
+            f.write("\n".join(md) + "\n")
+        self.plot(paths["png"])
+        return paths
+
+    def plot(self, path: str) -> None:
+        """Bar chart of tokens/s per measured candidate (baseline in orange, the chosen in green)."""
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+
+        measured = [r for r in self.ranked() if r.status == "measured"]
+        best = self.best()
+        labels = [f"{r.candidate.mesh_text()} mb{r.candidate.micro_batch} {r.candidate.remat}"
+                  + (f" {r.candidate.attention}" if len({m.candidate.attention for m in measured}) > 1 else "")
+                  for r in measured]
+        colors = ["tab:green" if r is best else "tab:orange" if r.baseline else "tab:blue" for r in measured]
+        fig, ax = plt.subplots(figsize=(9, 0.35 * len(measured) + 1.6))
+        ax.barh(range(len(measured)), [r.throughput for r in measured], color=colors)
+        ax.set_yticks(range(len(measured)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens/s (mean of the measurements)")
+        pruned = sum(r.status == "pruned (memory)" for r in self.results.values())
+        ax.set_title(f"jaxllm.tune: {self.n} {jax.devices()[0].platform} devices; {len(measured)} measured, "
+                     f"{pruned} pruned by the memory plan, {sum(self.rejected.values())} rejected\n"
+                     "green: chosen, orange: baseline (the config as given)", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{flag}={text!r}: give comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{flag}={text!r}: give comma-separated integers >= 1")
+    return values
+
+
+def _choices(flag: str, text: str, options) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in values if v not in options]
+    if not values or bad:
+        raise ValueError(f"--{flag}={text!r}: choose from {', '.join(options)}")
+    return values
+
+
+def default_attentions() -> list[str]:
+    """The attention impls that run on this backend, less Pallas's interpreter on CPU."""
+    impls = attention.available_impls()
+    return [i for i in impls if not (jax.devices()[0].platform == "cpu" and i == "pallas")] or ["xla"]
+
+
+def main(argv):
+    from absl import flags  # noqa: PLC0415
+
+    F = flags.FLAGS
+    if len(argv) > 1:
+        bench._usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
+    base = F.config
+    try:
+        n = F.devices or len(jax.devices())
+        if n < 1 or n > len(jax.devices()):
+            raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
+        trials, seconds = parse_budget(F.budget)
+        axes = _choices("axes", F.axes, AXES)
+        t = base.train
+        mbs = (_ints("micro_batch", F.micro_batch) if F.micro_batch != "auto"
+               else [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % d == 0])
+        remats = _choices("remat", F.remat, config.CHOICES["model.remat"])
+        attns = default_attentions() if F.attention == "auto" else _choices(
+            "attention", F.attention, [i for i in config.CHOICES["model.attention_impl"] if i != "auto"])
+        vss = _ints("virtual_stages", F.virtual_stages)
+        sis = (_choices("sequence_impls", F.sequence_impls, config.CHOICES["parallel.sequence_impl"])
+               if F.sequence_impls else [base.parallel.sequence_impl])
+        if F.sampler not in ("auto", "grid", "optuna"):
+            raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
+        if F.steps < 1 or F.warmup < 0 or F.confirm < 0:
+            raise ValueError("--steps must be >= 1, --warmup and --confirm >= 0")
+        if any(base.mesh[f"dcn_{a}"] != 1 for a in AXES):
+            raise ValueError("tune lays out one node's devices: set every mesh.dcn_* to 1")
+        memory = None
+        if F.device:
+            if F.device not in plan.DEVICE_MEMORY:
+                raise ValueError(f"--device={F.device!r}: choose one of {', '.join(plan.DEVICE_MEMORY)}")
+            memory = plan.DEVICE_MEMORY[F.device]
+        if F.device_memory:
+            memory = plan.parse_bytes(F.device_memory)
+        if memory is None:
+            memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        if n > 1 and all(base.mesh[a] == 1 for a in AXES):  # a one-device config: the baseline is data N
+            base.mesh.data = -1
+            print(f"jaxllm.tune: the config's mesh is one device; baseline: mesh.data={n}", flush=True)
+        config.validate(base, num_devices=n)  # the baseline must be valid as given
+        vocab = bench.TOKENIZER_VOCAB.get(base.data.tokenizer)
+        if not base.model.vocab_size and vocab is None:
+            cfg, _ = bench.prepare(base, n, workdir=F.workdir)  # reads the data for the char vocabulary
+            vocab = cfg.model.vocab_size
+    except config.ConfigError as e:
+        bench._usage_error(str(e))
+    except DataError as e:
+        bench._usage_error(f"data error: {e}")
+    except ValueError as e:
+        bench._usage_error(f"error: {e}")
+
+    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, vocab=vocab)
+    tuner.filter(space(base, n, axes=axes, micro_batches=mbs, remats=remats, attentions=attns,
+                       virtual_stages=vss, sequence_impls=sis))
+    print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
+          f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
+    tuner.run(trials=trials, seconds=seconds, sampler=F.sampler, seed=F.seed, confirm=F.confirm)
+    command = "python -m jaxllm.tune " + " ".join(a for a in sys.argv[1:])
+    paths = tuner.write(F.output_dir, command)
+    print("\n".join(tuner.summary()))
+    with open(paths["md"], encoding="utf-8") as f:
+        print(f.read())
+    best = tuner.best()
+    print(f"wrote {paths['md']}, {paths['csv']}, {paths['png']}")
+    if best:
+        print(f"chosen: {best.candidate.flags()}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags, logging
+
+    logging.set_verbosity(logging.WARNING)
+    bench.define_config_flag()
+    flags.DEFINE_integer("devices", 0, "devices to lay out (CPU: fake devices); 0: all")
+    flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)")
+    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(plan.DEVICE_MEMORY)}")
+    flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)")
+    flags.DEFINE_string("axes", ",".join(AXES), "mesh axes to factorize the devices over")
+    flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)")
+    flags.DEFINE_string("remat", "none,full,save_dots", "remat policies")
+    flags.DEFINE_string("attention", "auto", "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
+    flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
+    flags.DEFINE_string("sequence_impls", "", "sequence_impl values tried when mesh.sequence > 1 (default: the config's)")
+    flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")
+    flags.DEFINE_integer("seed", 0, "Optuna sampler seed")
+    flags.DEFINE_integer("steps", 3, "timed steps per measurement")
+    flags.DEFINE_integer("warmup", 1, "untimed steps per measurement")
+    flags.DEFINE_integer("confirm", 2, "re-measure the baseline and this many of the best at the end")
+    flags.DEFINE_string("workdir", "runs/tune", "where real data is tokenized when the vocabulary needs it")
+    flags.DEFINE_string("output_dir", "runs/tune", "where tune.md, tune.csv and tune.png go")
+    app.run(main, flags_parser=bench.parse_flags_exit_2)

@@ -1,0 +1,144 @@
+"""jaxllm.bench: the arithmetic of its numbers against hand counts and an independent timing,
+bench vs the training log, --compare on 2 devices, and bad flags (exit 2)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm import bench, config, metrics, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+L, H, N, V, S = 2, 64, 4, 256, 32  # layers, hidden, heads, vocabulary, sequence
+
+
+def tiny(remat="none"):
+    c = config.get_config()
+    c.model.update(num_layers=L, hidden_size=H, num_attention_heads=N, vocab_size=V, dtype="float32", remat=remat)
+    c.train.update(seq_length=S, micro_batch_size=4, global_batch_size=8)
+    return c
+
+
+def hand_flops_per_token(remat):
+    """Matmul FLOPs per token counted by hand for ``tiny()`` (gelu MLP 4h, multi-head attention)."""
+    layer = 2 * H * 3 * H + 2 * S * H + 2 * H * H + 2 * 2 * H * 4 * H  # qkv, causal attention, out proj, MLP up+down
+    logits = 2 * H * V
+    model = 3 * L * layer + 3 * logits
+    extra = {"none": 0, "full": L * layer, "save_dots": L * 2 * S * H}[remat]  # save_dots: scores + values
+    return model, model + extra
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
+def test_hardware_flops_hand_count(remat):
+    cfg = config.resolved(tiny(remat))
+    model_fpt, hardware_fpt = hand_flops_per_token(remat)
+    assert metrics.flops_per_step(cfg, recompute=False) == 8 * S * model_fpt
+    assert metrics.hardware_flops_per_step(cfg) == 8 * S * hardware_fpt
+    out = metrics.throughput(0.5, cfg, num_devices=2, peak_flops=1e9)
+    assert out["hfu"] / out["mfu"] == pytest.approx(hardware_fpt / model_fpt, rel=1e-12)
+
+
+def test_bench_numbers_against_hand_count_and_independent_timing():
+    cfg, _ = bench.prepare(tiny("save_dots"), 1)
+    t0 = time.perf_counter()
+    r = bench.benchmark(cfg, num_devices=1, steps=6, warmup=1)
+    wall = time.perf_counter() - t0
+    times = r["step_times_s"]
+    assert len(times) == 6 and r["steps"] == 6 and r["microbatches"] == 2
+    assert r["step_time_s"] == pytest.approx(np.mean(times), rel=1e-12)
+    assert r["tokens_per_sec"] == pytest.approx(8 * S / np.mean(times), rel=1e-12)
+    model_fpt, hardware_fpt = hand_flops_per_token("save_dots")
+    peak = r["peak_flops_per_device"]
+    assert r["tflops_per_device"] == pytest.approx(8 * S * model_fpt / r["step_time_s"] / 1e12, rel=1e-9)
+    assert r["mfu"] == pytest.approx(8 * S * model_fpt / r["step_time_s"] / peak, rel=1e-9)
+    assert r["hfu"] == pytest.approx(8 * S * hardware_fpt / r["step_time_s"] / peak, rel=1e-9)
+    assert r["hfu"] > r["mfu"]
+    # The timed steps lie inside the call: their sum is below its wall time, the compile time too.
+    assert sum(times) + r["compile_s"] < wall
+    # CPU reports no peak_bytes_in_use: the compiled executable's figure, at least params + 2 Adam moments.
+    assert r["peak_memory_source"] == "compiled memory_analysis"
+    assert r["peak_memory_bytes"] == r["compiled_memory_bytes"] >= 3 * 4 * r["num_params"]
+    assert np.isfinite(r["final_loss"]) and json.loads(json.dumps(r))["name"] == ""
+
+    # Independent timing of the same step, outside bench: a fresh Run, compiled, 6 steps timed as one
+    # window. A shared 2-core machine moves step times by 2x between runs; a factor 3 still catches
+    # unit errors (ms/s, per device), compile time or warm-up inside the timed steps.
+    run = train.Run(cfg, devices=jax.devices()[:1])
+    state = run.initial_state()
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, V, (8, S + 1), dtype=np.int32)
+    batch = run.global_batch(tok[:, :-1], tok[:, 1:])
+    step = run.train_step.lower(state, *batch).compile()
+    state, m = step(state, *batch)
+    jax.block_until_ready(m)
+    start = time.perf_counter()
+    for _ in range(6):
+        state, m = step(state, *batch)
+    jax.block_until_ready(m)
+    reference = 6 * 8 * S / (time.perf_counter() - start)
+    assert 1 / 3 < r["tokens_per_sec"] / reference < 3, (r["tokens_per_sec"], reference)
+
+
+def test_bench_matches_the_training_log(tmp_path):
+    """The 10% agreement is measured in docs/performance.md; here a bound that load cannot break:
+    the two runs share one loaded 2-core machine, so only a factor 2 is asserted."""
+    assert SHAKESPEARE.is_file(), f"missing shared data {SHAKESPEARE}"
+    spec = importlib.util.spec_from_file_location("shakespeare_char", ROOT / "configs" / "shakespeare_char.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = recipe.get_config()
+    cfg.train.update(train_iters=30, log_interval=10, eval_interval=0)
+    cfg.log.update(samples=0, tensorboard=False, progress_bar=False)
+    logged = train.train(cfg, str(tmp_path / "train"))
+    lines = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [10, 20, 30]
+    resolved, data = bench.prepare(cfg, 1, data="real", workdir=str(tmp_path / "train"))
+    r = bench.benchmark(resolved, num_devices=1, steps=10, warmup=2, data=data)
+    assert r["data"] == "real" and r["tokens_per_step"] == 12 * 64
+    assert 0.5 < r["tokens_per_sec"] / logged["tokens_per_sec"] < 2, (r["tokens_per_sec"], logged["tokens_per_sec"])
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxllm.bench", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+TINY_FLAGS = [f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
+              f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
+              f"--config.train.seq_length={S}", "--config.train.micro_batch_size=2",
+              "--config.train.global_batch_size=4", "--config.model.dtype=float32"]
+
+
+def test_compare_on_two_devices_writes_one_json_line_per_config(tmp_path):
+    out = tmp_path / "b.jsonl"
+    r = cli("--devices=2", "--config.mesh.data=2", *TINY_FLAGS, "--steps=2", "--warmup=1", f"--output={out}",
+            "--compare=mesh.data=1,mesh.tensor=2,model.remat=full")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["name"] for x in recs] == ["", "mesh.data=1,mesh.tensor=2,model.remat=full"]
+    assert [(x["mesh"]["data"], x["mesh"]["tensor"]) for x in recs] == [(2, 1), (1, 2)]
+    assert [x["remat"] for x in recs] == ["none", "full"] and all(x["devices"] == 2 for x in recs)
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "x |" in ln]
+    assert len(rows) == 2
+    for row, rec in zip(rows, recs):  # the printed ratio is tokens/s against the base config
+        assert f"{rec['tokens_per_sec'] / recs[0]['tokens_per_sec']:.2f}x" in row
+
+
+@pytest.mark.parametrize("flag,message", [("--steps=0", "--steps=0"), ("--steps=abc", "steps"),
+                                          ("--compare=mesh.data", "SECTION.KEY=VALUE"),
+                                          ("--data=web", "--data='web'"),
+                                          ("--config.model.hidden_size=102", "model.hidden_size")])
+def test_bad_flags_one_line_exit_2(flag, message):
+    r = cli(flag, "--output=")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr

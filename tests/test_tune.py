@@ -1,0 +1,131 @@
+"""jaxllm.tune: the search space, constraint and memory pruning counts against hand counts and
+jaxllm.plan, the measured candidates, and the CLI's outputs on 2 devices (Optuna) and bad flags."""
+
+import csv
+import dataclasses
+import itertools
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxllm import config, plan, tune
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.mark.parametrize("n,k", [(8, 5), (12, 3), (1, 4), (7, 2)])
+def test_factorizations_brute_force(n, k):
+    brute = sorted(t for t in itertools.product(range(1, n + 1), repeat=k) if math.prod(t) == n)
+    assert sorted(tune.factorizations(n, k)) == brute
+    assert len(set(tune.factorizations(n, k))) == len(brute)
+
+
+def test_budget_parsing():
+    assert tune.parse_budget("20") == (20, None)
+    assert tune.parse_budget("10m") == (None, 600.0) and tune.parse_budget("90s") == (None, 90.0)
+    for bad in ("0", "abc", "1.5", "-3m", "5h"):
+        with pytest.raises(ValueError, match="--budget"):
+            tune.parse_budget(bad)
+
+
+def test_constraints_count_rejections_by_key():
+    base = tiny()
+    cands = tune.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
+                       virtual_stages=[1, 2], sequence_impls=["allgather"])
+    got = {}
+    for c in cands:
+        why = tune.constraint(tune.candidate_config(base, c, None), 8)
+        got[why] = got.get(why, 0) + 1
+    # Hand counts, 8 devices: 35 meshes over 5 axes, 20 of them without pipeline; x 2 micro batches,
+    # x 2 virtual stages where pipeline > 1: 20*2 + 15*4 = 100 candidates.
+    assert len(cands) == 100 and len(set(cands)) == 100
+    assert got["model.num_attention_heads"] == 2  # tensor 8 splits 4 heads: mesh (1,1,1,8,1), 2 micro batches
+    # Pipeline (2 layers): stages x virtual stages must divide 2, so only pipeline 2 without virtual
+    # stages runs: 10 meshes x 2 micro batches with virtual 2, 4 x 2 x 2 with pipeline 4, 1 x 2 x 2 with 8.
+    assert got["model.num_layers"] == 20 + 16 + 4
+    # global 8 % (micro 2 x data-parallel 8) on 4 meshes; with pipeline 2, micro 2 x data-parallel 4
+    # leaves 1 microbatch, not a multiple of 2 stages, on 3 meshes
+    assert got["train.global_batch_size"] == 4 + 3
+    assert got[None] == 100 - 2 - 7 - 40
+    ulysses = tune.Candidate((1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
+    assert tune.constraint(tune.candidate_config(base, ulysses, None), 8).startswith("parallel.sequence_impl")
+    allgather = dataclasses.replace(ulysses, sequence_impl="allgather")
+    assert tune.constraint(tune.candidate_config(base, allgather, None), 8) is None
+    short = tiny()
+    short.train.seq_length = 8
+    ring = tune.Candidate((1, 1, 1, 1, 8), 1, "none", "xla", 1, "ring")  # 8 % (2 x 8)
+    assert tune.constraint(tune.candidate_config(short, ring, None), 8).startswith("parallel.sequence_impl (ring")
+
+
+L, H, N, V, S = 2, 64, 4, 256, 32
+
+
+def tiny():
+    c = config.get_config()
+    c.model.update(num_layers=L, hidden_size=H, num_attention_heads=N, vocab_size=V, dtype="float32")
+    c.train.update(seq_length=S, micro_batch_size=1, global_batch_size=8)
+    return c
+
+
+def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
+    base = tiny()
+    small, large = (plan.plan(tune.candidate_config(base, tune.Candidate((1,) * 5, mb, "none", "xla"), None), 1)["total"]
+                    for mb in (1, 8))
+    assert large > small
+    limit = (small + large) / 2
+    tuner = tune.Tuner(base, 1, memory_limit=limit, steps=1, warmup=0, log=lambda line: None)
+    tuner.filter(tune.space(base, 1, axes=config.MESH_AXES, micro_batches=[1, 3, 8], remats=["none"],
+                            attentions=["xla"], virtual_stages=[1], sequence_impls=["allgather"]))
+    assert tuner.space_size == 3 and tuner.rejected == {"train.global_batch_size": 1}  # 8 % 3
+    tuner.run(trials=5, seconds=None, sampler="auto", confirm=0)
+    assert tuner.sampler == "grid"
+    by_mb = {r.candidate.micro_batch: r for r in tuner.results.values()}
+    assert set(by_mb) == {1, 8}
+    assert by_mb[8].status == "pruned (memory)" and by_mb[8].memory == large and not by_mb[8].tokens_per_sec
+    measured = by_mb[1]
+    assert measured.status == "measured" and measured.baseline and measured.memory == small
+    # the plan (abstract state) and the real compilation of the measurement agree on memory
+    assert measured.record["compiled_memory_bytes"] == small
+    assert len(measured.tokens_per_sec) == 1
+    assert tuner.best() is measured
+    paths = tuner.write(str(tmp_path), "python -m jaxllm.tune ...")
+    rows = list(csv.DictReader(open(paths["csv"])))
+    assert [(r["status"], r["micro_batch"]) for r in rows] == [("measured [baseline]", "1"), ("pruned (memory)", "8")]
+    assert float(rows[0]["tokens_per_sec"]) == pytest.approx(measured.throughput, rel=1e-3)
+    text = open(paths["md"]).read()
+    assert "pruned by the memory plan" in text and "--config.train.micro_batch_size=1" in text
+    assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxllm.tune", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_two_devices_with_optuna(tmp_path):
+    r = cli("--devices=2", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
+            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
+            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=2",
+            "--config.train.global_batch_size=4", "--config.model.dtype=float32", "--axes=data,tensor",
+            "--micro-batch=2", "--remat=none", "--sampler=optuna", "--budget=3", "--steps=1", "--warmup=0",
+            "--confirm=0", f"--output_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "tune.csv")))
+    assert sorted((row["data"], row["tensor"], row["status"].split(" [")[0]) for row in rows) == [
+        ("1", "2", "measured"), ("2", "1", "measured")]
+    assert "baseline: mesh.data=2" in r.stdout and "chosen: --config.mesh.data=" in r.stdout
+    assert "sampler optuna" in r.stdout
+    assert (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flag,message", [("--budget=abc", "--budget"), ("--axes=data,model", "--axes"),
+                                          ("--device=Z80", "--device='Z80'")])
+def test_bad_flags_one_line_exit_2(flag, message):
+    r = cli(flag)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
