@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import model
+from jaxllm import context_parallel, model
 
 
 def cross_entropy(logits, targets):
@@ -62,7 +62,8 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     base_key = jax.random.key(cfg.train.seed)
 
     def loss_fn(params, inputs, targets, key):
-        logits = model.forward(graphdef, params, inputs, dropout_key=key)
+        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
+        logits = model.forward(graphdef, params, inputs, positions=positions, dropout_key=key)
         return cross_entropy(logits, targets).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
@@ -98,10 +99,12 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     return train_step
 
 
-def make_eval_step(graphdef):
-    """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch."""
+def make_eval_step(graphdef, sequence_impl="allgather"):
+    """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch
+    (``sequence_impl``: ``parallel.sequence_impl``; ring reorders the batch as the train step does)."""
 
     def eval_step(params, inputs, targets):
-        return cross_entropy(model.forward(graphdef, params, inputs), targets).mean()
+        inputs, targets, positions = context_parallel.zigzag(sequence_impl, inputs, targets)
+        return cross_entropy(model.forward(graphdef, params, inputs, positions=positions), targets).mean()
 
     return eval_step

@@ -92,7 +92,7 @@ class Run:
                                         sharding.grad_shardings(cfg, logical, self.mesh))
         self.train_step = jax.jit(self._in_mesh(train_fn), in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
-        self.eval_step = jax.jit(self._in_mesh(step.make_eval_step(self.graphdef)),
+        self.eval_step = jax.jit(self._in_mesh(step.make_eval_step(self.graphdef, cfg.parallel.sequence_impl)),
                                  in_shardings=(self.state_sharding["params"], self.eval_sharding, self.eval_sharding))
 
     def _in_mesh(self, fn):
