@@ -4,7 +4,7 @@ Used by tests/test_sharding.py in a subprocess, because the device count must be
 set before jax is imported:  python tests/multidevice.py '<json list of layouts>'
 
 Each layout is ``{"mesh": {...}, "parallel": {...}, "model": {...}}`` overrides
-of :func:`base_config`; the result holds the three losses, the parameters after
+of :func:`base_config` (``"eval": true`` adds the eval step's loss on the first batch); the result holds the three losses, the parameters after
 three steps (compared by the caller against the single-device run), whether
 every parameter's sharding is the one the rules table declares, and the bytes
 per device of parameters and optimizer state.
@@ -36,6 +36,8 @@ def base_config():
 
 def run_layout(layout, batches):
     cfg = base_config()
+    layout = dict(layout)
+    evaluate = layout.pop("eval", False)  # also the eval step's loss on the first batch, after training
     for section, values in layout.items():
         cfg[section].update(values)
     sizes = [cfg.mesh[a] for a in config.MESH_AXES] + [cfg.mesh[f"dcn_{a}"] for a in config.MESH_AXES]
@@ -49,6 +51,10 @@ def run_layout(layout, batches):
     for x, y in batches:
         state, m = run.train_step(state, *run.global_batch(x[rows], y[rows]))
         losses.append(float(m["loss"]))
+    extra = {}
+    if evaluate:
+        x, y = (jax.make_array_from_process_local_data(run.eval_sharding, a) for a in batches[0])
+        extra["eval_loss"] = float(run.eval_step(state["params"], x, y))
     logical = model.logical_axes(cfg)
     declared = sharding.param_specs(logical, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
     mismatched = [
@@ -61,7 +67,7 @@ def run_layout(layout, batches):
             for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]}
     return {"losses": losses, "params": flat, "sharding_mismatches": mismatched,
             "param_bytes": sharding.per_device_bytes(state["params"]),
-            "opt_bytes": sharding.per_device_bytes(state["opt_state"])}
+            "opt_bytes": sharding.per_device_bytes(state["opt_state"]), **extra}
 
 
 def main():
