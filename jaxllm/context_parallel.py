@@ -291,12 +291,3 @@ def _ring_bwd(static, res, dout):
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
-
-def ring_schedule_pairs(seq_len: int, n: int, positions) -> np.ndarray:
-    """Causally visible (query, key) pairs each of the ``n`` devices owns when the
-    sequence, in the order ``positions`` (int ``[seq_len]``), is split in n contiguous
-    shards: the attention work a device must do, whatever algorithm moves the keys.
-
-    Returns int64 ``[n]``."""
-    pos = np.asarray(positions).reshape(n, seq_len // n)
-    return np.array([int(np.sum(p + 1)) for p in pos], dtype=np.int64)
