@@ -20,7 +20,8 @@ the one layer whose tokens talk to each other; :func:`attention` runs it under
     (online softmax, Milakov & Gimelshein 2018), and the backward pass sends the
     key/value gradients around the ring with the blocks.  Causal load balancing:
     the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i
-    (the "zigzag" order of Megatron-LM CP / Brandon et al. 2023), so at every ring
+    (the "zigzag" order of Megatron-LM / Transformer Engine context parallelism;
+    Striped Attention, Brandon et al. 2023, balances with a stride instead), so at every ring
     step each device computes exactly two fully visible chunk x chunk blocks;
     :func:`zigzag` reorders the tokens, targets and positions of a batch before
     the model (the mean loss does not depend on the order).
@@ -98,6 +99,10 @@ def zigzag(sequence_impl, inputs, targets):
 
 def attention(q, k, v, positions, *, impl="xla", sequence_impl="allgather"):
     """Causal self-attention, sequence-parallel over the active mesh's ``length`` axes.
+
+    ``allgather``: keys/values all-gathered (MaxText); ``ulysses``: DeepSpeed-Ulysses
+    all-to-all (Jacobs et al. 2023); ``ring``: ring attention (Liu et al. 2023) in zigzag
+    order with a log-sum-exp merge and a ring backward pass (see the module docstring).
 
     Args:
       q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
