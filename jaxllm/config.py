@@ -227,6 +227,14 @@ def _check_divisibility(cfg, sizes):
         ("train.seq_length", t.seq_length, sizes["sequence"] * (tensor if p.megatron_sp else 1),
          "mesh.sequence x mesh.tensor (megatron_sp)" if p.megatron_sp else "mesh.sequence"),
     ]
+    seq = sizes["sequence"]
+    if seq > 1 and p.sequence_impl == "ring":  # zigzag order: 2 chunks per sequence device
+        needs.append(("train.seq_length", t.seq_length, 2 * seq,
+                      "2 x mesh.sequence (parallel.sequence_impl=ring cuts the sequence into 2 chunks per device)"))
+    if seq > 1 and p.sequence_impl == "ulysses":  # the all-to-all splits each tensor shard's heads over sequence
+        why = "mesh.tensor x mesh.sequence (parallel.sequence_impl=ulysses splits each tensor shard's heads over sequence)"
+        needs += [("model.num_attention_heads", m.num_attention_heads, tensor * seq, why),
+                  ("model.num_kv_heads", kv, tensor * seq, why)]
     for key, value, size, axis in needs:
         if value and value % size:
             raise ConfigError(key, value, f"must be divisible by {axis} = {size}")

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm import context_parallel
 from jaxllm.attention import attention
 from jaxllm.sharding import constrain
 
@@ -115,8 +116,9 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if cfg.position_embedding == "rotary":
             q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
-        if cache is None:
-            out = attention(q, k, v, impl=cfg.attention_impl, causal=True)
+        if cache is None:  # sequence-parallel over the mesh when one is active (jaxllm/context_parallel.py)
+            out = context_parallel.attention(q, k, v, positions, impl=cfg.attention_impl,
+                                             sequence_impl=cfg.get("sequence_impl", "allgather"))
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.
@@ -269,10 +271,12 @@ class GPT(nnx.Module):
 
 
 def model_config(cfg):
-    """The ``model`` section of a resolved config, with ``max_length`` from ``train.seq_length``."""
+    """The ``model`` section of a resolved config, with ``max_length`` from ``train.seq_length``
+    and ``sequence_impl`` from ``parallel.sequence_impl``."""
     m = cfg.model.copy_and_resolve_references()
     with m.unlocked():
         m.max_length = cfg.train.seq_length
+        m.sequence_impl = cfg.parallel.sequence_impl
     return m
 
 

@@ -60,7 +60,7 @@ def _stage_layout(w, p, v):
     return w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]).swapaxes(0, 1)
 
 
-def loss(cfg, graphdef, params, inputs, targets, dropout_keys, loss_fn):
+def loss(cfg, graphdef, params, inputs, targets, positions, dropout_keys, loss_fn):
     """Mean loss of a batch of microbatches pushed through the pipeline.
 
     Args:
@@ -68,6 +68,8 @@ def loss(cfg, graphdef, params, inputs, targets, dropout_keys, loss_fn):
       graphdef, params: the model (see :func:`jaxllm.model.abstract`).
       inputs, targets: int32 ``[microbatches, micro_batch, seq]``; ``microbatches`` must be a
         multiple of the stages (checked by :func:`jaxllm.config.validate`).
+      positions: int32 ``[microbatches, micro_batch, seq]``, the same in every microbatch (ring
+        attention's order, :func:`jaxllm.context_parallel.zigzag`), or None: ``arange(seq)``.
       dropout_keys: one PRNG key per microbatch ``[microbatches]``, or None (no dropout).
       loss_fn: ``(logits [batch, seq, vocab], targets [batch, seq]) -> [batch, seq]`` float32.
     Returns:
@@ -77,7 +79,7 @@ def loss(cfg, graphdef, params, inputs, targets, dropout_keys, loss_fn):
     p, v, (m, mb, seq) = num_stages(cfg), cfg.parallel.pipeline_virtual_stages, inputs.shape
     stage_axis = mesh_axes("stage")
     gpt = nnx.merge(graphdef, params)
-    positions = jnp.broadcast_to(jnp.arange(seq), (mb, seq))
+    positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
 
     if dropout_keys is None:
         x, layer_keys = jax.vmap(lambda t: gpt.embed(t, positions)[0])(inputs), None

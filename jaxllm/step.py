@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import model, pipeline
+from jaxllm import context_parallel, model, pipeline
 
 
 def cross_entropy(logits, targets):
@@ -62,7 +62,8 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     base_key = jax.random.key(cfg.train.seed)
 
     def loss_fn(params, inputs, targets, key):
-        logits = model.forward(graphdef, params, inputs, dropout_key=key)
+        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
+        logits = model.forward(graphdef, params, inputs, positions=positions, dropout_key=key)
         return cross_entropy(logits, targets).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
@@ -78,8 +79,9 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
         return jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
 
     def pipelined(params, inputs, targets, keys):  # micro batches through the pipeline stages
+        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
         loss, grads = jax.value_and_grad(lambda p: pipeline.loss(
-            cfg, graphdef, p, inputs, targets, keys if dropout else None, cross_entropy))(params)
+            cfg, graphdef, p, inputs, targets, positions, keys if dropout else None, cross_entropy))(params)
         return loss, pin(grads)
 
     loss_and_grads = pipelined if pipeline.num_stages(cfg) > 1 else accumulated
@@ -110,14 +112,17 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
 def make_eval_step(cfg, graphdef, microbatches=1):
     """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch.
 
-    With pipeline stages the batch goes through the pipeline as ``microbatches`` micro batches
-    (row ``r`` in micro batch ``r % microbatches``, as in training).
+    Ring attention reorders the batch as the train step does; with pipeline stages the batch
+    goes through the pipeline as ``microbatches`` micro batches (row ``r`` in micro batch
+    ``r % microbatches``, as in training).
     """
 
     def eval_step(params, inputs, targets):
+        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
         if pipeline.num_stages(cfg) == 1:
-            return cross_entropy(model.forward(graphdef, params, inputs), targets).mean()
-        split = lambda a: a.reshape(-1, microbatches, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
-        return pipeline.loss(cfg, graphdef, params, split(inputs), split(targets), None, cross_entropy)
+            return cross_entropy(model.forward(graphdef, params, inputs, positions=positions), targets).mean()
+        split = lambda a: None if a is None else a.reshape(-1, microbatches, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
+        return pipeline.loss(cfg, graphdef, params, split(inputs), split(targets), split(positions), None,
+                             cross_entropy)
 
     return eval_step

@@ -117,7 +117,7 @@ class Run:
         """The rows of the global batch this process feeds (its devices' part of the batch axis)."""
         t = self.cfg.train
         accum = config.grad_accum_steps(self.cfg)
-        index = self.batch_sharding.addressable_devices_indices_map((accum, t.global_batch_size // accum, 1))
+        index = self.batch_sharding.addressable_devices_indices_map((accum, t.global_batch_size // accum, t.seq_length))
         rows = [i[1].indices(t.global_batch_size // accum)[:2] for i in index.values()]
         return slice(min(r[0] for r in rows) * accum, max(r[1] for r in rows) * accum)
 

@@ -7,7 +7,7 @@
 #   MICRO_BATCH     --config.train.micro_batch_size
 #   GAS             --config.train.global_batch_size = MICRO_BATCH x GAS x DP
 #   TP / PP / SP    --config.mesh.tensor / .pipeline / .sequence, and --config.mesh.data = DP
-#   SP_TYPE         --config.parallel.sequence_impl (arrives with the sequence-parallel issue)
+#   SP_TYPE         --config.parallel.sequence_impl (allgather, ring, ulysses)
 #   ZERO_STAGE      --config.parallel.zero_stage
 #   WORKDIR         --workdir
 # DP = world devices / (TP x PP x SP).  The mesh is pinned (tensor, pipeline, sequence, data)

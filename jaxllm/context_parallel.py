@@ -1,0 +1,298 @@
+"""Sequence-parallel attention over the mesh axis the rules table gives ``length``.
+
+With ``mesh.sequence`` = n > 1 every activation from the embedding to the loss is
+split along the sequence (the rules table maps ``length`` and ``residual`` to
+``sequence``; GSPMD partitions the position-wise layers by itself).  Attention is
+the one layer whose tokens talk to each other; :func:`attention` runs it under
+``jax.shard_map`` with one of three algorithms (``parallel.sequence_impl``):
+
+``allgather``
+    Queries stay split, keys and values are all-gathered (MaxText's default).
+``ulysses``
+    DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns the sequence-split
+    q, k, v into head-split ones over the full sequence, attention runs locally,
+    and a second all-to-all turns the output back.  Needs the heads (and key/value
+    heads) of each tensor shard divisible by n (:func:`jaxllm.config.validate`).
+``ring``
+    Ring attention / context parallelism (Liu et al. 2023, "Ring Attention with
+    Blockwise Transformers"; Megatron-LM CP): key/value blocks travel around the
+    ring with collective permutes, partial results merge by their log-sum-exp
+    (online softmax, Milakov & Gimelshein 2018), and the backward pass sends the
+    key/value gradients around the ring with the blocks.  Causal load balancing:
+    the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i
+    (the "zigzag" order of Megatron-LM / Transformer Engine context parallelism;
+    Striped Attention, Brandon et al. 2023, balances with a stride instead), so at every ring
+    step each device computes exactly two fully visible chunk x chunk blocks;
+    :func:`zigzag` reorders the tokens, targets and positions of a batch before
+    the model (the mean loss does not depend on the order).
+
+The shard_map is manual over every mesh axis, with in/out specs derived from the
+rules table (batch over the data axes, heads over ``tensor``, length over the
+sequence axes), and the collectives run over the mesh axes the table assigns to
+``length``: model code names no mesh axis.  Local attention goes through
+:func:`jaxllm.attention.attention` (``return_lse`` where ring merges), so a
+kernel serves all three; with the ``xla`` reference the queries are processed in
+rematerialized chunks so no ``[seq, seq]`` score matrix is kept for the backward
+pass.  Outside :func:`jaxllm.sharding.activation_sharding`, or with one device on
+the sequence axes, :func:`attention` is exactly the model's plain causal attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxllm import attention as attn
+from jaxllm import sharding
+
+_MASKED = -1e30
+_CHUNK_SCORES = 1 << 22  # query chunk x key length of the xla reference's rematerialized chunks
+
+
+def sequence_axes():
+    """``(mesh, table, axes, n)``: the active mesh and rules table, the mesh axes ``length`` is
+    split over and the number of devices along them; None outside ``activation_sharding``."""
+    if not sharding._ACTIVE:
+        return None
+    mesh, table = sharding._ACTIVE[-1]
+    axes = tuple(table.get("length", ()))
+    return mesh, table, axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def zigzag_order(seq_len: int, n: int) -> np.ndarray:
+    """The load-balanced order of ``seq_len`` tokens over ``n`` devices (int32 ``[seq_len]``).
+
+    The sequence is cut into ``2n`` chunks; slot ``i`` (device ``i``) gets chunks ``i`` and
+    ``2n-1-i``.  Entry ``p`` is the true position of the token placed at index ``p``.
+    Raises:
+      ValueError: ``seq_len`` is not divisible by ``2n``.
+    """
+    if seq_len % (2 * n):
+        raise ValueError(f"ring attention needs the sequence ({seq_len}) divisible by 2 x sequence devices = {2 * n}")
+    c = seq_len // (2 * n)
+    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * n, c)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def zigzag(sequence_impl, inputs, targets):
+    """Puts a batch in ring attention's load-balanced order (see :func:`zigzag_order`).
+
+    Args:
+      sequence_impl: ``parallel.sequence_impl``; only ``"ring"`` reorders.
+      inputs, targets: int ``[..., seq]``, permuted identically along the last axis.
+    Returns:
+      ``(inputs, targets, positions)``: positions int32 broadcast to ``inputs.shape`` (the
+      true position of each token, to pass to the model), or None where nothing is
+      reordered (not ring, no active mesh, or one sequence device).
+    """
+    found = sequence_axes()
+    if sequence_impl != "ring" or found is None or found[3] == 1:
+        return inputs, targets, None
+    order = jnp.asarray(zigzag_order(inputs.shape[-1], found[3]))
+    return inputs[..., order], targets[..., order], jnp.broadcast_to(order, inputs.shape)
+
+
+def attention(q, k, v, positions, *, impl="xla", sequence_impl="allgather"):
+    """Causal self-attention, sequence-parallel over the active mesh's ``length`` axes.
+
+    ``allgather``: keys/values all-gathered (MaxText); ``ulysses``: DeepSpeed-Ulysses
+    all-to-all (Jacobs et al. 2023); ``ring``: ring attention (Liu et al. 2023) in zigzag
+    order with a log-sum-exp merge and a ring backward pass (see the module docstring).
+
+    Args:
+      q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
+        (global shapes, split along ``len`` over the sequence axes).
+      positions: int ``[batch, len]``, the true position of each token (the causal mask
+        uses them, so any order works for ``allgather`` and ``ulysses``; ``ring`` expects
+        the order of :func:`zigzag`).
+      impl: ``model.attention_impl`` for the local attention.
+      sequence_impl: ``"allgather"``, ``"ring"`` or ``"ulysses"``.
+    Returns:
+      ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
+    Raises:
+      ValueError: unknown ``sequence_impl``; ulysses with local heads not divisible by the
+        sequence devices; ring with a local length that is odd.
+    """
+    found = sequence_axes()
+    if found is None or found[3] == 1:
+        return attn.attention(q, k, v, impl=impl, causal=True)
+    mesh, table, axes, n = found
+    spec = lambda *names: sharding.logical_to_spec(names, table)  # noqa: E731
+    q_spec, kv_spec = spec("batch", "length", "heads", "head_dim"), spec("batch", "length", "kv_heads", "head_dim")
+    pos_spec = spec("batch", "length")
+    axis = axes[0] if len(axes) == 1 else axes
+    if sequence_impl == "allgather":
+        body = functools.partial(_allgather, axis=axis, impl=impl)
+    elif sequence_impl == "ulysses":
+        for name, x, s in (("heads", q, q_spec), ("kv_heads", k, kv_spec)):
+            local = x.shape[2] // math.prod(mesh.shape[a] for a in _spec_axes(s[2]))
+            if local % n:
+                raise ValueError(f"ulysses: {name} per tensor shard ({local}) is not divisible by the {n} sequence devices")
+        body = functools.partial(_ulysses, axis=axis, impl=impl)
+    elif sequence_impl == "ring":
+        body = functools.partial(_ring, (axis, n, impl))
+    else:
+        raise ValueError(f"parallel.sequence_impl={sequence_impl!r}: choose allgather, ring or ulysses")
+    run = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, pos_spec), out_specs=q_spec,
+                        check_vma=False)
+    return run(q, k, v, positions.astype(jnp.int32))
+
+
+def _spec_axes(entry):
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def local_attention(q, k, v, q_positions, kv_positions, impl):
+    """``(out, lse)`` of causal attention by true positions on one device's shards.
+
+    The ``xla`` reference is run over query chunks of at most ``_CHUNK_SCORES / kv_len``
+    rows, each under ``jax.checkpoint``, so the backward pass keeps no score matrix; kernels
+    (flash attention) are called once.  Shapes as :func:`jaxllm.attention.attention`.
+    """
+    def one(q, qp):
+        return attn.attention(q, k, v, impl=impl, causal=True, q_positions=qp, kv_positions=kv_positions,
+                              return_lse=True)
+
+    sq, sk = q.shape[1], k.shape[1]
+    if attn.resolve_impl(impl) != "xla" or sq * sk <= _CHUNK_SCORES:
+        return one(q, q_positions)
+    chunk = max(1, _CHUNK_SCORES // sk)
+    while sq % chunk:
+        chunk -= 1
+    m = sq // chunk
+    b, _, h, d = q.shape
+    qc = q.reshape(b, m, chunk, h, d).swapaxes(0, 1)
+    pc = q_positions.reshape(b, m, chunk).swapaxes(0, 1)
+    out, lse = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), (qc, pc))
+    return out.swapaxes(0, 1).reshape(b, sq, h, d), lse.transpose(1, 2, 0, 3).reshape(b, h, sq)
+
+
+def _allgather(q, k, v, pos, *, axis, impl):
+    """Local queries against all-gathered keys and values; the gather is redone in the backward pass."""
+
+    def f(q, k, v, pos):
+        gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+        return local_attention(q, gather(k), gather(v), pos, gather(pos), impl)[0]
+
+    return jax.checkpoint(f)(q, k, v, pos)
+
+
+def _ulysses(q, k, v, pos, *, axis, impl):
+    """All-to-all sequence-split -> head-split, full-sequence attention on 1/n of the heads, and back."""
+
+    def f(q, k, v, pos):
+        to_heads = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
+        full = jax.lax.all_gather(pos, axis, axis=1, tiled=True)
+        out = local_attention(to_heads(q), to_heads(k), to_heads(v), full, full, impl)[0]
+        return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+
+    return jax.checkpoint(f)(q, k, v, pos)
+
+
+# ----- ring attention -------------------------------------------------------------------------
+
+def _merge(o1, l1, o2, l2):
+    """Merges two partial attentions by log-sum-exp: outs float32 ``[b, q, h, d]``, lse ``[b, h, q]``."""
+    lse = jnp.logaddexp(l1, l2)
+    w = lambda l: jnp.exp(l - lse).transpose(0, 2, 1)[..., None]  # noqa: E731
+    return o1 * w(l1) + o2 * w(l2), lse
+
+
+def _diagonal(q, k, v, qp, kp, impl):
+    """Ring step 0: the device's queries against its own keys (causal inside)."""
+    o, l = local_attention(q, k, v, qp, kp, impl)
+    return o.astype(jnp.float32), l
+
+
+def _zigzag_step(q, k, v, qp, kp, before, impl):
+    """A ring step t > 0 in zigzag order: queries hold chunks (a, b) = (i, 2n-1-i), keys (a', b') =
+    (j, 2n-1-j) with j = i - t mod n.  Visible blocks: (b, a') always; (a, a') when j < i
+    (``before``), (b, b') when j > i; (a, b') never.  Two c x c blocks, every pair visible."""
+    half = lambda x: jnp.split(x, 2, axis=1)  # noqa: E731
+    (qa, qb), (ka, kb), (va, vb), (qpa, qpb), (kpa, kpb) = map(half, (q, k, v, qp, kp))
+    pick = lambda x, y: jnp.where(before, x, y)  # noqa: E731
+    o1, l1 = local_attention(qb, ka, va, qpb, kpa, impl)
+    o2, l2 = local_attention(pick(qa, qb), pick(ka, kb), pick(va, vb), pick(qpa, qpb), pick(kpa, kpb), impl)
+    o1, o2 = o1.astype(jnp.float32), o2.astype(jnp.float32)
+    empty_o, empty_l = jnp.zeros_like(o2), jnp.full_like(l2, _MASKED)
+    oa, la = pick(o2, empty_o), pick(l2, empty_l)
+    ob, lb = _merge(o1, l1, pick(empty_o, o2), pick(empty_l, l2))
+    return jnp.concatenate([oa, ob], axis=1), jnp.concatenate([la, lb], axis=2)
+
+
+def _ring_perm(n):
+    return [(s, (s + 1) % n) for s in range(n)]
+
+
+def _ring_forward(static, q, k, v, pos):
+    axis, n, impl = static
+    if q.shape[1] % 2:
+        raise ValueError(f"ring attention: local length {q.shape[1]} is odd; the sequence must divide by 2 x {n}")
+    i = jax.lax.axis_index(axis)
+    send = lambda xs: jax.lax.ppermute(xs, axis, _ring_perm(n))  # noqa: E731
+    o, lse = _diagonal(q, k, v, pos, pos, impl)
+
+    def body(carry, t):
+        o, lse, k, v, kp = carry
+        k, v, kp = send((k, v, kp))
+        ot, lt = _zigzag_step(q, k, v, pos, kp, t <= i, impl)
+        o, lse = _merge(o, lse, ot, lt)
+        return (o, lse, k, v, kp), None
+
+    (o, lse, _, _, _), _ = jax.lax.scan(body, (o, lse, k, v, pos), jnp.arange(1, n))
+    return o.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(static, q, k, v, pos):
+    """Ring attention on one device's zigzag shards: ``[b, 2c, h, d]`` queries, ``[b, 2c, kvh, d]`` keys."""
+    return _ring_forward(static, q, k, v, pos)[0]
+
+
+def _ring_fwd(static, q, k, v, pos):
+    out, lse = _ring_forward(static, q, k, v, pos)
+    return out, (q, k, v, pos, out, lse)
+
+
+def _ring_bwd(static, res, dout):
+    """Backward pass: the key/value blocks go around the ring again, each with the gradient
+    accumulated for it so far; after n steps every accumulator is back on its owner.  Each
+    block's gradient is the vjp of its (out, lse) (recomputed), with the cotangents the
+    log-sum-exp merge gives: ``d out_b = w_b dout``, ``d lse_b = w_b (<dout, out_b> - <dout, out>)``,
+    ``w_b = exp(lse_b - lse)``."""
+    axis, n, impl = static
+    q, k, v, pos, out, lse = res
+    i = jax.lax.axis_index(axis)
+    send = lambda xs: jax.lax.ppermute(xs, axis, _ring_perm(n))  # noqa: E731
+    dout = dout.astype(jnp.float32)
+    d_all = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [b, q, h]
+
+    def block_grads(fn, k, v, kp):
+        (ob, lb), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, kp), q, k, v)
+        w = jnp.exp(lb - lse)  # [b, h, q]
+        wt = w.transpose(0, 2, 1)
+        d_o = wt[..., None] * dout
+        d_l = w * (jnp.sum(dout * ob, axis=-1) - d_all).transpose(0, 2, 1)
+        return vjp((d_o.astype(ob.dtype), d_l))
+
+    dq, dk, dv = block_grads(lambda q, k, v, kp: _diagonal(q, k, v, pos, kp, impl), k, v, pos)
+
+    def body(carry, t):
+        dq, k, v, kp, dk, dv = carry
+        k, v, kp, dk, dv = send((k, v, kp, dk, dv))
+        gq, gk, gv = block_grads(lambda q, k, v, kp: _zigzag_step(q, k, v, pos, kp, t <= i, impl), k, v, kp)
+        return (dq + gq, k, v, kp, dk + gk, dv + gv), None
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    (dq, _, _, _, dk, dv), _ = jax.lax.scan(body, (f32(dq), k, v, pos, f32(dk), f32(dv)), jnp.arange(1, n))
+    dk, dv = send((dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
