@@ -8,8 +8,9 @@ Search space: every ordered factorization of N devices over the mesh axes in ``-
 1. Constraints: each candidate goes through :func:`jaxllm.config.validate` (heads,
    FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
    global batch by micro batch x data-parallel size; pipeline: layers divisible by stages
-   x virtual stages, microbatches a multiple of the stages) and :func:`constraint` (ulysses: heads divisible by sequence x tensor; ring: sequence divisible by 2 x
-   sequence axis; the attention impl available on this backend).  Rejected candidates
+   x virtual stages, microbatches a multiple of the stages; ulysses: heads and key/value
+   heads divisible by tensor x sequence; ring: sequence divisible by 2 x sequence axis)
+   and the attention impl available on this backend.  Rejected candidates
    are counted by the key that rejects them; nothing is compiled for them.
 2. Memory: :func:`jaxllm.plan.plan` compiles the step ahead of time; a candidate whose
    per-device total exceeds the target memory (``--device_memory=4GiB``,
@@ -125,20 +126,13 @@ def candidate_config(base, c: Candidate, vocab: int | None):
 
 def constraint(cfg, num_devices: int) -> str | None:
     """None if ``cfg`` can run on ``num_devices``, else the key that rejects it
-    (:func:`jaxllm.config.validate` first, then the pipeline, sequence and attention rules
-    of the module docstring)."""
+    (:func:`jaxllm.config.validate`'s, or ``model.attention_impl`` when the backend lacks it)."""
     try:
         config.validate(cfg, num_devices=num_devices)
     except config.ConfigError as e:
         return e.key
-    m, p = cfg.model, cfg.parallel
-    sp = cfg.mesh.sequence
-    if sp > 1 and p.sequence_impl == "ulysses" and m.num_attention_heads % (sp * cfg.mesh.tensor):
-        return "parallel.sequence_impl (ulysses: heads % (sequence x tensor))"
-    if sp > 1 and p.sequence_impl == "ring" and cfg.train.seq_length % (2 * sp):
-        return "parallel.sequence_impl (ring: seq % (2 x sequence))"
     try:
-        attention.resolve_impl(m.attention_impl)
+        attention.resolve_impl(cfg.model.attention_impl)
     except ValueError:
         return "model.attention_impl (not on this backend)"
     return None
@@ -480,8 +474,7 @@ def main(argv):
         attns = default_attentions() if F.attention == "auto" else _choices(
             "attention", F.attention, [i for i in config.CHOICES["model.attention_impl"] if i != "auto"])
         vss = _ints("virtual_stages", F.virtual_stages)
-        sis = (_choices("sequence_impls", F.sequence_impls, config.CHOICES["parallel.sequence_impl"])
-               if F.sequence_impls else [base.parallel.sequence_impl])
+        sis = _choices("sequence_impls", F.sequence_impls, config.CHOICES["parallel.sequence_impl"])
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
         if F.steps < 1 or F.warmup < 0 or F.confirm < 0:
@@ -543,7 +536,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("remat", "none,full,save_dots", "remat policies")
     flags.DEFINE_string("attention", "auto", "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
     flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
-    flags.DEFINE_string("sequence_impls", "", "sequence_impl values tried when mesh.sequence > 1 (default: the config's)")
+    flags.DEFINE_string("sequence_impls", ",".join(config.CHOICES["parallel.sequence_impl"]),
+                        "sequence_impl values tried when mesh.sequence > 1")
     flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")
     flags.DEFINE_integer("seed", 0, "Optuna sampler seed")
     flags.DEFINE_integer("steps", 3, "timed steps per measurement")
