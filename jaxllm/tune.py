@@ -303,7 +303,7 @@ class Tuner:
             "virtual_stages": sorted({c.virtual_stages for c in self.valid}),
             "sequence_impl": sorted({c.sequence_impl for c in self.valid}),
         }
-        sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=lambda t: [t.user_attrs["infeasible"]])
+        sampler = optuna.samplers.TPESampler(seed=seed)
         study = optuna.create_study(direction="maximize", sampler=sampler)
         seen: set[Candidate] = set()
         attempts = 0
@@ -315,12 +315,12 @@ class Tuner:
                           *(trial.suggest_categorical(k, dims[k]) for k in
                             ("micro_batch", "remat", "attention", "virtual_stages", "sequence_impl")))
             if c not in valid:  # a combination the constraints reject: infeasible, costs nothing
-                trial.set_user_attr("infeasible", 1.0)
+                trial.set_constraint("infeasible", 1.0)
                 study.tell(trial, 0.0)
                 continue
             seen.add(c)
             r = self.evaluate(c)
-            trial.set_user_attr("infeasible", 0.0 if r.status == "measured" else 1.0)
+            trial.set_constraint("infeasible", 0.0 if r.status == "measured" else 1.0)
             study.tell(trial, r.throughput)
 
     # -- report -----------------------------------------------------------------------------
