@@ -83,7 +83,10 @@ class Candidate:
         return " ".join(f"--config.{k}={v}" for k, v in self.overrides().items())
 
     def mesh_text(self) -> str:
-        return " ".join(f"{a}{n}" for a, n in zip(AXES, self.mesh) if n > 1) or "1 device"
+        """``"pipeline2(v2) sequence4(ring)"``: the axes > 1, with virtual stages and sequence_impl."""
+        extra = {"pipeline": f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "",
+                 "sequence": f"({self.sequence_impl})"}
+        return " ".join(f"{a}{n}{extra.get(a, '')}" for a, n in zip(AXES, self.mesh) if n > 1) or "1 device"
 
 
 @dataclasses.dataclass
