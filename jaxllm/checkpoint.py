@@ -36,6 +36,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
+from jaxllm import model
+
 
 # The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
@@ -205,3 +207,22 @@ def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigD
     cfg = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     manager.close()
     return ml_collections.ConfigDict(cfg)
+
+
+def restore_params(cfg, workdir: str, step: int | None = None):
+    """The parameters alone of ``workdir``'s checkpoint at ``step`` (default: the latest), on the
+    host CPU whatever mesh the run used (the optimizer state is not read)."""
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    _, abstract = model.abstract(cfg)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), abstract)
+    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
+        item = {"params": abstract}
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    finally:
+        manager.close()
+    return restored["state"]["params"]

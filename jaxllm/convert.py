@@ -288,27 +288,6 @@ def save_hf(cfg, params, out: str, *, tokenizer: bool = True) -> dict:
     return hf
 
 
-def restore_params(cfg, workdir: str, step: int | None = None):
-    """The parameters alone of ``workdir``'s checkpoint at ``step`` (default: the latest), on the
-    host CPU whatever mesh the run used (the optimizer state is not read)."""
-    import orbax.checkpoint as ocp
-
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    _, abstract = model.abstract(cfg)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), abstract)
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
-    try:
-        step = manager.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
-        item = {"params": abstract}
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
-    finally:
-        manager.close()
-    return restored["state"]["params"]
-
-
 def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
     """``--to-hf``: the checkpoint of ``workdir`` (latest or ``step``) as a Hugging Face directory
     ``out``; returns the config.json dict.
@@ -323,7 +302,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
         raise ConvertError(f"{out} exists and is not empty: export into a new directory")
     cfg = checkpoint.load_config(workdir, step)
     hf_architecture(cfg)  # fail before reading the parameters
-    return save_hf(cfg, restore_params(cfg, workdir, step), out)
+    return save_hf(cfg, checkpoint.restore_params(cfg, workdir, step), out)
 
 
 # --------------------------------------------------------------------------- import

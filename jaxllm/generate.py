@@ -27,7 +27,7 @@ def main(argv):
         sys.exit(2)
     data = TokenData(train.data_dir(cfg, F.workdir))
     tokenizer = data.tokenizer
-    params = train.restore_params(cfg, F.workdir)
+    params = checkpoint.restore_params(cfg, F.workdir)  # on this host, whatever mesh the run used
     graphdef, _ = model.abstract(cfg)
     prompt = tokenizer.encode(F.prompt or "\n")
     sampler = Sampler(cfg, graphdef, params)

@@ -270,14 +270,6 @@ def print_samples(cfg, graphdef, params, tokenizer, default_prompt, workdir):
         print(f"--- sample ---\n{tokenizer.decode(list(tokens) + row.tolist())}\n--------------")
 
 
-def restore_params(cfg, workdir: str):
-    """The parameters of ``workdir``'s latest checkpoint (``cfg``: the run's resolved config)."""
-    checkpointer = checkpoint.Checkpointer(workdir, cfg)
-    params = checkpointer.restore(Run(cfg).abstract_state)["params"]
-    checkpointer.close()
-    return params
-
-
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:

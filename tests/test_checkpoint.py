@@ -256,6 +256,12 @@ def test_8_devices_resume_exactly_and_restore_onto_other_meshes(data_dir, tmp_pa
         assert results[name]["different"] == [] and results[name]["shardings_ok"], (name, results[name])
     assert [results[n]["devices"] for n in layouts] == [8, 1, 8, 8]
 
+    # The 8-device run's text generation on one device: parameters restored onto this host.
+    r = subprocess.run([sys.executable, "-m", "jaxllm.generate", f"--workdir={ref}", "--prompt=ROMEO:",
+                        "--num_tokens=20"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    sample = r.stdout.split("-" * 40)[0]
+    assert r.returncode == 0 and sample.startswith("ROMEO:") and len(sample) == len("ROMEO:") + 20 + 1, r.stderr
+
 
 HUGE_INIT = {"model.init_std": 1e30}  # gradients overflow float32: every step's gradient norm is NaN
 
