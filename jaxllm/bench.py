@@ -197,9 +197,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     t = cfg.train
     run = Run(cfg, devices=devices)
     state = run.initial_state()
-    # Run.process_rows asks the batch sharding about a [.., .., 1] shape, which a sequence axis > 1
-    # cannot split (IndivisibleError); one process feeds every row anyway.
-    rows = run.process_rows() if jax.process_count() > 1 else slice(None)
+    rows = run.process_rows()
     if data is not None:
         loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
                         rows=rows)
