@@ -45,7 +45,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from jaxllm import attention as attn
 from jaxllm import sharding

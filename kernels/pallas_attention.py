@@ -348,7 +348,7 @@ def _side_inputs(cfg, segs, poss, q_spec, k_spec):
 
 def _forward(cfg, q, k, v, segs, poss):
     b, sq, h, d = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
+    sk = k.shape[1]
     bq = cfg.blocks.block_q
     group = cfg.group
     side, side_specs = _side_inputs(
@@ -553,7 +553,7 @@ def check_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, window=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
     b, sq, h, d = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
+    kvh = k.shape[2]
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k and v must be [batch={b}, kv_len, kv_heads, head_dim={d}]; got {k.shape}, {v.shape}")
     if h % kvh:

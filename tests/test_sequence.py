@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness import assert_same_training, run_layouts
+
 IMPLS = ("allgather", "ring", "ulysses")
 SP = lambda impl, **extra: {"parallel": {"sequence_impl": impl, **extra}}  # noqa: E731
 
@@ -42,21 +44,14 @@ REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa"}
 
 @pytest.fixture(scope="module")
 def results():
-    script = Path(__file__).with_name("multidevice.py")
-    out = subprocess.run([sys.executable, str(script), json.dumps(list(LAYOUTS.values()))], capture_output=True,
-                         text=True, timeout=900, check=True)
-    return dict(zip(LAYOUTS, json.loads(out.stdout)))
+    return run_layouts(LAYOUTS, timeout=900)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("sequence")])
 def test_sequence_layout_matches_single_device(results, name):
     ref = results[next((r for k, r in REFERENCE.items() if name.endswith(k)), "single")]
     got = results[name]
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
-    assert got["losses"][-1] < got["losses"][0]  # it trains
-    for key, value in ref["params"].items():
-        np.testing.assert_allclose(got["params"][key], value, rtol=1e-5, atol=1e-5, err_msg=key)
-    assert got["sharding_mismatches"] == []
+    assert_same_training(got, ref)
     if got["eval_loss"] is not None:  # the eval step (ring: reordered like the train step) on the trained parameters
         np.testing.assert_allclose(got["eval_loss"], ref["eval_loss"], rtol=1e-5)
 

@@ -1,14 +1,14 @@
 """Every parallel layout computes what one device computes (8 fake CPU devices, float32, 3 steps)."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from jaxllm import config, sharding
+
+from harness import assert_same_training, run_layouts
 
 LAYOUTS = {
     "single": {},
@@ -29,20 +29,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def results():
-    script = Path(__file__).with_name("multidevice.py")
-    out = subprocess.run([sys.executable, str(script), json.dumps(list(LAYOUTS.values()))], capture_output=True,
-                         text=True, timeout=900, check=True)
-    return dict(zip(LAYOUTS, json.loads(out.stdout)))
+    return run_layouts(LAYOUTS, timeout=900)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single") and n != "tensor8_kv2"])
 def test_layout_matches_single_device(results, name):
     ref, got = results["single_gqa" if "gqa" in name else "single"], results[name]
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
-    assert got["losses"][-1] < got["losses"][0]  # it trains
-    for key, value in ref["params"].items():
-        np.testing.assert_allclose(got["params"][key], value, rtol=1e-5, atol=1e-5, err_msg=key)
-    assert got["sharding_mismatches"] == []
+    assert_same_training(got, ref)
 
 
 def test_tensor_8_with_2_kv_heads_is_a_config_error(results):
