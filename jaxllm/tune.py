@@ -17,7 +17,8 @@ Search space: every ordered factorization of N devices over the mesh axes in ``-
    ``--device=H100``; default on GPU the device's ``bytes_limit``, on CPU none) is pruned
    without running.
 3. Measurement: :func:`jaxllm.bench.benchmark` with ``--steps`` timed steps after
-   ``--warmup``.  The config as given (the baseline) is measured first.  When the
+   ``--warmup`` (the CLI keeps XLA's persistent compilation cache in a temporary directory,
+   so the plan's compilation of a candidate serves its measurement too).  The config as given (the baseline) is measured first.  When the
    budget (``--budget=N`` measured candidates or ``--budget=10m`` minutes) covers the
    whole space the candidates are enumerated; otherwise Optuna's TPE sampler picks them
    (constrained: rejected and pruned trials are infeasible).  The ``--confirm`` best
@@ -46,6 +47,7 @@ import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -513,7 +515,13 @@ def main(argv):
                        virtual_stages=vss, sequence_impls=sis))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
-    tuner.run(trials=trials, seconds=seconds, sampler=F.sampler, seed=F.seed, confirm=F.confirm)
+    # The plan and the measurement of a candidate compile the same program: with XLA's persistent
+    # cache (in a directory removed at the end) the second compilation is a lookup.
+    with tempfile.TemporaryDirectory(prefix="jaxllm-tune-xla-") as cache:
+        for key, value in (("jax_compilation_cache_dir", cache), ("jax_persistent_cache_min_compile_time_secs", 0),
+                           ("jax_persistent_cache_min_entry_size_bytes", 0)):
+            jax.config.update(key, value)
+        tuner.run(trials=trials, seconds=seconds, sampler=F.sampler, seed=F.seed, confirm=F.confirm)
     command = "python -m jaxllm.tune " + " ".join(a for a in sys.argv[1:])
     paths = tuner.write(F.output_dir, command)
     print("\n".join(tuner.summary()))
