@@ -28,7 +28,7 @@ if __name__ == "__main__":  # the device count must be fixed before jax is impor
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import config, pipeline  # noqa: E402
+from jaxllm import config, pipeline, plan  # noqa: E402
 from jaxllm.train import Run  # noqa: E402
 
 
@@ -63,15 +63,14 @@ def measure(args, m, stages, schedule, virtual):
     batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])
     state = run.initial_state()
     compiled = run.train_step.lower(state, *batch).compile()
-    mem = compiled.memory_analysis()
+    mem = plan.memory_report(compiled)
     times = []
     for _ in range(args.steps + 1):
         t0 = time.perf_counter()
         state, metrics = compiled(state, *batch)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
-    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    return mem.temp_size_in_bytes, total, statistics.median(times[1:])
+    return mem["temp"], mem["total"], statistics.median(times[1:])
 
 
 def main():

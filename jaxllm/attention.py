@@ -34,6 +34,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from jaxllm.config import ConfigError
 from jaxllm_kernels import pallas_attention, reference, triton_attention
 
 AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
@@ -101,6 +102,18 @@ def resolve_impl(impl, backend=None) -> str:
         raise ValueError(f"model.attention_impl={impl!r} is not available on the {kind} backend: {why}. "
                          f"Available here: auto, {', '.join(available_impls(kind))}")
     return impl
+
+
+def check_config(cfg, backend=None) -> None:
+    """Checks ``model.attention_impl`` against ``backend`` before anything compiles.
+
+    Raises:
+      ConfigError: the implementation is unknown or not available here (the fix names those that are).
+    """
+    try:
+        resolve_impl(cfg.model.attention_impl, backend)
+    except ValueError as e:
+        raise ConfigError("model.attention_impl", cfg.model.attention_impl, str(e).split(": ", 1)[-1]) from None
 
 
 def cudnn_unsupported(q, k, *, causal, q_segment_ids, window, q_positions, kv_positions, return_lse):

@@ -26,27 +26,9 @@ import os
 import sys
 
 
-def devices_from_argv(argv, default: int = 0) -> int:
-    """The value of ``--devices=N`` / ``--devices N`` in ``argv`` (``default`` when absent or not an int)."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
-            argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                return default
-    return default
+if __name__ == "__main__":  # the CPU device count must be fixed before jax starts a backend
+    from jaxllm.plan import force_host_devices
 
-
-def force_host_devices(argv) -> None:
-    """Before jax is imported: make the CPU platform expose ``--devices`` devices (no effect on GPUs)."""
-    n = devices_from_argv(argv)
-    if n > 1:
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-
-
-if __name__ == "__main__":  # the CPU device count must be fixed before jax is imported
     force_host_devices(sys.argv)
 
 import datetime  # noqa: E402
@@ -57,12 +39,10 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import attention, config, metrics, model  # noqa: E402
+from jaxllm import attention, config, metrics, model, plan  # noqa: E402
 from jaxllm.data import DataError, Loader, TokenData  # noqa: E402
 
 DATA_MODES = ("synthetic", "real")
-# Vocabulary of the tokenizers whose size is known without reading data (jaxllm.plan's table).
-TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,12 +117,9 @@ def prepare(cfg, num_devices: int, *, data: str = "synthetic", workdir: str = "r
     if data not in DATA_MODES:
         raise ValueError(f"--data={data!r}: choose synthetic or real")
     config.validate(cfg, num_devices=num_devices)
-    try:
-        attention.resolve_impl(cfg.model.attention_impl)
-    except ValueError as e:
-        raise config.ConfigError("model.attention_impl", cfg.model.attention_impl, str(e).split(": ", 1)[-1]) from None
+    attention.check_config(cfg)
     tokens = None
-    vocab = TOKENIZER_VOCAB.get(cfg.data.tokenizer)
+    vocab = plan.TOKENIZER_VOCAB.get(cfg.data.tokenizer)
     if data == "real" or (not cfg.model.vocab_size and vocab is None):
         from jaxllm.train import data_dir  # noqa: PLC0415
 
@@ -152,19 +129,6 @@ def prepare(cfg, num_devices: int, *, data: str = "synthetic", workdir: str = "r
     if tokens is not None:
         tokens.check_vocab(cfg.model.vocab_size)
     return cfg, (tokens if data == "real" else None)
-
-
-def memory_report(compiled) -> dict:
-    """Per-device bytes of a compiled step from XLA's ``memory_analysis()``.
-
-    Returns ``{"argument", "output", "alias", "temp", "total"}`` in bytes, ``total`` =
-    arguments + temporaries + outputs not aliased to donated inputs (as :func:`jaxllm.plan.plan`).
-    """
-    mem = compiled.memory_analysis()
-    return {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
-            "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes,
-            "total": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes}
 
 
 def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: int = 2, data=None,
@@ -214,7 +178,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     t0 = time.perf_counter()
     compiled = run.train_step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - t0
-    memory = memory_report(compiled)
+    memory = plan.memory_report(compiled)
     peak, peak_source = metrics.peak_flops_per_device(devices[0], cfg.model.dtype)
 
     times, loss = [], float("nan")

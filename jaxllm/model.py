@@ -118,7 +118,7 @@ class Attention(nnx.Module):
             q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
         if cache is None:  # sequence-parallel over the mesh when one is active (jaxllm/context_parallel.py)
             out = context_parallel.attention(q, k, v, positions, impl=cfg.attention_impl,
-                                             sequence_impl=cfg.get("sequence_impl", "allgather"))
+                                             sequence_impl=cfg.sequence_impl)
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import model
+from jaxllm import config, model
 from jaxllm.sharding import constrain, mesh_axes
 
 ACTIVATION = ("stage", "batch", "residual", "embed")
@@ -53,6 +53,11 @@ def num_stages(cfg) -> int:
 def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> float:
     """The schedule's idle fraction ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021, section 2.2)."""
     return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+
+
+def schedule_bubble(cfg) -> float:
+    """:func:`bubble_fraction` of a resolved config's pipeline (0 without one)."""
+    return bubble_fraction(num_stages(cfg), cfg.parallel.pipeline_virtual_stages, config.grad_accum_steps(cfg))
 
 
 def _stage_layout(w, p, v):

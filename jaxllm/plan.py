@@ -14,18 +14,29 @@ import sys
 import time
 
 
-def _devices_from_argv(argv) -> int:
+def devices_from_argv(argv, default: int = 0) -> int:
+    """The value of ``--devices=N`` / ``--devices N`` in ``argv`` (``default`` when absent or not an int)."""
     for i, arg in enumerate(argv):
-        if arg.startswith("--devices="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--devices" and i + 1 < len(argv):
-            return int(argv[i + 1])
-    return 1
+        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
+            argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return default
+    return default
+
+
+def force_host_devices(argv) -> None:
+    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices (the
+    CLIs plan, bench and tune; no effect on GPUs)."""
+    n = devices_from_argv(argv)
+    if n > 1:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
 
 
 if __name__ == "__main__":  # the device count must be fixed before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}")
+    force_host_devices(sys.argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -39,6 +50,7 @@ GiB = 2**30
 DEVICE_MEMORY = {
     "A100-40GB": 40e9, "A100-80GB": 80e9, "H100": 80e9, "H200": 141e9, "MI250X": 64 * GiB, "MI300X": 192 * GiB,
 }
+# Vocabulary of the tokenizers whose size is known without reading data.
 TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
 
 
@@ -51,13 +63,24 @@ def parse_bytes(text: str) -> float:
     return float(m.group(1)) * unit
 
 
+def memory_report(compiled) -> dict:
+    """Per-device bytes of a compiled step from XLA's ``memory_analysis()``: ``{"argument",
+    "output", "alias", "temp", "total"}``, ``total`` = arguments + temporaries + outputs not
+    aliased to donated inputs."""
+    mem = compiled.memory_analysis()
+    return {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+            "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes,
+            "total": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes}
+
+
 def plan(cfg, num_devices: int) -> dict:
     """Compiles ``cfg``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
     to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.metrics.flops_per_step`),
-    ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches).
+    ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches, bubble fraction).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
@@ -76,7 +99,7 @@ def plan(cfg, num_devices: int) -> dict:
     t0 = time.perf_counter()
     compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
+    mem = memory_report(compiled)
     state = run.abstract_state
     grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state["params"],
                          sharding.grad_shardings(cfg, model.logical_axes(cfg), run.mesh))
@@ -85,14 +108,14 @@ def plan(cfg, num_devices: int) -> dict:
         "grads": sharding.per_device_bytes(grads),
         "opt_state": sharding.per_device_bytes(state["opt_state"]),
         "batch": 2 * sharding.per_device_bytes(batch),
-        "temp": mem.temp_size_in_bytes,
-        "total": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes,
+        "temp": mem["temp"],
+        "total": mem["total"],
         "model_flops": metrics.flops_per_step(cfg),
         "compile_s": compile_s,
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
-        "pipeline": (pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages, accum),
+        "pipeline": (pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages, accum,
+                     pipeline.schedule_bubble(cfg)),
     }
 
 
@@ -111,10 +134,9 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"  total (compiled)      {gib(p['total'])}",
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.metrics.flops_per_step)",
     ]
-    stages, virtual, microbatches = p["pipeline"]
+    stages, virtual, microbatches, bubble = p["pipeline"]
     if stages > 1:
-        lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, "
-                     f"bubble {pipeline.bubble_fraction(stages, virtual, microbatches):.1%}")
+        lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, bubble {bubble:.1%}")
     if device_memory:
         verdict = "FITS" if p["total"] <= device_memory else "DOES NOT FIT"
         lines.append(f"{verdict} in {device_name or ''} {device_memory / GiB:.1f} GiB "

@@ -61,25 +61,23 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     dropout = cfg.model.dropout > 0
     base_key = jax.random.key(cfg.train.seed)
 
-    def loss_fn(params, inputs, targets, key):
-        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
+    def loss_fn(params, inputs, targets, positions, key):
         logits = model.forward(graphdef, params, inputs, positions=positions, dropout_key=key)
         return cross_entropy(logits, targets).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def accumulated(params, inputs, targets, keys):  # micro batches one after another
+    def accumulated(params, inputs, targets, positions, keys):  # micro batches one after another
         def micro_step(acc, xs):
-            x, y, key = xs
-            loss, grads = grad_fn(params, x, y, key if dropout else None)
+            x, y, pos, key = xs
+            loss, grads = grad_fn(params, x, y, pos, key if dropout else None)
             return jax.tree.map(jnp.add, acc, (loss, pin(grads))), None
 
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, keys))
+        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, positions, keys))
         return jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
 
-    def pipelined(params, inputs, targets, keys):  # micro batches through the pipeline stages
-        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
+    def pipelined(params, inputs, targets, positions, keys):  # micro batches through the pipeline stages
         loss, grads = jax.value_and_grad(lambda p: pipeline.loss(
             cfg, graphdef, p, inputs, targets, positions, keys if dropout else None, cross_entropy))(params)
         return loss, pin(grads)
@@ -89,7 +87,8 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     def train_step(state, inputs, targets):
         params = state["params"]
         keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), inputs.shape[0])
-        loss, grads = loss_and_grads(params, inputs, targets, keys)
+        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
+        loss, grads = loss_and_grads(params, inputs, targets, positions, keys)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

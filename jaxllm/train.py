@@ -57,10 +57,7 @@ def setup(cfg, workdir: str):
       ConfigError, DataError: with the key or file, the value and the fix.
     """
     config.validate(cfg, num_devices=jax.device_count())
-    try:
-        attention.resolve_impl(cfg.model.attention_impl)
-    except ValueError as e:
-        raise config.ConfigError("model.attention_impl", cfg.model.attention_impl, str(e).split(": ", 1)[-1]) from None
+    attention.check_config(cfg)
     data = TokenData(data_dir(cfg, workdir))
     cfg = config.resolved(cfg, vocab_size=data.vocab_size, num_devices=jax.device_count())
     data.check_vocab(cfg.model.vocab_size)
@@ -156,13 +153,12 @@ class Run:
 
 def pipeline_note(cfg) -> str:
     """``" through 4 pipeline stages (gpipe, bubble 27.3%)"``, or ``""`` without pipeline."""
-    p = pipeline.num_stages(cfg)
+    p, v = pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages
     if p == 1:
         return ""
-    v = cfg.parallel.pipeline_virtual_stages
-    bubble = pipeline.bubble_fraction(p, v, config.grad_accum_steps(cfg))
     chunks = f" x {v} virtual" if v > 1 else ""
-    return f" through {p}{chunks} pipeline stages ({cfg.parallel.pipeline_schedule}, bubble {bubble:.1%})"
+    return (f" through {p}{chunks} pipeline stages ({cfg.parallel.pipeline_schedule}, "
+            f"bubble {pipeline.schedule_bubble(cfg):.1%})")
 
 
 def train(cfg, workdir: str) -> dict:
@@ -206,6 +202,7 @@ def train(cfg, workdir: str) -> dict:
     logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
                                    progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
     last, last_eval = {}, {}
+    bubble = pipeline.schedule_bubble(cfg)
     tick, steps_since = time.perf_counter(), 0
     batch = run.global_batch(*loader.train_batch(start))
     # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
@@ -224,9 +221,8 @@ def train(cfg, workdir: str) -> dict:
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
                 elapsed = time.perf_counter() - tick
                 m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
-                if pipeline.num_stages(cfg) > 1:  # the schedule's theoretical idle fraction, next to the MFU it costs
-                    m["pipeline_bubble"] = pipeline.bubble_fraction(
-                        pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages, config.grad_accum_steps(cfg))
+                if bubble:  # the schedule's theoretical idle fraction, next to the MFU it costs
+                    m["pipeline_bubble"] = bubble
                 stats = jax.local_devices()[0].memory_stats() or {}
                 if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
                     m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30

@@ -38,7 +38,7 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count must be fixed before jax is imported
-    from jaxllm.bench import force_host_devices
+    from jaxllm.plan import force_host_devices
 
     force_host_devices(sys.argv)
 
@@ -137,8 +137,8 @@ def constraint(cfg, num_devices: int) -> str | None:
     except config.ConfigError as e:
         return e.key
     try:
-        attention.resolve_impl(cfg.model.attention_impl)
-    except ValueError:
+        attention.check_config(cfg)
+    except config.ConfigError:
         return "model.attention_impl (not on this backend)"
     return None
 
@@ -499,7 +499,7 @@ def main(argv):
             base.mesh.data = -1
             print(f"jaxllm.tune: the config's mesh is one device; baseline: mesh.data={n}", flush=True)
         config.validate(base, num_devices=n)  # the baseline must be valid as given
-        vocab = bench.TOKENIZER_VOCAB.get(base.data.tokenizer)
+        vocab = plan.TOKENIZER_VOCAB.get(base.data.tokenizer)
         if not base.model.vocab_size and vocab is None:
             cfg, _ = bench.prepare(base, n, workdir=F.workdir)  # reads the data for the char vocabulary
             vocab = cfg.model.vocab_size
