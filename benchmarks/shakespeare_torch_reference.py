@@ -75,15 +75,16 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def lr_at(it):
+def lr_at(it, iters=ITERS):
     if it < WARMUP:
         return LR * (it + 1) / (WARMUP + 1)
-    return MIN_LR + 0.5 * (1 + math.cos(math.pi * (it - WARMUP) / (ITERS - WARMUP))) * (LR - MIN_LR)
+    return MIN_LR + 0.5 * (1 + math.cos(math.pi * (it - WARMUP) / (iters - WARMUP))) * (LR - MIN_LR)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iters", type=int, default=ITERS, help="training steps (the recipe's: 2000; the schedule follows)")
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"))
     args = p.parse_args()
     torch.manual_seed(args.seed)
@@ -105,9 +106,9 @@ def main():
                              {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.99))
     t0 = time.time()
-    for it in range(ITERS):
+    for it in range(args.iters):
         for group in opt.param_groups:
-            group["lr"] = lr_at(it)
+            group["lr"] = lr_at(it, max(args.iters, WARMUP + 1))
         loss = model(*batch(train))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -116,7 +117,7 @@ def main():
     model.eval()
     with torch.no_grad():
         val_loss = float(np.mean([model(*batch(val)).item() for _ in range(200)]))
-    print(f"seed {args.seed}: val loss {val_loss:.4f} after {ITERS} steps ({time.time() - t0:.0f} s)")
+    print(f"seed {args.seed}: val loss {val_loss:.4f} after {args.iters} steps ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import os
 
 from jaxllm.config import get_config as defaults
 
-SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+SHARED_DATA = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "shared", "data")
 
 
 def get_config():

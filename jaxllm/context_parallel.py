@@ -102,6 +102,8 @@ def attention(q, k, v, positions, *, impl="xla", sequence_impl="allgather"):
     ``allgather``: keys/values all-gathered (MaxText); ``ulysses``: DeepSpeed-Ulysses
     all-to-all (Jacobs et al. 2023); ``ring``: ring attention (Liu et al. 2023) in zigzag
     order with a log-sum-exp merge and a ring backward pass (see the module docstring).
+    A kernel (any impl but ``xla``) runs under ``shard_map`` on every mesh, sequence-split
+    or not: it is a custom call, which XLA's partitioner would feed the gathered inputs.
 
     Args:
       q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
@@ -118,14 +120,16 @@ def attention(q, k, v, positions, *, impl="xla", sequence_impl="allgather"):
         sequence devices; ring with a local length that is odd.
     """
     found = sequence_axes()
-    if found is None or found[3] == 1:
+    if found is None or (found[3] == 1 and attn.resolve_impl(impl) == "xla"):
         return attn.attention(q, k, v, impl=impl, causal=True)
     mesh, table, axes, n = found
     spec = lambda *names: sharding.logical_to_spec(names, table)  # noqa: E731
     q_spec, kv_spec = spec("batch", "length", "heads", "head_dim"), spec("batch", "length", "kv_heads", "head_dim")
     pos_spec = spec("batch", "length")
     axis = axes[0] if len(axes) == 1 else axes
-    if sequence_impl == "allgather":
+    if n == 1:  # a kernel is a custom call XLA cannot partition (it would gather q, k, v): run it per shard
+        body = lambda q, k, v, positions: attn.attention(q, k, v, impl=impl, causal=True)  # noqa: E731
+    elif sequence_impl == "allgather":
         body = functools.partial(_allgather, axis=axis, impl=impl)
     elif sequence_impl == "ulysses":
         for name, x, s in (("heads", q, q_spec), ("kv_heads", k, kv_spec)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from jaxllm import checkpoint, model, train
 from jaxllm.data import TokenData
@@ -16,6 +16,7 @@ from jaxllm.sampling import Sampler
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
     F = flags.FLAGS
     try:
         cfg = checkpoint.load_config(F.workdir)

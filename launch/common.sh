@@ -7,9 +7,11 @@
 #   MICRO_BATCH     --config.train.micro_batch_size
 #   GAS             --config.train.global_batch_size = MICRO_BATCH x GAS x DP
 #   TP / PP / SP    --config.mesh.tensor / .pipeline / .sequence, and --config.mesh.data = DP
-#   SP_TYPE         --config.parallel.sequence_impl (allgather, ring, ulysses)
+#   SP_TYPE         megatron: --config.parallel.megatron_sp=True; ds or ulysses, ring, allgather:
+#                   --config.parallel.sequence_impl
 #   ZERO_STAGE      --config.parallel.zero_stage
 #   WORKDIR         --workdir
+#   JAXLLM_ARGS     more jaxllm.train flags, space-separated (after the script's own arguments)
 # DP = world devices / (TP x PP x SP).  The mesh is pinned (tensor, pipeline, sequence, data)
 # only when one of TP, PP, SP, MICRO_BATCH, GAS is set, since the global batch needs DP;
 # otherwise the config's own mesh is used.  Other arguments (--config=FILE, --config.*) pass
@@ -64,7 +66,9 @@ jaxllm_train_cmd() {
   local world=$1 config_file=() rest=() overrides=() a
   shift
   jaxllm_posint "world devices" "$world"
-  for a in "$@"; do
+  local extra=()  # JAXLLM_ARGS: more flags as one variable (qsub passes a script only -v variables)
+  if [[ -n "${JAXLLM_ARGS:-}" ]]; then read -ra extra <<< "$JAXLLM_ARGS"; fi
+  for a in "$@" "${extra[@]}"; do
     if [[ "$a" == --config=* ]]; then config_file=("$a"); else rest+=("$a"); fi
   done
   if [[ -n "${MODEL_SIZE_KEY:-}" ]]; then
@@ -89,7 +93,15 @@ jaxllm_train_cmd() {
     overrides+=("--config.train.micro_batch_size=$mb" "--config.train.global_batch_size=$GLOBAL_BATCH")
   fi
   if [[ -n "${SEQ_LEN:-}" ]]; then overrides+=("--config.train.seq_length=$SEQ_LEN"); fi
-  if [[ -n "${SP_TYPE:-}" ]]; then overrides+=("--config.parallel.sequence_impl=$SP_TYPE"); fi
+  # SP_TYPE as in ALCF's Megatron-DeepSpeed scripts (megatron: Megatron-LM sequence parallelism
+  # within TP; ds: DeepSpeed-Ulysses over SP), or one of jaxllm's sequence_impl values.
+  case "${SP_TYPE:-}" in
+    "") ;;
+    megatron) overrides+=("--config.parallel.megatron_sp=True") ;;
+    ds) overrides+=("--config.parallel.sequence_impl=ulysses") ;;
+    allgather | ring | ulysses) overrides+=("--config.parallel.sequence_impl=$SP_TYPE") ;;
+    *) jaxllm_die "SP_TYPE=$SP_TYPE: choose megatron, ds (= ulysses), allgather, ring or ulysses" ;;
+  esac
   if [[ -n "${ZERO_STAGE:-}" ]]; then
     [[ "$ZERO_STAGE" =~ ^[0-3]$ ]] || jaxllm_die "ZERO_STAGE=$ZERO_STAGE: choose 0, 1, 2 or 3"
     overrides+=("--config.parallel.zero_stage=$ZERO_STAGE")
@@ -100,7 +112,9 @@ jaxllm_train_cmd() {
 
 # jaxllm_summary NODES PROCESSES DEVICES: a comment line (also printed on dry runs).
 jaxllm_summary() {
-  echo "# jaxllm launch: nodes=$1 processes=$2 devices=$3 dp=$DP global_batch=${GLOBAL_BATCH:-config}"
+  local dp=config  # the mesh is the config's unless a knob pinned it
+  if [[ -n "${TP:-}${PP:-}${SP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then dp=$DP; fi
+  echo "# jaxllm launch: nodes=$1 processes=$2 devices=$3 dp=$dp global_batch=${GLOBAL_BATCH:-config}"
 }
 
 # jaxllm_exec CMD...: DRY_RUN=1: print the exports and the command (shell-quoted); else run it.

@@ -6,6 +6,7 @@
 #
 # Knobs: see launch/common.sh, plus PORT (the coordinator's, default: a free one).  Waits for
 # all processes; when one fails the others are killed and its exit status is returned.
+# Ctrl-C or SIGTERM stops the run at a step boundary with a checkpoint (exit 75); rerun to resume.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "$0")/common.sh"
@@ -29,23 +30,36 @@ if [[ "$DRY_RUN" == 1 ]]; then
 fi
 
 PIDS=()
-cleanup() {
-  local pid
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+STOPPING=0
+# Ctrl-C or SIGTERM: every process saves a checkpoint at the same step boundary (jaxllm.train's
+# preemption) and exits 75; wait for them.  Background processes of a script ignore SIGINT, so
+# the signal reaches them only as this SIGTERM.
+# shellcheck disable=SC2329  # (invoked by the trap below)
+stop() {
+  STOPPING=1
+  kill -TERM "${PIDS[@]}" 2>/dev/null || true
 }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+trap stop INT TERM
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
 for ((i = 0; i < N; i++)); do
   JAXLLM_PROCESS_ID=$i "${TRAIN_CMD[@]}" &
   PIDS+=("$!")
 done
-# The first process to fail decides the exit status; the EXIT trap kills the others.
-for ((i = 0; i < N; i++)); do
-  status=0
-  wait -n "${PIDS[@]}" || status=$?
-  if (( status != 0 )); then
-    echo "launch: a process exited with status $status; stopping the others" >&2
-    exit "$status"
+# Unless stopping, the first process to fail decides the exit status and the EXIT trap kills the
+# others; when stopping, the first non-zero status (75: preempted after saving) once all are done.
+status=0
+for ((left = N; left > 0;)); do
+  pid="" s=0
+  wait -n -p pid || s=$?
+  [[ -n "${pid:-}" ]] || continue  # a trapped signal interrupted the wait
+  left=$((left - 1))
+  if (( s != 0 && status == 0 )); then
+    status=$s
+    if (( ! STOPPING )); then
+      echo "launch: a process exited with status $s; stopping the others" >&2
+      exit "$s"
+    fi
   fi
 done
 trap - EXIT
+exit "$status"

@@ -340,3 +340,16 @@ def test_ensure_prepared_reuses_cache(tmp_path):
     with open(os.path.join(d3, "tokens.bin"), "r+b") as f:
         f.truncate(10)
     assert ensure_prepared(data_cfg([src]), str(cache)) == d3 and TokenData(d3).meta["num_tokens"] == 1509
+
+
+def test_unigram_entropy(tmp_path):
+    (tmp_path / "a.txt").write_text("aab" * 30 + "abcd" * 10)  # train: "aab" x 30 (90 chars), val: "abcd" x 10 + ...
+    meta = prepare([str(tmp_path / "a.txt")], "byte", str(tmp_path / "out"), val_fraction=40 / 130)
+    data = TokenData(str(tmp_path / "out"))
+    assert meta["train_tokens"] == 90
+    h = lambda *p: -sum(q * np.log(q) for q in p)  # noqa: E731
+    assert data.unigram_entropy("train") == pytest.approx(h(2 / 3, 1 / 3), rel=1e-12)
+    assert data.unigram_entropy("val") == pytest.approx(h(1 / 4, 1 / 4, 1 / 4, 1 / 4), rel=1e-12)
+    assert data.unigram_entropy("all") == pytest.approx(h(70 / 130, 40 / 130, 10 / 130, 10 / 130), rel=1e-12)
+    with pytest.raises(ValueError, match="split='test'"):
+        data.unigram_entropy("test")

@@ -190,7 +190,8 @@ def test_frontier_dry_run_one_process_per_gcd():
 def test_polaris_dry_run(tmp_path):
     hosts = ["x3005c0s13b0n0.hsn.cm.polaris.alcf.anl.gov", "x3005c0s19b1n0.hsn.cm.polaris.alcf.anl.gov"]
     env = {"PBS_NODEFILE": nodefile(tmp_path, hosts), "PBS_O_WORKDIR": str(ROOT), "PBS_JOBID": "77.polaris", **KNOBS}
-    r, exports, commands, summary = dry_run("polaris.pbs", "--dry-run", "--config.train.lr=1e-4", **env)
+    # qsub passes no arguments: flags come as JAXLLM_ARGS
+    r, exports, commands, summary = dry_run("polaris.pbs", "--dry-run", JAXLLM_ARGS="--config.train.lr=1e-4", **env)
     assert r.returncode == 0, r.stderr
     launcher, flags = train_args(commands[0])
     assert launcher == ["mpiexec", "-n", "8", "--ppn", "4", "--depth", "8", "--cpu-bind", "depth"]
@@ -245,9 +246,18 @@ def test_local_dry_run_and_bad_knobs():
     assert [c[:2] for c in commands] == [["env", "JAXLLM_PROCESS_ID=0"], ["env", "JAXLLM_PROCESS_ID=1"]]
     assert commands[0][-1] == "--config.mesh.data=2" and summary["devices"] == "8"
     for script, env in [("local.sh", {"TP": "3"}), ("frontier.sbatch", {"ZERO_STAGE": "5"}),
-                        ("frontier.sbatch", {"MICRO_BATCH": "0"})]:
+                        ("frontier.sbatch", {"MICRO_BATCH": "0"}), ("local.sh", {"SP_TYPE": "deepspeed"})]:
         r = dry_run(script, "2", "--dry-run", **slurm_env(**{**{k: "" for k in KNOBS}, **env}))[0]
         assert r.returncode == 2 and r.stderr.startswith("launch: ") and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("sp_type, flag", [("megatron", "--config.parallel.megatron_sp=True"),
+                                            ("ds", "--config.parallel.sequence_impl=ulysses"),
+                                            ("ring", "--config.parallel.sequence_impl=ring")])
+def test_sp_type_takes_alcf_values(sp_type, flag):
+    r, _, commands, _ = dry_run("local.sh", "2", "--dry-run", PORT="23999", SP_TYPE=sp_type)
+    assert r.returncode == 0, r.stderr
+    assert train_args(commands[0])[1] == [flag]
 
 
 def test_scripts_pass_shellcheck():

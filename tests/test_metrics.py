@@ -249,3 +249,26 @@ def test_logger_rejects_bad_input(tmp_path, capsys):
         with pytest.raises(TypeError):
             log.log(1, {"loss": np.ones(3)})
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_plot_of_a_resumed_run(tmp_path, capsys):
+    from jaxllm import plot
+
+    with metrics.MetricsLogger(str(tmp_path), tensorboard=False) as log:
+        for s in (1, 2, 3):
+            log.log(s, {"loss": 9.0 - s})
+        log.log(3, {"eval_loss": 6.5, "unigram_entropy": 7.0}, kind="eval")
+    with metrics.MetricsLogger(str(tmp_path), tensorboard=False) as log:  # resumed from step 2: 3 again
+        for s in (3, 4):
+            log.log(s, {"loss": 8.0 - s})
+        log.log(4, {"eval_loss": 5.25, "unigram_entropy": 7.0}, kind="eval")
+    capsys.readouterr()
+    runs = plot.read_metrics(str(tmp_path))
+    assert {s: r["loss"] for s, r in runs["train"].items()} == {1: 8.0, 2: 7.0, 3: 5.0, 4: 4.0}  # later record wins
+    assert plot.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step 4: validation loss 5.2500 nats/token" in out and "1.7500 nats below it" in out
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot.main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.jsonl: not found" in err and len(err.splitlines()) == 1

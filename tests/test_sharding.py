@@ -24,6 +24,8 @@ LAYOUTS = {
     "fill_data_tensor2": {"mesh": {"data": -1, "tensor": 2}},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
+    # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
+    "tensor2_fsdp2_data2_pallas": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": {"attention_impl": "pallas"}},
 }
 
 

@@ -1,0 +1,211 @@
+"""The commands that README.md and docs/*.md show, and how CI runs each one, shortened.
+
+A command is a line of a fenced ```bash block (``\\``-continued lines joined, ``#``
+comments dropped) or a ``$ ``-prefixed line of any fenced block (a transcript).  A line
+``a && b`` is the commands ``a`` and ``b``.  Every command is exercised:
+
+* installing (``python3 -m venv``, ``. .venv/bin/activate``, ``pip install``) and the test
+  command (``python -m pytest``) are what ``.ci/run`` does, checked against its text;
+* cluster submissions (``sbatch``, ``qsub``) run their script with ``DRY_RUN=1`` and the
+  allocation's environment (nodes from ``-N``/``-l select=``), knobs kept, and the config of
+  the ``jaxllm.train`` command it prints must pass ``config.validate`` for the job's devices;
+* everything else runs for real in a sandbox checkout, with :data:`SHORTER` flags appended
+  so that a training run takes a few steps and a benchmark a few points; the flags are
+  the documented ones plus size knobs, never other code paths.
+
+The README's end-to-end section (between ``<!-- e2e -->`` and ``<!-- /e2e -->``) is run
+by ``tests/test_e2e.py`` in order, with the kill in between.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+E2E_BEGIN, E2E_END = "<!-- e2e -->", "<!-- /e2e -->"
+
+# A few steps of any training run: every flag is one a user could pass.
+TRAIN = ["--config.train.train_iters=3", "--config.train.warmup_iters=1", "--config.train.eval_interval=3",
+         "--config.train.eval_iters=1", "--config.train.log_interval=1", "--config.log.samples=0",
+         "--config.checkpoint.interval=0"]
+# configs/gpt3.py sizes, cut down to seconds on a CPU (the vocabulary stays).
+GPT3_SMALL = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "--config.model.num_attention_heads=4",
+              "--config.train.seq_length=64", "--config.model.dtype=float32"]
+
+# (pattern on the command, flags appended when it matches); the first match wins.
+SHORTER = [
+    (r"-m jaxllm\.train\b.*configs/gpt3\.py", TRAIN + GPT3_SMALL),
+    (r"-m jaxllm\.train\b|launch/local\.sh\b", TRAIN),
+    (r"-m jaxllm\.bench\b.*configs/gpt3\.py", ["--steps=1", "--warmup=0", *GPT3_SMALL]),
+    (r"-m jaxllm\.bench\b", ["--steps=2", "--warmup=0"]),
+    (r"-m jaxllm\.tune\b", ["--budget=1", "--steps=1", "--warmup=0", "--confirm=1", *GPT3_SMALL]),
+    (r"-m jaxllm\.generate\b", ["--num_tokens=16"]),
+    (r"benchmarks/pipeline\.py", ["--microbatches=4", "--steps=1", "--hidden=64", "--seq=32"]),
+    (r"benchmarks/sequence_memory\.py", ["--sizes=1", "--start=256", "--budget=1.4", "--", "--config.model.num_layers=2"]),
+    (r"benchmarks/attention\.py", ["--seqs=128", "--iters=1", "--warmup=0", "--impls=xla"]),
+    (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
+]
+CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "python -m pytest")
+
+
+@dataclass
+class Command:
+    where: str  # "docs/FILE.md:LINE"
+    text: str
+    e2e: bool  # inside the README's end-to-end section
+
+
+def documented(path: Path) -> list[Command]:
+    """Every command of ``path`` in document order (see the module doc)."""
+    out, lang, e2e, pending, start = [], None, False, "", 0
+    rel = path.relative_to(ROOT)
+    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if line == E2E_BEGIN or line == E2E_END:
+            e2e = line == E2E_BEGIN
+            continue
+        if line.startswith("```"):
+            lang = line[3:].strip() if lang is None else None
+            continue
+        if lang is None:
+            continue
+        if not pending:
+            if lang == "bash" and line and not line.startswith("#"):
+                pending, start = line, n
+            elif line.startswith("$ "):
+                pending, start = line[2:], n
+            else:
+                continue
+        elif pending:
+            pending += " " + line
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip()
+            continue
+        text = re.sub(r"\s+#\s.*$", "", pending)  # a trailing comment (docs never quote a " # ")
+        for part in text.split(" && "):
+            out.append(Command(f"{rel}:{start}", part.strip(), e2e))
+        pending = ""
+    return out
+
+
+def python_blocks(path: Path, e2e: bool = True) -> list[str]:
+    """The ```python blocks of ``path`` (inside the end-to-end section when ``e2e``)."""
+    blocks, current, inside = [], None, False
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if line in (E2E_BEGIN, E2E_END):
+            inside = line == E2E_BEGIN
+        elif current is None and line == "```python" and inside == e2e:
+            current = []
+        elif current is not None and line == "```":
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(raw)
+    return blocks
+
+
+def split_env(text: str) -> tuple[dict[str, str], list[str]]:
+    """Leading ``NAME=VALUE`` words -> (environment, the rest of the words)."""
+    words, env = shlex.split(text), {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    return env, words
+
+
+def shortened(text: str) -> str:
+    """``text`` with the :data:`SHORTER` flags of the first matching pattern appended."""
+    for pattern, extra in SHORTER:
+        if re.search(pattern, text):
+            return text + " " + " ".join(extra)
+    return text
+
+
+def submission(text: str, sandbox: Path) -> tuple[dict[str, str], list[str]] | None:
+    """``sbatch``/``qsub`` command -> (environment, argv) of its script's dry run; else None."""
+    env, words = split_env(text)
+    if not words or words[0] not in ("sbatch", "qsub"):
+        return None
+    tool, words, nodes, args = words[0], words[1:], 1, []
+    takes_value = {"-A", "-N", "-t", "-p", "-q", "-l", "-v", "-C", "-J", "--nodes"}
+    while words and words[0].startswith("-"):
+        opt = words.pop(0)
+        value = words.pop(0) if opt in takes_value else ""
+        if opt in ("-N", "--nodes"):
+            nodes = int(value)
+        elif opt == "-l" and value.startswith("select="):
+            nodes = int(value.split("=")[1].split(":")[0])
+        elif opt == "-v":
+            env.update(kv.split("=", 1) for kv in value.split(","))
+    script, args = words[0], words[1:]
+    env["DRY_RUN"] = "1"
+    if tool == "sbatch":
+        env["SLURM_JOB_NUM_NODES"] = str(nodes)
+    else:
+        nodefile = sandbox / "pbs_nodefile"
+        nodefile.write_text("".join(f"x3000c0s{i}b0n0\n" for i in range(nodes)))
+        env["PBS_NODEFILE"] = str(nodefile)
+    return env, ["bash", script, *args]
+
+
+def make_sandbox(path: Path) -> Path:
+    """A checkout-like directory at ``path``: the repository's files linked, ``../shared`` beside it."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("jaxllm", "kernels", "configs", "launch", "benchmarks", "docs", "pyproject.toml", "README.md"):
+        (path / name).symlink_to(ROOT / name)
+    shared = path.parent / "shared"
+    if not shared.exists():
+        shared.symlink_to(SHARED)
+    return path
+
+
+def run(command: Command, sandbox: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs ``command`` shortened (or as a dry run) in ``sandbox``; returns the finished process."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this interpreter
+    sub = submission(command.text, sandbox)
+    if sub is not None:
+        extra, argv = sub
+        return subprocess.run(argv, cwd=sandbox, env={**env, **extra}, capture_output=True, text=True,
+                              timeout=timeout)
+    return subprocess.run(["bash", "-c", shortened(command.text)], cwd=sandbox, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# Builds the config from jaxllm.train's flags as jaxllm.train does (absl's global flags) and validates it.
+_VALIDATE = """
+import os, sys
+from absl import app, flags
+from ml_collections import config_flags
+from jaxllm import config
+config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(config.__file__), "config.py"))
+flags.DEFINE_string("workdir", "", "")
+def main(argv):
+    cfg = flags.FLAGS.config
+    if not all(os.path.exists(p) for p in cfg.data.input.split(",")):  # a cluster path
+        cfg.data.input = config.default_corpus()
+    config.validate(cfg, num_devices=int(argv[1]))
+app.run(main, argv=[sys.argv[0], *sys.argv[2:], sys.argv[1]])
+"""
+
+
+def check_launched_config(dry_run_stdout: str, sandbox: Path) -> subprocess.CompletedProcess:
+    """Validates the config of the ``jaxllm.train`` command a dry run printed, for the number of
+    devices its summary line gives, as ``jaxllm.train`` would on the cluster (a cluster path in
+    ``data.input`` is replaced by one that exists here); returns the finished check (exit 0: valid)."""
+    lines = dry_run_stdout.splitlines()
+    devices = re.search(r" devices=(\d+)", next(ln for ln in lines if ln.startswith("# jaxllm launch:"))).group(1)
+    words = shlex.split(next(ln for ln in lines if "-m jaxllm.train" in ln))
+    argv = words[words.index("jaxllm.train") + 1:]
+    return subprocess.run([sys.executable, "-c", _VALIDATE, devices, *argv], cwd=sandbox, capture_output=True,
+                          text=True, timeout=120)
