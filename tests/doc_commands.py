@@ -171,7 +171,6 @@ def make_sandbox(path: Path) -> Path:
 def run(command: Command, sandbox: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """Runs ``command`` shortened (or as a dry run) in ``sandbox``; returns the finished process."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this interpreter
     sub = submission(command.text, sandbox)
     if sub is not None:

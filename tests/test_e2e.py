@@ -39,7 +39,6 @@ def small(text: str) -> str:
 
 def env():
     e = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    e.pop("XLA_FLAGS", None)
     e["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{e['PATH']}"
     return e
 
