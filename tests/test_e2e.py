@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import optimized_env
 from doc_commands import DOCS, documented, make_sandbox, python_blocks, shortened
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def small(text: str) -> str:
 
 
 def env():
-    e = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    e = optimized_env({**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})  # 50k-vocabulary softmaxes
     e["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{e['PATH']}"
     return e
 

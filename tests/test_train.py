@@ -10,13 +10,15 @@ import pytest
 
 from jaxllm import config, train
 
+from conftest import optimized_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def cli(module, *args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=ENV, capture_output=True, text=True,
+def cli(module, *args, cwd=ROOT, env=ENV):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
 
 
@@ -137,7 +139,7 @@ def test_default_job_trains_on_the_standard_library(tmp_path):
     """`python -m jaxllm.train` with only a shorter schedule: the default corpus and model."""
     r = cli("jaxllm.train", f"--workdir={tmp_path}", "--config.train.train_iters=20",
             "--config.train.warmup_iters=5", "--config.train.log_interval=10", "--config.train.eval_interval=20",
-            "--config.log.sample_tokens=20")
+            "--config.log.sample_tokens=20", env=optimized_env(ENV))  # bfloat16: -O0 would double its time
     assert r.returncode == 0, r.stderr[-3000:]
     assert "byte" in r.stdout and "--- sample ---" in r.stdout
     losses = [m["loss"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
