@@ -181,12 +181,13 @@ def train(cfg, workdir: str) -> dict:
     start = int(jax.device_get(state["step"]))
     n_params = model.num_params(state["params"])
     primary = jax.process_index() == 0
+    unigram = data.unigram_entropy("val")  # logged with every evaluation: the best context-free model's loss
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"{config.grad_accum_steps(cfg)} microbatch(es)/step{pipeline_note(cfg)}, "
               f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
               f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.vocab_size}; unigram entropy "
-              f"{data.unigram_entropy('all'):.3f} nats/token, validation split {data.unigram_entropy('val'):.3f})"
+              f"{data.unigram_entropy('all'):.3f} nats/token, validation split {unigram:.3f})"
               + (f", resuming at step {start}" if start else ""))
         print(run.describe(state["params"]))
 
@@ -236,9 +237,7 @@ def train(cfg, workdir: str) -> dict:
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
                 t_eval = time.perf_counter()
                 loss = run.evaluate(state["params"], loader)
-                # the best context-free model's loss on the same split: the margin is what context bought
-                last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale,
-                             "unigram_entropy": data.unigram_entropy("val")}
+                last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale, "unigram_entropy": unigram}
                 logger.log(done, last_eval, kind="eval")
                 tick += time.perf_counter() - t_eval  # throughput counts training steps only
             stop = preemption.reached(done)

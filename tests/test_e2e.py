@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import optimized_env
+from jaxllm.plot import read_metrics
 from doc_commands import DOCS, documented, make_sandbox, python_blocks, shortened
 
 pytestmark = pytest.mark.slow
@@ -50,14 +51,6 @@ def sh(text: str, cwd, timeout=600) -> subprocess.CompletedProcess:
     return r
 
 
-def metrics(workdir) -> dict:
-    out = {"train": {}, "eval": {}}
-    for line in open(os.path.join(workdir, "metrics.jsonl")):
-        r = json.loads(line)
-        out[r["kind"]][r["step"]] = r
-    return out
-
-
 def test_readme_end_to_end_shortened(tmp_path):
     cmds = e2e_commands()
     assert len(cmds) == 5, cmds
@@ -83,14 +76,14 @@ def test_readme_end_to_end_shortened(tmp_path):
     # 2. resume on another layout and finish
     r = sh(small(second), box)
     assert f"resuming at step {saved}" in r.stdout and "'sequence': 2" in r.stdout, r.stdout[-3000:]
-    got = metrics(workdir)
+    got = read_metrics(str(workdir))
 
     # the independent reference: one device, straight through, same config and steps (and the vocabulary
     # the layout padded to: tensor 2 pads GPT-2's 50257 tokens to a multiple of 128 x 2)
     ref_dir = tmp_path / "reference"
     sh(small(f"python -m jaxllm.train --config=configs/peps_gpt2.py --workdir={ref_dir} "
              "--config.model.vocab_size=50432"), box)
-    ref = metrics(ref_dir)
+    ref = read_metrics(str(ref_dir))
     assert sorted(got["train"]) == sorted(ref["train"]) == list(range(1, 17))
     np.testing.assert_allclose([got["train"][s]["loss"] for s in range(1, 17)],
                                [ref["train"][s]["loss"] for s in range(1, 17)], rtol=2e-5)

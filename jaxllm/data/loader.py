@@ -107,13 +107,12 @@ class TokenData:
                             f"{self.directory} ({self.vocab_size} {self.meta['tokenizer']} tokens); set "
                             f"model.vocab_size >= {self.vocab_size}, or 0 to derive it from the data")
 
-    @functools.cache
     def unigram_entropy(self, split: str = "val") -> float:
         """Entropy of ``split``'s ("train", "val" or "all") token frequencies, nats/token.
 
         The cross-entropy that the best context-free model (a unigram distribution fitted to
         that very split) reaches on it: a language model's loss below it is what it learned
-        from context. Raises ValueError for another split name.
+        from context. Reads the whole split: call it once. Raises ValueError for another split name.
         """
         tokens = {"train": self.train, "val": self.val, "all": self.tokens}.get(split)
         if tokens is None:
