@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import config, pipeline, plan  # noqa: E402
-from jaxllm.train import Run  # noqa: E402
+from jaxllm.run import Run  # noqa: E402
 
 
 def _parse():
@@ -56,8 +56,7 @@ def measure(args, m, stages, schedule, virtual):
     cfg.mesh.update(pipeline=stages, data=args.data)
     cfg.parallel.update(pipeline_schedule=schedule, pipeline_virtual_stages=virtual)
     n = stages * args.data
-    config.validate(cfg, num_devices=n)
-    cfg = config.resolved(cfg, num_devices=n)
+    cfg = config.resolve(cfg, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])
     tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch_size, args.seq + 1), dtype=np.int32)
     batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])

@@ -33,8 +33,7 @@ def get_config(key="GPT125M"):
         raise ValueError(f"configs/gpt3.py:{key}: unknown size; choose one of {', '.join(SIZES)}")
     layers, hidden, heads = SIZES[key]
     c = defaults()
-    c.model.update(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=50304,
-                   dtype="bfloat16")
+    c.model.update(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, dtype="bfloat16")
     c.train.update(seq_length=2048, micro_batch_size=1, global_batch_size=8, lr=3e-4, min_lr=3e-5,
                    warmup_iters=100, train_iters=1000)
     c.data.update(tokenizer="gpt2", gpt2_dir=GPT2_DIR)

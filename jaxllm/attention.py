@@ -31,31 +31,13 @@ Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``)
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
-from jaxllm.config import ConfigError
+from jaxllm.errors import ConfigError
+from jaxllm.hardware import backend_kind
 from jaxllm_kernels import pallas_attention, reference, triton_attention
 
 AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
-_KINDS = ("cpu", "cuda", "rocm", "tpu")
-
-
-def backend_kind(backend=None) -> str:
-    """``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"`` (or another platform name) for a JAX backend.
-
-    Args:
-      backend: None (the default backend), a JAX backend name (``"gpu"``, ``"cpu"``, ...),
-        or one of the kinds themselves, returned unchanged (to ask about another machine).
-    """
-    if backend in _KINDS:
-        return backend
-    client = jax.extend.backend.get_backend(backend)
-    platform = client.platform
-    if platform in ("gpu", "cuda", "rocm"):
-        version = str(client.platform_version).lower()
-        return "rocm" if ("rocm" in version or "hip" in version or platform == "rocm") else "cuda"
-    return platform
 
 
 def _why_not(impl, kind):
@@ -77,7 +59,8 @@ def _why_not(impl, kind):
 
 
 def available_impls(backend=None) -> list[str]:
-    """The concrete implementations that run on ``backend`` (see :func:`backend_kind`), in preference order.
+    """The concrete implementations that run on ``backend`` (see :func:`jaxllm.hardware.backend_kind`), in
+    preference order.
 
     ``"auto"`` is always accepted as well and resolves to one of these.
     """

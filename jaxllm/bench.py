@@ -1,10 +1,10 @@
 """Throughput benchmark: ``python -m jaxllm.bench --config=FILE.py[:KEY] [--config.S.K=V ...] [flags]``.
 
-Compiles the training step of :class:`jaxllm.train.Run` (timed: compile time), runs
+Compiles the training step of :class:`jaxllm.run.Run` (timed: compile time), runs
 ``--warmup`` steps that are not timed, then ``--steps`` timed steps, each ended by
 reading its metrics back (as the training loop does every step), and reports
 tokens/s, step time, model TFLOP/s per device, MFU and HFU (with the matmuls that
-``model.remat`` recomputes: :func:`jaxllm.metrics.hardware_flops_per_step`), peak
+``model.remat`` recomputes: :func:`jaxllm.flops.hardware_flops_per_step`), peak
 memory per device and compile time.  One JSON line per benchmarked config is
 appended to ``--output``.
 
@@ -27,84 +27,44 @@ import sys
 
 
 if __name__ == "__main__":  # the CPU device count must be fixed before jax starts a backend
-    from jaxllm.plan import force_host_devices
+    from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
 
+import copy  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import attention, config, metrics, model, plan  # noqa: E402
-from jaxllm.data import DataError, Loader, TokenData  # noqa: E402
+from jaxllm import cli, config, flops, hardware, model, plan  # noqa: E402
+from jaxllm.data import DataError, Loader, TokenData, ensure_prepared  # noqa: E402
+from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
+from jaxllm.run import Run  # noqa: E402
 
 DATA_MODES = ("synthetic", "real")
 
 
-# ---------------------------------------------------------------------------------------------
-# Config overrides (--compare, jaxllm.tune)
-# ---------------------------------------------------------------------------------------------
-
-
-def _parse_value(key: str, text: str, old):
-    if isinstance(old, bool):
-        if text.lower() in ("true", "1", "yes"):
-            return True
-        if text.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"{key}={text!r}: give true or false")
-    try:
-        if isinstance(old, int):
-            return int(text)
-        if isinstance(old, float):
-            return float(text)
-    except ValueError:
-        raise ValueError(f"{key}={text!r}: give a {type(old).__name__}") from None
-    return text
-
-
-def parse_overrides(spec: str) -> list[tuple[str, str]]:
-    """``"mesh.data=4,model.remat=full"`` -> ``[("mesh.data", "4"), ("model.remat", "full")]``.
+def with_overrides(spec: config.Config, overrides: str) -> config.Config:
+    """A copy of ``spec`` with ``"SECTION.KEY=VALUE,..."`` applied, each value parsed as its key's type.
 
     Raises:
-      ValueError: an item is not ``SECTION.KEY=VALUE``.
+      ConfigError: an item that is not ``SECTION.KEY=VALUE``, an unknown key or a value of the wrong type.
     """
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
+    spec = copy.deepcopy(spec)
+    for item in filter(None, (x.strip() for x in overrides.split(","))):
         key, eq, value = item.partition("=")
         key = key.strip().removeprefix("--config.").removeprefix("config.")
-        if not eq or key.count(".") != 1 or not value.strip():
-            raise ValueError(f"--compare item {item!r}: write SECTION.KEY=VALUE, e.g. mesh.tensor=2")
-        out.append((key, value.strip()))
-    return out
+        if not eq or not value.strip():
+            raise config.ConfigError(key, value, "write SECTION.KEY=VALUE, e.g. mesh.tensor=2")
+        config.override(spec, key, value.strip())
+    return spec
 
 
-def apply_overrides(cfg, overrides) -> ml_collections.ConfigDict:
-    """A copy of ``cfg`` with ``[(SECTION.KEY, text value)]`` applied, each parsed as its key's type.
-
-    Raises:
-      ValueError: an unknown key or a value that does not parse as the key's type.
-    """
-    cfg = ml_collections.ConfigDict(cfg.to_dict())
-    for key, text in overrides:
-        section, name = key.split(".")
-        if section not in cfg or name not in cfg[section]:
-            raise ValueError(f"{key}: no such config key")
-        cfg[section][name] = _parse_value(key, text, cfg[section][name])
-    return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# The benchmark
-# ---------------------------------------------------------------------------------------------
-
-
-def prepare(cfg, num_devices: int, *, data: str = "synthetic", workdir: str = "runs/bench"):
-    """Validates ``cfg`` for ``num_devices`` and resolves it; returns ``(resolved cfg, TokenData or None)``.
+def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", workdir: str = "runs/bench"):
+    """Resolves ``spec`` for ``num_devices``; returns ``(resolved config, TokenData or None)``.
 
     The data are read (tokenized into ``WORKDIR/data`` once) when ``data="real"`` or when
     the vocabulary cannot be known otherwise (``model.vocab_size=0`` with the char tokenizer).
@@ -116,18 +76,13 @@ def prepare(cfg, num_devices: int, *, data: str = "synthetic", workdir: str = "r
     """
     if data not in DATA_MODES:
         raise ValueError(f"--data={data!r}: choose synthetic or real")
-    config.validate(cfg, num_devices=num_devices)
-    attention.check_config(cfg)
+    config.resolve(spec, num_devices=num_devices)  # every config error before the data is read
     tokens = None
-    vocab = plan.TOKENIZER_VOCAB.get(cfg.data.tokenizer)
-    if data == "real" or (not cfg.model.vocab_size and vocab is None):
-        from jaxllm.train import data_dir  # noqa: PLC0415
-
-        tokens = TokenData(data_dir(cfg, workdir))
+    vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
+    if data == "real" or (not spec.model.vocab_size and vocab is None):
+        tokens = TokenData(ensure_prepared(spec.data, os.path.join(workdir, "data")))
         vocab = tokens.vocab_size
-    cfg = config.resolved(cfg, vocab_size=vocab, num_devices=num_devices)
-    if tokens is not None:
-        tokens.check_vocab(cfg.model.vocab_size)
+    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab)
     return cfg, (tokens if data == "real" else None)
 
 
@@ -152,8 +107,6 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     Raises:
       ValueError: ``steps < 1`` or ``warmup < 0``.
     """
-    from jaxllm.train import Run  # noqa: PLC0415
-
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
     devices = jax.devices()[:num_devices] if num_devices else jax.devices()
@@ -179,7 +132,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     compiled = run.train_step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - t0
     memory = plan.memory_report(compiled)
-    peak, peak_source = metrics.peak_flops_per_device(devices[0], cfg.model.dtype)
+    peak, peak_source = hardware.peak_flops_per_device(devices[0], cfg.model.dtype)
 
     times, loss = [], float("nan")
     for i in range(warmup + steps):
@@ -191,7 +144,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
             times.append(time.perf_counter() - start)
 
     step_time = float(np.mean(times))
-    out = metrics.throughput(step_time, cfg, num_devices=n, peak_flops=peak)
+    out = flops.throughput(step_time, cfg, num_devices=n, peak_flops=peak)
     stats = devices[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         peak_mem, mem_source = int(stats["peak_bytes_in_use"]), "memory_stats peak_bytes_in_use"
@@ -204,7 +157,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "mesh": dict(run.mesh.shape),
         "num_params": model.num_params(state["params"]),
         "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
-        "microbatches": config.grad_accum_steps(cfg), "seq_length": t.seq_length,
+        "microbatches": cfg.microbatches, "seq_length": t.seq_length,
         "tokens_per_step": t.global_batch_size * t.seq_length,
         "remat": cfg.model.remat, "attention_impl": cfg.model.attention_impl, "dtype": cfg.model.dtype,
         "data": "real" if data is not None else "synthetic",
@@ -213,8 +166,8 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "step_time_median_s": float(np.median(times)), "step_time_min_s": float(np.min(times)),
         "step_time_max_s": float(np.max(times)),
         "hardware_tflops_per_device": out["hfu"] * peak / 1e12,
-        "model_flops_per_step": metrics.flops_per_step(cfg, recompute=False),
-        "hardware_flops_per_step": metrics.hardware_flops_per_step(cfg),
+        "model_flops_per_step": flops.flops_per_step(cfg, recompute=False),
+        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg),
         "peak_flops_per_device": peak, "peak_flops_source": peak_source,
         "peak_memory_bytes": peak_mem, "peak_memory_source": mem_source,
         "compiled_memory_bytes": memory["total"], "compiled_temp_bytes": memory["temp"],
@@ -255,7 +208,7 @@ def main(argv):
 
     F = flags.FLAGS
     if len(argv) > 1:
-        _usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
+        cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     try:
         if F.steps < 1:
             raise ValueError(f"--steps={F.steps}: must be >= 1")
@@ -266,16 +219,16 @@ def main(argv):
                              f"{jax.devices()[0].platform} device(s) (0: all)")
         if F.data not in DATA_MODES:
             raise ValueError(f"--data={F.data!r}: choose synthetic or real")
-        variants = [("", [])] + [(spec.strip(), parse_overrides(spec)) for spec in F.compare.split(";") if spec.strip()]
+        variants = ["", *(v.strip() for v in F.compare.split(";") if v.strip())]
         n = F.devices or len(jax.devices())
-        configs = [(name, prepare(apply_overrides(F.config, ov), n, data=F.data, workdir=F.workdir))
-                   for name, ov in variants]
+        configs = [(name, prepare(with_overrides(F.config, name), n, data=F.data, workdir=F.workdir))
+                   for name in variants]
     except config.ConfigError as e:
-        _usage_error(str(e))
+        cli.fail(e)
     except DataError as e:
-        _usage_error(f"data error: {e}")
+        cli.fail(f"data error: {e}")
     except ValueError as e:
-        _usage_error(f"error: {e}")
+        cli.fail(f"error: {e}")
     records = []
     if F.output:
         os.makedirs(os.path.dirname(os.path.abspath(F.output)), exist_ok=True)
@@ -294,41 +247,11 @@ def main(argv):
         print(f"wrote {len(records)} JSON line(s) to {F.output}")
 
 
-def _usage_error(message: str):
-    print(message, file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_flags_exit_2(argv):
-    """absl flag parsing where a bad flag is one line on stderr and exit status 2.
-
-    ``--some-flag`` is accepted for ``--some_flag`` (not for ``--config.*`` overrides)."""
-    from absl import flags  # noqa: PLC0415
-
-    fixed = [argv[0]]
-    for arg in argv[1:]:
-        if arg.startswith("--") and not arg.startswith("--config"):
-            flag, eq, value = arg[2:].partition("=")
-            arg = "--" + flag.replace("-", "_") + eq + value
-        fixed.append(arg)
-    try:
-        return flags.FLAGS(fixed)
-    except (flags.Error, ValueError, KeyError, AttributeError) as e:
-        _usage_error(f"error: {e}")
-
-
-def define_config_flag():
-    from ml_collections import config_flags  # noqa: PLC0415
-
-    config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "config.py"),
-                                    "config file, e.g. configs/shakespeare_char.py or configs/gpt3.py:GPT125M")
-
-
 if __name__ == "__main__":
     from absl import app, flags, logging
 
     logging.set_verbosity(logging.WARNING)
-    define_config_flag()
+    cli.define_config_flag()
     flags.DEFINE_integer("devices", 0, "devices to run on (CPU: fake devices); 0: all")
     flags.DEFINE_integer("steps", 10, "timed steps")
     flags.DEFINE_integer("warmup", 2, "untimed steps after compilation")
@@ -337,4 +260,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("output", "runs/bench/bench.jsonl", "JSONL file; one line per benchmarked config is appended")
     flags.DEFINE_string("compare", "", "more configs: ';'-separated lists of ','-separated SECTION.KEY=VALUE "
                         "overrides of --config, e.g. 'mesh.data=4,mesh.tensor=2;model.remat=full'")
-    app.run(main, flags_parser=parse_flags_exit_2)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -29,19 +29,36 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxllm import model
-
+from jaxllm import config, model
 
 # The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-               "position_embedding", "norm", "activation", "use_bias", "tie_embeddings")
+               "max_position_embeddings", "position_embedding", "norm", "activation", "use_bias", "tie_embeddings")
+
+
+def _manager(workdir: str, options: ocp.CheckpointManagerOptions | None = None) -> ocp.CheckpointManager:
+    """Orbax's manager of ``WORKDIR/checkpoints`` (every reader and writer of checkpoints uses this)."""
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
+
+
+def _same_padding(manager, step: int, model_cfg: dict) -> bool:
+    """Whether the checkpoint at ``step`` has this run's vocabulary padding.
+
+    The embedding and output tables (and their optimizer moments) have ``model.padded_vocab_size``
+    rows, which depends on the tensor-parallel size; the rows from ``vocab_size`` on are zeros the
+    model masks.  Where the padding differs, the tables are read cut or zero-padded to this run's
+    (Orbax's ``strict=False``); :meth:`Checkpointer._check_model_matches` has made sure that the
+    rest of the model is the same, so no other array can differ.
+    """
+    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    return saved.get("model", {}).get("padded_vocab_size") == model_cfg["padded_vocab_size"]
 
 
 class CheckpointError(RuntimeError):
@@ -58,12 +75,12 @@ class Checkpointer:
     """``WORKDIR/checkpoints``: saves every ``checkpoint.interval`` steps (and when forced),
     keeps the last ``checkpoint.keep`` and every ``checkpoint.keep_period``-th step."""
 
-    def __init__(self, workdir: str, cfg):
+    def __init__(self, workdir: str, cfg: config.Resolved):
         c = cfg.checkpoint
-        options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, keep_period=c.get("keep_period") or None,
+        options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, keep_period=c.keep_period or None,
                                                create=True, enable_async_checkpointing=True)
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager = _manager(workdir, options)
+        self.directory = str(self.manager.directory)
         self.interval = c.interval
         self.config = cfg.to_dict()
         self.invalid: set[int] = set()  # steps that failed to restore: overwritten when training reaches them again
@@ -96,8 +113,9 @@ class Checkpointer:
         failures = []
         for s in steps:
             try:
+                strict = _same_padding(self.manager, s, self.config["model"])
                 restored = self.manager.restore(s, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state)))
+                    state=ocp.args.StandardRestore(abstract_state, strict=strict)))
                 return restored["state"]
             except Exception as e:  # noqa: BLE001  Orbax/TensorStore raise many types for damaged files
                 failures.append(f"step {s}: {_reason(e)}")
@@ -144,24 +162,25 @@ class Checkpointer:
 
 
 class Preemption:
-    """SIGTERM or SIGUSR1 -> save at the next step boundary and exit (a context manager).
+    """SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) -> save at the next step boundary and exit (a context manager).
 
     Call :meth:`reached` with the number of completed steps at every step boundary; once
-    it returns True, save and stop.  Single process: a Python handler for both signals
-    sets a flag.  Several processes must all stop after the same step, or the collective
-    save hangs: JAX's preemption sync manager (started by ``jax.distributed.initialize``)
-    catches SIGTERM in every process and agrees on a step through the coordination
-    service, and :meth:`reached` is ``multihost_utils.reached_preemption_sync_point``; so
-    SIGTERM is left to it (a Python handler would replace it) and SIGUSR1 is forwarded to
-    it as SIGTERM.  Handlers are installed only from the main thread (Python's rule);
-    :meth:`uninstall` (or leaving the ``with`` block) puts the previous ones back.
+    it returns True, save and stop.  Single process: a Python handler for the three signals
+    sets a flag; a second Ctrl-C aborts at once (``KeyboardInterrupt``).  Several processes
+    must all stop after the same step, or the collective save hangs: JAX's preemption sync
+    manager (started by ``jax.distributed.initialize``) catches SIGTERM in every process and
+    agrees on a step through the coordination service, and :meth:`reached` is
+    ``multihost_utils.reached_preemption_sync_point``; so SIGTERM is left to it (a Python
+    handler would replace it) and SIGUSR1 and SIGINT are forwarded to it as SIGTERM.
+    Handlers are installed only from the main thread (Python's rule); :meth:`uninstall` (or
+    leaving the ``with`` block) puts the previous ones back.
     """
 
     def install(self) -> Preemption:
         """Installs the signal handlers; returns self."""
         self.multi = jax.process_count() > 1
         self.signum = None
-        signals = (signal.SIGUSR1,) if self.multi else (signal.SIGTERM, signal.SIGUSR1)
+        signals = (signal.SIGUSR1, signal.SIGINT) if self.multi else (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
         in_main = threading.current_thread() is threading.main_thread()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals} if in_main else {}
         return self
@@ -177,7 +196,12 @@ class Preemption:
     def _handle(self, signum, frame):
         if self.multi:
             os.kill(os.getpid(), signal.SIGTERM)
+        elif signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: abort now
         else:
+            if signum == signal.SIGINT:
+                print("\njaxllm: Ctrl-C: saving a checkpoint at the end of this step, then stopping "
+                      "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
             self.signum = signum
 
     def reached(self, step: int) -> bool:
@@ -194,35 +218,41 @@ class Preemption:
         return False
 
 
-def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:
+def load_config(workdir: str, step: int | None = None) -> config.Config:
     """The config stored with the checkpoint at ``step`` (default: the latest) in ``workdir``.
 
     Raises:
       FileNotFoundError: ``workdir`` has no checkpoint.
     """
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train first (python -m jaxllm.train --workdir={workdir})")
-    cfg = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    manager.close()
-    return ml_collections.ConfigDict(cfg)
+    manager = _manager(workdir)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train first "
+                                    f"(python -m jaxllm.train --workdir={workdir})")
+        saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    finally:
+        manager.close()
+    return config.from_dict(saved)
 
 
-def restore_params(cfg, workdir: str, step: int | None = None):
+def restore_params(model_cfg: config.Model, workdir: str, step: int | None = None):
     """The parameters alone of ``workdir``'s checkpoint at ``step`` (default: the latest), on the
-    host CPU whatever mesh the run used (the optimizer state is not read)."""
+    host CPU whatever mesh the run used (the optimizer state is not read); ``model_cfg`` is the
+    run's resolved ``model`` section (:func:`jaxllm.config.resolve_model`)."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    _, abstract = model.abstract(cfg)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), abstract)
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+                            model.describe(model_cfg).params)
+    manager = _manager(workdir)
     try:
         step = manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
         item = {"params": abstract}
+        strict = _same_padding(manager, step, model_cfg.to_dict())
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, strict=strict), item)
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+            item=item, restore_args=restore_args, partial_restore=True)))
     finally:
         manager.close()
     return restored["state"]["params"]

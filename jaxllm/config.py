@@ -1,38 +1,132 @@
-"""The configuration schema: every key, its default and its check, in one place.
+"""The configuration: typed sections, every key and default in one place, resolved once.
 
-A config file (``configs/*.py``) starts from :func:`get_config` and changes what
-it needs; ``--config.SECTION.KEY=VALUE`` flags change the rest.  This file is
-itself a valid config file: it is what ``python -m jaxllm.train`` runs with no
-``--config`` (a small byte-level GPT on the Python standard library's sources).
+A config file (``configs/*.py``) starts from :func:`get_config` and changes what it
+needs; ``--config.SECTION.KEY=VALUE`` flags change the rest (ml-collections parses
+them by each key's type).  This file is itself a valid config file: it is what
+``python -m jaxllm.train`` runs with no ``--config`` (a small byte-level GPT on the
+Python standard library's sources).
 
-Sections: ``model``, ``train``, ``data``, ``mesh``, ``parallel``,
-``checkpoint``, ``log``.  A value of 0 for a size means "derived" (see the
-comment beside it); :func:`validate` resolves nothing, it only checks, and
-:func:`resolved` fills the derived values.
+:class:`Config` has the sections ``model``, ``train``, ``data``, ``mesh``,
+``parallel``, ``checkpoint`` and ``log``, each a dataclass whose fields are the keys
+users type.  Assigning a key that does not exist is a :class:`ConfigError` naming the
+closest key (or the jaxllm key for a Megatron-DeepSpeed name).  A size of 0 means
+"derived".  :func:`resolve` checks every value (the divisibility checks come from the
+rules table of :mod:`jaxllm.sharding` and the model's logical axes) and returns a
+:class:`Resolved` config: read-only, derived sizes filled in, and the sizes of the
+layout (mesh shape, data-parallel size, microbatches, pipeline stages) as fields, so
+that no module computes them again.
 """
 
-from __future__ import annotations
-
+import dataclasses
+import difflib
 import math
 import os
 import sysconfig
+from typing import Any, ClassVar
 
-import ml_collections
+from jaxllm import attention, context_parallel, model, pipeline, sharding
+from jaxllm.errors import ConfigError
+from jaxllm.sharding import MESH_AXES
 
-MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "sequence")
+__all__ = ["Config", "ConfigError", "Resolved", "MESH_AXES", "get_config", "resolve", "from_dict", "override"]
 
-CHOICES = {
-    "model.position_embedding": ("learned", "rotary"),
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.remat": ("none", "full", "save_dots"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.attention_impl": ("auto", "xla", "cudnn", "pallas", "triton"),
-    "data.tokenizer": ("char", "byte", "gpt2"),
-    "parallel.zero_stage": (0, 1, 2, 3),
-    "parallel.pipeline_schedule": ("gpipe", "interleaved"),
-    "parallel.sequence_impl": ("allgather", "ring", "ulysses"),
-}
+
+def _key(default, check: str | None = None, choices: tuple = ()):
+    """A config key: its default, an optional range check (``">0"``, ``">=0"``) and allowed values."""
+    return dataclasses.field(default=default, metadata={"check": check, "choices": choices})
+
+
+def _derived(default=0):
+    """A value :func:`resolve` computes; users cannot set it."""
+    return dataclasses.field(default=default, metadata={"derived": True})
+
+
+class Section:
+    """Base of the config sections: assigning an unknown key is an error, and a resolved config is read-only."""
+
+    name: ClassVar[str] = ""
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"{self.name or 'config'}.{key}: a resolved config is read-only; change the config before "
+                "jaxllm.config.resolve (or use dataclasses.replace)")
+        if key not in self.__dataclass_fields__:
+            raise ConfigError(f"{self.name + '.' if self.name else ''}{key}", value, unknown_key_fix(self, key))
+        object.__setattr__(self, key, value)
+
+    def update(self, **values) -> "Section":
+        """Sets several keys at once (as ``ConfigDict.update``); returns the section."""
+        for key, value in values.items():
+            setattr(self, key, value)
+        return self
+
+    def to_dict(self) -> dict:
+        """The keys and values as nested plain dicts (JSON-ready)."""
+        return dataclasses.asdict(self)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+
+@dataclasses.dataclass
+class Model(Section):
+    """The GPT's shape and numerics (see :mod:`jaxllm.model`)."""
+
+    name: ClassVar[str] = "model"
+    num_layers: int = _key(4, ">0")
+    hidden_size: int = _key(256, ">0")
+    num_attention_heads: int = _key(4, ">0")
+    num_kv_heads: int = _key(0, ">=0")  # 0: = num_attention_heads (multi-head attention)
+    ffn_hidden_size: int = _key(0, ">=0")  # 0: 4 x hidden (gelu) or 8/3 x hidden rounded up to 64 (swiglu)
+    vocab_size: int = _key(0, ">=0")  # 0: the tokenizer's vocabulary
+    # the embedding and output tables are padded to a multiple of this (and of the tensor-parallel size)
+    make_vocab_size_divisible_by: int = _key(128, ">0")
+    max_position_embeddings: int = _key(0, ">=0")  # positions of the learned table; 0: train.seq_length
+    position_embedding: str = _key("learned", choices=("learned", "rotary"))
+    rotary_base: float = _key(10000.0, ">0")
+    norm: str = _key("layernorm", choices=("layernorm", "rmsnorm"))
+    norm_eps: float = _key(1e-5, ">0")
+    activation: str = _key("gelu", choices=("gelu", "swiglu"))
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = _key(0.0, ">=0")
+    init_std: float = _key(0.02, ">0")
+    remat: str = _key("none", choices=("none", "full", "save_dots"))
+    dtype: str = _key("bfloat16", choices=("float32", "bfloat16", "float16"))  # compute; parameters are float32
+    attention_impl: str = _key("xla", choices=("auto", "xla", "cudnn", "pallas", "triton"))
+    padded_vocab_size: int = _derived()  # rows of the embedding and output tables
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclasses.dataclass
+class Train(Section):
+    """Batch, optimizer, schedule and evaluation (Megatron-LM's names)."""
+
+    name: ClassVar[str] = "train"
+    seq_length: int = _key(128, ">0")
+    micro_batch_size: int = _key(16, ">0")
+    global_batch_size: int = _key(16, ">0")
+    train_iters: int = _key(400, ">0")
+    lr: float = _key(2e-3, ">0")
+    min_lr: float = _key(2e-4, ">=0")
+    warmup_iters: int = _key(40, ">=0")
+    lr_decay_iters: int = _key(0, ">=0")  # 0: = train_iters
+    weight_decay: float = _key(0.1, ">=0")
+    beta1: float = _key(0.9, ">=0")
+    beta2: float = _key(0.95, ">=0")
+    adam_eps: float = _key(1e-8, ">0")
+    grad_clip: float = _key(1.0, ">=0")  # global-norm clipping; 0: off
+    seed: int = _key(1234, ">=0")
+    eval_interval: int = _key(100, ">=0")  # 0: no evaluation
+    eval_iters: int = _key(10, ">0")
+    log_interval: int = _key(20, ">0")
+    # consecutive steps with a non-finite loss or gradient norm (each skipped: no update) after which
+    # the run stops with an error; a diverged run rarely recovers
+    max_nonfinite_steps: int = _key(10, ">0")
 
 
 def default_corpus() -> str:
@@ -40,322 +134,412 @@ def default_corpus() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def get_config() -> ml_collections.ConfigDict:
-    """Every default of jaxllm. Returns a ConfigDict with the seven sections."""
-    c = ml_collections.ConfigDict()
+@dataclasses.dataclass
+class Data(Section):
+    """Where the tokens come from (see :mod:`jaxllm.data`)."""
 
-    c.model = ml_collections.ConfigDict(
-        dict(
-            num_layers=4,
-            hidden_size=256,
-            num_attention_heads=4,
-            num_kv_heads=0,  # 0: = num_attention_heads (multi-head attention)
-            ffn_hidden_size=0,  # 0: 4 * hidden_size (gelu) or 8/3 * hidden_size rounded to 64 (swiglu)
-            vocab_size=0,  # 0: the tokenizer's vocabulary, padded to make_vocab_size_divisible_by
-            make_vocab_size_divisible_by=128,  # Megatron-LM's padding, so that vocab shards evenly
-            position_embedding="learned",
-            rotary_base=10000.0,
-            norm="layernorm",
-            norm_eps=1e-5,
-            activation="gelu",
-            use_bias=True,
-            tie_embeddings=True,
-            dropout=0.0,
-            init_std=0.02,
-            remat="none",
-            dtype="bfloat16",  # compute dtype; parameters are always float32
-            attention_impl="xla",
-        )
-    )
-    c.train = ml_collections.ConfigDict(
-        dict(
-            seq_length=128,
-            micro_batch_size=16,
-            global_batch_size=16,
-            train_iters=400,
-            lr=2e-3,
-            min_lr=2e-4,
-            warmup_iters=40,
-            lr_decay_iters=0,  # 0: = train_iters
-            weight_decay=0.1,
-            beta1=0.9,
-            beta2=0.95,
-            adam_eps=1e-8,
-            grad_clip=1.0,
-            seed=1234,
-            eval_interval=100,
-            eval_iters=10,
-            log_interval=20,
-            # consecutive steps with a non-finite loss or gradient norm (each skipped: no update)
-            # after which the run stops with an error; a diverged run rarely recovers
-            max_nonfinite_steps=10,
-        )
-    )
-    c.data = ml_collections.ConfigDict(
-        dict(
-            input=default_corpus(),  # comma-separated text files/directories, or a prepared directory
-            tokenizer="byte",
-            gpt2_dir="",  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
-            val_fraction=0.1,  # the last fraction of the token stream is the validation split
-        )
-    )
-    # mesh.AXIS: devices along AXIS within a node (-1 on one axis: fill with what is left);
-    # mesh.dcn_AXIS: nodes along AXIS (the slow network); the axis spans AXIS x dcn_AXIS devices.
-    c.mesh = ml_collections.ConfigDict({**{a: 1 for a in MESH_AXES}, **{f"dcn_{a}": 1 for a in MESH_AXES}})
-    c.parallel = ml_collections.ConfigDict(
-        dict(
-            zero_stage=0,
-            megatron_sp=False,
-            # with mesh.pipeline > 1 the step's microbatches (global batch / (micro batch x
-            # data-parallel size)) flow through the stages; interleaved: the circular schedule
-            # with pipeline_virtual_stages chunks of layers per device
-            pipeline_schedule="gpipe",
-            pipeline_virtual_stages=1,
-            # attention with mesh.sequence > 1: allgather (keys/values gathered), ring (context
-            # parallelism, load-balanced), ulysses (all-to-all to heads)
-            sequence_impl="allgather",
-        )
-    )
-    c.checkpoint = ml_collections.ConfigDict(
-        dict(
-            interval=0,  # steps between saves; 0: only at the end
-            keep=2,  # most recent checkpoints kept
-            keep_period=0,  # also keep every checkpoint whose step is a multiple of this; 0: off
-        )
-    )
-    c.log = ml_collections.ConfigDict(
-        dict(
-            tensorboard=True,
-            progress_bar=True,  # only drawn when stdout is a terminal
-            samples=1,  # text samples printed at the end of training
-            sample_tokens=256,
-            sample_prompt="",  # "": the first tokens of the validation split
-            temperature=0.8,
-            top_k=200,
-        )
-    )
-    return c
+    name: ClassVar[str] = "data"
+    input: str = dataclasses.field(default_factory=default_corpus)  # text files/directories (comma-separated) or a prepared directory
+    tokenizer: str = _key("byte", choices=("char", "byte", "gpt2"))
+    gpt2_dir: str = ""  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
+    val_fraction: float = 0.1  # the last fraction of the token stream is the validation split
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work: names the key, the value and the fix."""
+@dataclasses.dataclass
+class Mesh(Section):
+    """Devices along each mesh axis: ``AXIS`` within a node (-1 on one axis: fill with what is
+    left), ``dcn_AXIS`` across nodes (the slow network); the axis spans ``AXIS x dcn_AXIS`` devices."""
 
-    def __init__(self, key: str, value, fix: str):
-        self.key, self.value, self.fix = key, value, fix
-        super().__init__(f"config error: {key}={value!r}: {fix}")
+    name: ClassVar[str] = "mesh"
+    data: int = 1
+    fsdp: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_pipeline: int = 1
+    dcn_tensor: int = 1
+    dcn_sequence: int = 1
 
 
-def _get(cfg, key):
+@dataclasses.dataclass
+class Parallel(Section):
+    """How the mesh axes are used beyond the rules table."""
+
+    name: ClassVar[str] = "parallel"
+    zero_stage: int = _key(0, choices=(0, 1, 2, 3))
+    megatron_sp: bool = False  # Megatron sequence parallelism: the residual stream split over tensor too
+    # with mesh.pipeline > 1 the step's microbatches flow through the stages; interleaved: the
+    # circular schedule with pipeline_virtual_stages chunks of layers per device
+    pipeline_schedule: str = _key("gpipe", choices=("gpipe", "interleaved"))
+    pipeline_virtual_stages: int = _key(1, ">0")
+    # attention with mesh.sequence > 1: allgather (keys/values gathered), ring (context
+    # parallelism, load-balanced), ulysses (all-to-all to heads)
+    sequence_impl: str = _key("allgather", choices=("allgather", "ring", "ulysses"))
+
+
+@dataclasses.dataclass
+class Checkpoint(Section):
+    name: ClassVar[str] = "checkpoint"
+    interval: int = _key(0, ">=0")  # steps between saves; 0: only at the end
+    keep: int = _key(2, ">0")  # most recent checkpoints kept
+    keep_period: int = _key(0, ">=0")  # also keep every checkpoint whose step is a multiple of this; 0: off
+
+
+@dataclasses.dataclass
+class Log(Section):
+    name: ClassVar[str] = "log"
+    tensorboard: bool = True
+    progress_bar: bool = True  # only drawn when stdout is a terminal
+    samples: int = _key(1, ">=0")  # text samples printed at the end of training
+    sample_tokens: int = _key(256, ">=0")
+    sample_prompt: str = ""  # "": the first tokens of the validation split
+    temperature: float = _key(0.8, ">0")
+    top_k: int = _key(200, ">=0")
+
+
+@dataclasses.dataclass
+class Config(Section):
+    """A run's configuration, as config files and flags write it (see the module docstring)."""
+
+    model: Model = dataclasses.field(default_factory=Model)
+    train: Train = dataclasses.field(default_factory=Train)
+    data: Data = dataclasses.field(default_factory=Data)
+    mesh: Mesh = dataclasses.field(default_factory=Mesh)
+    parallel: Parallel = dataclasses.field(default_factory=Parallel)
+    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    log: Log = dataclasses.field(default_factory=Log)
+
+    def sections(self) -> dict[str, Section]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Config)}
+
+    def to_dict(self) -> dict:
+        """The seven sections as nested plain dicts (derived layout sizes left out)."""
+        return {name: section.to_dict() for name, section in self.sections().items()}
+
+
+@dataclasses.dataclass
+class Resolved(Config):
+    """A config after :func:`resolve`: every value checked, derived sizes filled, read-only.
+
+    Beyond the sections (where ``model.num_kv_heads``, ``model.ffn_hidden_size``,
+    ``model.max_position_embeddings``, ``model.padded_vocab_size``,
+    ``train.lr_decay_iters`` and any -1 mesh axis are filled in):
+    """
+
+    num_devices: int = 0  # devices the mesh covers
+    mesh_shape: dict = dataclasses.field(default_factory=dict)  # devices along each mesh axis (ICI x DCN)
+    data_parallel: int = 0  # replicas the global batch is split over: the data x fsdp axes
+    microbatches: int = 0  # micro batches per step and replica: global / (micro batch x data_parallel)
+    stages: int = 0  # pipeline stages: devices along the pipeline axis
+    # a step's batch as the train step takes it: [microbatches, micro batch x data_parallel, seq_length]
+    batch_shape: tuple = ()
+
+
+def get_config() -> Config:
+    """Every default of jaxllm."""
+    return Config()
+
+
+# ----- unknown keys -------------------------------------------------------------------------
+
+# Megatron-LM / Megatron-DeepSpeed argument names (dashes as underscores) -> what to set instead.
+MEGATRON_NAMES = {
+    "num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
+    "num_attention_heads": "model.num_attention_heads", "num_query_groups": "model.num_kv_heads",
+    "ffn_hidden_size": "model.ffn_hidden_size", "max_position_embeddings": "model.max_position_embeddings",
+    "make_vocab_size_divisible_by": "model.make_vocab_size_divisible_by", "normalization": "model.norm",
+    "swiglu": "model.activation=swiglu", "position_embedding_type": "model.position_embedding",
+    "use_rotary_position_embeddings": "model.position_embedding=rotary",
+    "untie_embeddings_and_output_weights": "model.tie_embeddings=False", "hidden_dropout": "model.dropout",
+    "init_method_std": "model.init_std", "layernorm_epsilon": "model.norm_eps", "norm_epsilon": "model.norm_eps",
+    "recompute_granularity": "model.remat", "recompute_activations": "model.remat=full",
+    "checkpoint_activations": "model.remat=full", "use_flash_attn": "model.attention_impl",
+    "bf16": "model.dtype=bfloat16", "fp16": "model.dtype=float16",
+    "seq_length": "train.seq_length", "micro_batch_size": "train.micro_batch_size",
+    "global_batch_size": "train.global_batch_size", "train_iters": "train.train_iters",
+    "gradient_accumulation_steps": "train.global_batch_size (= micro batch x data-parallel size x accumulation steps)",
+    "lr_warmup_iters": "train.warmup_iters", "lr_decay_iters": "train.lr_decay_iters",
+    "adam_beta1": "train.beta1", "adam_beta2": "train.beta2", "adam_eps": "train.adam_eps",
+    "clip_grad": "train.grad_clip", "weight_decay": "train.weight_decay", "seed": "train.seed",
+    "eval_interval": "train.eval_interval", "eval_iters": "train.eval_iters", "log_interval": "train.log_interval",
+    "save_interval": "checkpoint.interval", "data_path": "data.input", "tokenizer_type": "data.tokenizer",
+    "tensor_model_parallel_size": "mesh.tensor", "pipeline_model_parallel_size": "mesh.pipeline",
+    "context_parallel_size": "mesh.sequence", "ds_sequence_parallel_size": "mesh.sequence",
+    "sequence_parallel": "parallel.megatron_sp", "zero_stage": "parallel.zero_stage",
+    "num_layers_per_virtual_pipeline_stage": "parallel.pipeline_virtual_stages (virtual stages per device)",
+    "virtual_pipeline_model_parallel_size": "parallel.pipeline_virtual_stages",
+}
+
+
+def unknown_key_fix(holder, key: str) -> str:
+    """The fix for an unknown ``key`` of ``holder`` (a :class:`Config` or one of its sections)."""
+    if isinstance(holder, Config):
+        known = [f.name for f in dataclasses.fields(Config)]
+        what = f"no such section; the sections are {', '.join(known)}"
+    else:
+        known = [f.name for f in dataclasses.fields(holder) if not f.metadata.get("derived")]
+        derived = key in holder.__dataclass_fields__
+        what = (f"is derived (computed from the other keys), not set" if derived
+                else f"no such key in section {holder.name}")
+    hint = MEGATRON_NAMES.get(key.replace("-", "_"))
+    if hint:
+        return f"{what}; Megatron-DeepSpeed's {key} is {hint} in jaxllm"
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    prefix = f"{holder.name}." if isinstance(holder, Section) and holder.name else ""
+    return f"{what}; did you mean {prefix}{close[0]}?" if close else f"{what}; see jaxllm/config.py for the keys"
+
+
+def check_key(path: str, value=None) -> None:
+    """Raises :class:`ConfigError` unless ``SECTION.KEY`` (or ``SECTION``) names a key users can set
+    (``value``: what they gave it, for the message)."""
+    parts = path.split(".")
+    if parts[0] not in Config.__dataclass_fields__:
+        raise ConfigError(path, value, unknown_key_fix(Config(), parts[0]))
+    if len(parts) == 1:
+        return
+    holder = Config.__dataclass_fields__[parts[0]].default_factory()
+    field = holder.__dataclass_fields__.get(parts[1])
+    if len(parts) > 2 or field is None or field.metadata.get("derived"):
+        raise ConfigError(path, value, unknown_key_fix(holder, parts[1]))
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def key_type(path: str) -> type:
+    """The type of ``SECTION.KEY`` (``int``, ``float``, ``str`` or ``bool``)."""
+    check_key(path)
+    section, name = path.split(".")
+    return Config.__dataclass_fields__[section].default_factory.__dataclass_fields__[name].type
+
+
+def type_name(path: str) -> str:
+    """``"an integer"``, ``"a number"``, ``"a string"`` or ``"true or false"``: what ``SECTION.KEY`` takes."""
+    return _TYPE_NAMES[key_type(path)]
+
+
+def choices(path: str) -> tuple:
+    """The values ``SECTION.KEY`` accepts (empty: any of its type)."""
+    check_key(path)
+    section, name = path.split(".")
+    return Config.__dataclass_fields__[section].default_factory.__dataclass_fields__[name].metadata.get("choices", ())
+
+
+def override(cfg: Config, key: str, text: str) -> None:
+    """Sets ``SECTION.KEY`` of ``cfg`` from a string, parsed as the key's type (as a flag would be).
+
+    Raises:
+      ConfigError: an unknown key, or a value that does not parse as its type.
+    """
+    kind = key_type(key)
     section, name = key.split(".")
-    return cfg[section][name]
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            value = text.lower() in ("true", "1", "yes")
+        else:
+            value = kind(text)
+    except ValueError:
+        raise ConfigError(key, text, f"must be {_TYPE_NAMES[kind]}") from None
+    setattr(getattr(cfg, section), name, value)
 
 
-def _resolve_heads(m) -> int:
-    return m.num_kv_heads or m.num_attention_heads
+def from_dict(values: dict) -> Config:
+    """A :class:`Config` from nested dicts (as :meth:`Config.to_dict` writes them, e.g. a checkpoint's).
+
+    Missing keys keep their defaults; derived keys are ignored (:func:`resolve` computes them).
+    Raises:
+      ConfigError: an unknown section or key.
+    """
+    cfg = Config()
+    for section, keys in values.items():
+        if section not in Config.__dataclass_fields__:
+            if section in Resolved.__dataclass_fields__:
+                continue  # a derived layout size
+            raise ConfigError(section, None, unknown_key_fix(cfg, section))
+        holder = getattr(cfg, section)
+        for key, value in keys.items():
+            field = holder.__dataclass_fields__.get(key)
+            if field is not None and field.metadata.get("derived"):
+                continue
+            setattr(holder, key, value)
+    return cfg
 
 
-def _resolve_ffn(m) -> int:
+# ----- resolution -----------------------------------------------------------------------------
+
+
+def _check_types_and_ranges(cfg: Config) -> None:
+    for name, section in cfg.sections().items():
+        for field in dataclasses.fields(section):
+            if field.metadata.get("derived"):
+                continue
+            key, value = f"{name}.{field.name}", getattr(section, field.name)
+            kind = field.type
+            ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (
+                kind is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise ConfigError(key, value, f"must be {_TYPE_NAMES[kind]}")
+            if kind is float:
+                object.__setattr__(section, field.name, float(value))
+            choices, check = field.metadata.get("choices"), field.metadata.get("check")
+            if choices and value not in choices:
+                raise ConfigError(key, value, f"choose one of {', '.join(map(str, choices))}")
+            if check == ">0" and not value > 0:
+                raise ConfigError(key, value, "must be > 0")
+            if check == ">=0" and value < 0:
+                raise ConfigError(key, value, "must be >= 0")
+
+
+def _check_values(cfg: Config) -> None:
+    """The checks that need no device count: types, choices, ranges, relations between keys."""
+    _check_types_and_ranges(cfg)
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if (p.pipeline_schedule == "interleaved") != (p.pipeline_virtual_stages > 1):
+        raise ConfigError("parallel.pipeline_virtual_stages", p.pipeline_virtual_stages,
+                          "the interleaved schedule needs >= 2 virtual stages, gpipe exactly 1: set "
+                          "parallel.pipeline_schedule=interleaved with pipeline_virtual_stages >= 2, or gpipe with 1")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError("model.hidden_size", m.hidden_size,
+                          f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % (m.num_kv_heads or m.num_attention_heads):
+        raise ConfigError("model.num_kv_heads", m.num_kv_heads,
+                          f"must divide model.num_attention_heads={m.num_attention_heads}")
+    if m.position_embedding == "rotary" and m.head_dim % 2:
+        raise ConfigError("model.position_embedding", "rotary",
+                          f"rotary needs an even head dim; hidden_size/num_attention_heads is {m.head_dim}")
+    if m.position_embedding == "learned" and m.max_position_embeddings and m.max_position_embeddings < t.seq_length:
+        raise ConfigError("model.max_position_embeddings", m.max_position_embeddings,
+                          f"the learned position table must cover train.seq_length={t.seq_length}")
+    if not m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+    for key in ("beta1", "beta2"):
+        if not getattr(t, key) < 1.0:
+            raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
+    if t.min_lr > t.lr:
+        raise ConfigError("train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
+    if t.warmup_iters > (t.lr_decay_iters or t.train_iters):
+        raise ConfigError("train.warmup_iters", t.warmup_iters,
+                          f"must be <= train.lr_decay_iters (resolved: {t.lr_decay_iters or t.train_iters})")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("train.global_batch_size", t.global_batch_size,
+                          f"must be divisible by train.micro_batch_size={t.micro_batch_size}")
+    for key in [*MESH_AXES, *(f"dcn_{a}" for a in MESH_AXES)]:
+        size = getattr(cfg.mesh, key)
+        if not (size >= 1 or (size == -1 and key in MESH_AXES)):
+            raise ConfigError(f"mesh.{key}", size, "must be an integer >= 1 (or -1 on one ICI axis: fill)")
+    fill = [a for a in MESH_AXES if getattr(cfg.mesh, a) == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
+    d = cfg.data
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 1)")
+    paths = [path for path in d.input.split(",") if path]
+    if not paths:
+        raise ConfigError("data.input", d.input, "name text files or directories, comma-separated")
+    for path in paths:
+        if not os.path.exists(path):
+            raise ConfigError("data.input", path, "no such file or directory")
+    if d.tokenizer == "gpt2":
+        for name in ("encoder.json", "vocab.bpe"):
+            if not os.path.isfile(os.path.join(d.gpt2_dir, name)):
+                raise ConfigError("data.gpt2_dir", d.gpt2_dir,
+                                  f"must be a directory holding GPT-2's encoder.json and vocab.bpe ({name} missing)")
+
+
+def mesh_shape(mesh: Mesh, num_devices: int) -> dict[str, int]:
+    """Devices along each mesh axis (ICI x DCN), a -1 axis filled from ``num_devices``."""
+    dcn = math.prod(getattr(mesh, f"dcn_{a}") for a in MESH_AXES)
+    known = math.prod(getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != -1)
+    fill = max(1, num_devices // (dcn * known))
+    return {a: (fill if getattr(mesh, a) == -1 else getattr(mesh, a)) * getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+
+
+def padded_vocab(vocab_size: int, divisible_by: int, tensor: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by`` and of the tensor-parallel size.
+
+    Megatron-LM pads to a multiple of ``make_vocab_size_divisible_by x tensor``; the least
+    common multiple gives the same tables whenever the tensor size divides
+    ``make_vocab_size_divisible_by`` (e.g. GPT-2's 50257 -> 50304 for tensor 1 to 128).
+    """
+    k = math.lcm(divisible_by, tensor)
+    return k * math.ceil(vocab_size / k)
+
+
+def _ffn_size(m: Model) -> int:
     if m.ffn_hidden_size:
         return m.ffn_hidden_size
     return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation == "swiglu" else 4 * m.hidden_size
 
 
-def resolved(cfg: ml_collections.ConfigDict, vocab_size: int | None = None,
-             num_devices: int | None = None) -> ml_collections.ConfigDict:
-    """A copy of ``cfg`` with every derived (0) value filled in.
+def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, tensor: int = 1) -> Model:
+    """A copy of the ``model`` section with its derived sizes filled in (what tools that only need
+    the model use, e.g. to sample from or export a checkpoint; :func:`resolve` calls it too).
 
     Args:
-      cfg: a config that passed :func:`validate`.
-      vocab_size: the tokenizer's vocabulary size; needed when ``model.vocab_size`` is 0.
-      num_devices: fills a -1 mesh axis (default: ``jax.device_count()`` when one is -1).
+      m: the section; seq_length: ``train.seq_length`` (the learned position table's default size).
+      vocab_size: the tokenizer's vocabulary (needed when ``m.vocab_size`` is 0; None: not known yet).
+      tensor: devices along the tensor axis (the tables are padded to a multiple of it).
     Raises:
-      ConfigError: ``model.vocab_size`` is smaller than the tokenizer's vocabulary.
+      ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary.
     """
-    cfg = ml_collections.ConfigDict(cfg.to_dict())
-    m, t = cfg.model, cfg.train
-    if any(cfg.mesh[a] == -1 for a in MESH_AXES):
-        if num_devices is None:
-            import jax  # noqa: PLC0415  (only needed to fill a -1 axis)
+    m = dataclasses.replace(m)  # a copy that may be written, also of a resolved (read-only) section
+    m.num_kv_heads = m.num_kv_heads or m.num_attention_heads
+    m.ffn_hidden_size = _ffn_size(m)
+    m.max_position_embeddings = m.max_position_embeddings or seq_length
+    if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
+        raise ConfigError("model.vocab_size", m.vocab_size,
+                          f"the tokenizer has {vocab_size} tokens; set it to >= {vocab_size} or to 0 (the tokenizer's)")
+    m.vocab_size = m.vocab_size or vocab_size or 0
+    m.padded_vocab_size = padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, tensor)
+    m._freeze()
+    return m
 
-            num_devices = jax.device_count()
-        sizes = mesh_shape(cfg, num_devices)
-        for a in MESH_AXES:
-            if cfg.mesh[a] == -1:
-                cfg.mesh[a] = sizes[a] // cfg.mesh[f"dcn_{a}"]
-    m.num_kv_heads = _resolve_heads(m)
-    m.ffn_hidden_size = _resolve_ffn(m)
-    if vocab_size is not None:
-        if not m.vocab_size:
-            k = m.make_vocab_size_divisible_by * cfg.mesh.tensor * cfg.mesh.dcn_tensor
-            m.vocab_size = k * math.ceil(vocab_size / k)
-        elif m.vocab_size < vocab_size:
-            raise ConfigError(
-                "model.vocab_size",
-                m.vocab_size,
-                f"the tokenizer has {vocab_size} tokens; set it to >= {vocab_size} or to 0 (derive it)",
-            )
+
+def resolve(spec: Config, *, num_devices: int, vocab_size: int | None = None, backend: str | None = None) -> Resolved:
+    """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
+
+    Args:
+      spec: the config as files and flags wrote it (not changed).
+      num_devices: devices the mesh must cover (``jax.device_count()``).
+      vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
+        known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
+      backend: the JAX backend (kind) the attention implementation must run on; None: the default.
+    Raises:
+      ConfigError: the first bad value: its key, the value and the fix.
+    """
+    cfg = from_dict(spec.to_dict())  # a copy that may be written, also of a resolved config
+    _check_values(cfg)
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    shape = mesh_shape(mesh, num_devices)
+    if math.prod(shape.values()) != num_devices:
+        raise ConfigError("mesh", {a: getattr(mesh, a) for a in MESH_AXES},
+                          f"the mesh covers {math.prod(shape.values())} devices but there are {num_devices}; "
+                          f"make the product of mesh.* x mesh.dcn_* equal {num_devices}, or set one axis to -1")
+    for a in MESH_AXES:
+        if getattr(mesh, a) == -1:
+            setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))
+    cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"])
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters
-    return cfg
-
-
-def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
-    """Devices along each mesh axis (ICI x DCN), with a -1 axis filled from ``num_devices``."""
-    dcn = math.prod(cfg.mesh[f"dcn_{a}"] for a in MESH_AXES)
-    known = math.prod(cfg.mesh[a] for a in MESH_AXES if cfg.mesh[a] != -1)
-    fill = max(1, num_devices // (dcn * known))
-    return {a: (fill if cfg.mesh[a] == -1 else cfg.mesh[a]) * cfg.mesh[f"dcn_{a}"] for a in MESH_AXES}
-
-
-def data_parallel_size(cfg) -> int:
-    """Number of model replicas the global batch is split over: the ``data`` x ``fsdp`` axes
-    (of a resolved config, where no axis is -1)."""
-    return cfg.mesh.data * cfg.mesh.dcn_data * cfg.mesh.fsdp * cfg.mesh.dcn_fsdp
-
-
-def _check_divisibility(cfg, sizes):
-    """Every mesh axis must divide the dimensions it shards (see ``jaxllm.sharding.rules``)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    kv = _resolve_heads(m)
-    tensor, fsdp, dp = sizes["tensor"], sizes["fsdp"], sizes["data"] * sizes["fsdp"]
-    needs = [
-        ("model.num_attention_heads", m.num_attention_heads, tensor, "mesh.tensor"),
-        ("model.num_kv_heads", kv, tensor, "mesh.tensor"),
-        ("model.ffn_hidden_size", _resolve_ffn(m), tensor, "mesh.tensor"),
-        ("model.vocab_size", m.vocab_size, tensor, "mesh.tensor"),
-        ("model.hidden_size", m.hidden_size, fsdp * (sizes["data"] if p.zero_stage >= 1 else 1),
-         "mesh.fsdp x mesh.data (ZeRO shards the embed dimension over both)" if p.zero_stage >= 1 else "mesh.fsdp"),
-        ("train.seq_length", t.seq_length, sizes["sequence"] * (tensor if p.megatron_sp else 1),
-         "mesh.sequence x mesh.tensor (megatron_sp)" if p.megatron_sp else "mesh.sequence"),
-    ]
-    seq = sizes["sequence"]
-    if seq > 1 and p.sequence_impl == "ring":  # zigzag order: 2 chunks per sequence device
-        needs.append(("train.seq_length", t.seq_length, 2 * seq,
-                      "2 x mesh.sequence (parallel.sequence_impl=ring cuts the sequence into 2 chunks per device)"))
-    if seq > 1 and p.sequence_impl == "ulysses":  # the all-to-all splits each tensor shard's heads over sequence
-        why = "mesh.tensor x mesh.sequence (parallel.sequence_impl=ulysses splits each tensor shard's heads over sequence)"
-        needs += [("model.num_attention_heads", m.num_attention_heads, tensor * seq, why),
-                  ("model.num_kv_heads", kv, tensor * seq, why)]
-    for key, value, size, axis in needs:
-        if value and value % size:
-            raise ConfigError(key, value, f"must be divisible by {axis} = {size}")
-    if t.global_batch_size % (t.micro_batch_size * dp):
+    data_parallel = shape["data"] * shape["fsdp"]
+    if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise ConfigError(
             "train.global_batch_size", t.global_batch_size,
             f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp) "
-            f"= {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
-    stages, virtual = sizes["pipeline"], p.pipeline_virtual_stages
-    if m.num_layers % (stages * virtual):
-        raise ConfigError("model.num_layers", m.num_layers,
-                          f"must be divisible by pipeline stages x virtual stages (mesh.pipeline x "
-                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    if stages > 1 and microbatches % stages:
-        raise ConfigError(
-            "train.global_batch_size", t.global_batch_size,
-            f"gives {microbatches} microbatches (global batch / (micro batch {t.micro_batch_size} x data-parallel "
-            f"size {dp})), which must be a multiple of the {stages} pipeline stages; use a global batch that is a "
-            f"multiple of {t.micro_batch_size * dp * stages}, or a smaller train.micro_batch_size")
-
-
-def grad_accum_steps(cfg) -> int:
-    """Micro batches per step on each replica: global batch / (micro batch x data-parallel size)."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg))
-
-
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-    """Checks the whole config before anything is built or compiled.
-
-    Args:
-      cfg: the config.
-      num_devices: devices the mesh must cover (``jax.device_count()``); None skips that check.
-    Raises:
-      ConfigError: the first bad value, with its key and the fix.
-    """
-    for key, options in CHOICES.items():
-        if _get(cfg, key) not in options:
-            raise ConfigError(key, _get(cfg, key), f"choose one of {', '.join(map(str, options))}")
-
-    def positive(key):
-        if not (isinstance(_get(cfg, key), (int, float)) and _get(cfg, key) > 0):
-            raise ConfigError(key, _get(cfg, key), "must be > 0")
-
-    def non_negative(key):
-        if _get(cfg, key) < 0:
-            raise ConfigError(key, _get(cfg, key), "must be >= 0")
-
-    m, t = cfg.model, cfg.train
-    for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.init_std",
-                "model.norm_eps", "train.seq_length", "train.micro_batch_size", "train.global_batch_size",
-                "train.train_iters", "train.lr", "train.eval_iters", "train.log_interval", "train.adam_eps",
-                "train.max_nonfinite_steps"):
-        positive(key)
-    for key in ("model.num_kv_heads", "model.ffn_hidden_size", "model.vocab_size", "train.min_lr",
-                "train.warmup_iters", "train.lr_decay_iters", "train.weight_decay", "train.grad_clip",
-                "train.eval_interval", "checkpoint.interval", "checkpoint.keep_period", "log.samples", "log.sample_tokens", "log.top_k"):
-        non_negative(key)
-    positive("model.make_vocab_size_divisible_by")
-    positive("parallel.pipeline_virtual_stages")
-    interleaved = cfg.parallel.pipeline_schedule == "interleaved"
-    if interleaved != (cfg.parallel.pipeline_virtual_stages > 1):
-        raise ConfigError("parallel.pipeline_virtual_stages", cfg.parallel.pipeline_virtual_stages,
-                          "the interleaved schedule needs >= 2 virtual stages, gpipe exactly 1: set "
-                          "parallel.pipeline_schedule=interleaved with pipeline_virtual_stages >= 2, or gpipe with 1")
-    positive("checkpoint.keep")
-
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError("model.hidden_size", m.hidden_size,
-                          f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
-    kv = _resolve_heads(m)
-    if m.num_attention_heads % kv:
-        raise ConfigError("model.num_kv_heads", m.num_kv_heads,
-                          f"must divide model.num_attention_heads={m.num_attention_heads}")
-    head_dim = m.hidden_size // m.num_attention_heads
-    if m.position_embedding == "rotary" and head_dim % 2:
-        raise ConfigError("model.position_embedding", "rotary",
-                          f"rotary needs an even head dim; hidden_size/num_attention_heads is {head_dim}")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
-    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
-        raise ConfigError("train.beta1" if not 0 <= t.beta1 < 1 else "train.beta2",
-                          t.beta1 if not 0 <= t.beta1 < 1 else t.beta2, "must be in [0, 1)")
-    if t.min_lr > t.lr:
-        raise ConfigError("train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
-    decay = t.lr_decay_iters or t.train_iters
-    if t.warmup_iters > decay:
-        raise ConfigError("train.warmup_iters", t.warmup_iters,
-                          f"must be <= train.lr_decay_iters (resolved: {decay})")
-
-    for key in [*MESH_AXES, *(f"dcn_{a}" for a in MESH_AXES)]:
-        size = cfg.mesh[key]
-        if not isinstance(size, int) or not (size >= 1 or (size == -1 and key in MESH_AXES)):
-            raise ConfigError(f"mesh.{key}", size, "must be an integer >= 1 (or -1 on one ICI axis: fill)")
-    fill = [a for a in MESH_AXES if cfg.mesh[a] == -1]
-    if len(fill) > 1:
-        raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
-    if num_devices is not None:
-        sizes = mesh_shape(cfg, num_devices)
-        if math.prod(sizes.values()) != num_devices:
-            raise ConfigError("mesh", {a: cfg.mesh[a] for a in MESH_AXES},
-                              f"the mesh covers {math.prod(sizes.values())} devices but there are {num_devices}; "
-                              f"make the product of mesh.* x mesh.dcn_* equal {num_devices}, or set one axis to -1")
-        _check_divisibility(cfg, sizes)
-
-    if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError("train.global_batch_size", t.global_batch_size,
-                          f"must be divisible by train.micro_batch_size={t.micro_batch_size}")
-
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)")
-    paths = [p for p in cfg.data.input.split(",") if p]
-    if not paths:
-        raise ConfigError("data.input", cfg.data.input, "name text files or directories, comma-separated")
-    for p in paths:
-        if not os.path.exists(p):
-            raise ConfigError("data.input", p, "no such file or directory")
-    if cfg.data.tokenizer == "gpt2":
-        for name in ("encoder.json", "vocab.bpe"):
-            if not os.path.isfile(os.path.join(cfg.data.gpt2_dir, name)):
-                raise ConfigError("data.gpt2_dir", cfg.data.gpt2_dir,
-                                  f"must be a directory holding GPT-2's encoder.json and vocab.bpe ({name} missing)")
-    if not 0.0 < cfg.log.temperature:
-        raise ConfigError("log.temperature", cfg.log.temperature, "must be > 0")
+            f"= {t.micro_batch_size} x {data_parallel} = {t.micro_batch_size * data_parallel}")
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    microbatches = t.global_batch_size // (t.micro_batch_size * data_parallel)
+    out = Resolved(**fields, num_devices=num_devices, mesh_shape=shape, data_parallel=data_parallel,
+                   microbatches=microbatches, stages=shape["pipeline"],
+                   batch_shape=(microbatches, t.micro_batch_size * data_parallel, t.seq_length))
+    pipeline.check(out)
+    sharding.check(out, model.logical_sizes(out.model, t.seq_length))
+    context_parallel.check(out)
+    attention.check_config(out, backend)
+    for section in out.sections().values():
+        section._freeze()
+    out._freeze()
+    return out

@@ -33,12 +33,13 @@ sequence axes), and the collectives run over the mesh axes the table assigns to
 :func:`jaxllm.attention.attention` (``return_lse`` where ring merges), so a
 kernel serves all three; with the ``xla`` reference the queries are processed in
 rematerialized chunks so no ``[seq, seq]`` score matrix is kept for the backward
-pass.  Outside :func:`jaxllm.sharding.activation_sharding`, or with one device on
-the sequence axes, :func:`attention` is exactly the model's plain causal attention.
+pass.  With one device on the sequence axes and the ``xla`` implementation,
+:class:`Attention` is exactly the model's plain causal attention.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -47,20 +48,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import attention as attn
-from jaxllm import sharding
+from jaxllm.errors import ConfigError
+from jaxllm.sharding import Layout, rules
+from jaxllm_kernels.reference import MASKED
 
-_MASKED = -1e30
 _CHUNK_SCORES = 1 << 22  # query chunk x key length of the xla reference's rematerialized chunks
 
 
-def sequence_axes():
-    """``(mesh, table, axes, n)``: the active mesh and rules table, the mesh axes ``length`` is
-    split over and the number of devices along them; None outside ``activation_sharding``."""
-    if not sharding._ACTIVE:
-        return None
-    mesh, table = sharding._ACTIVE[-1]
-    axes = tuple(table.get("length", ()))
-    return mesh, table, axes, math.prod(mesh.shape[a] for a in axes)
+def check(cfg) -> None:
+    """What ``parallel.sequence_impl`` needs of a config being resolved (``mesh_shape`` filled).
+
+    Raises:
+      ConfigError: ring with a sequence not divisible by 2 x the sequence devices; ulysses with
+        (key/value) heads not divisible by the tensor x sequence devices.
+    """
+    table, m = rules(cfg), cfg.model
+    n = math.prod(cfg.mesh_shape[a] for a in table["length"])
+    if n == 1:
+        return
+    if cfg.parallel.sequence_impl == "ring" and cfg.train.seq_length % (2 * n):
+        raise ConfigError("train.seq_length", cfg.train.seq_length,
+                          f"must be divisible by 2 x mesh.sequence = {2 * n} (parallel.sequence_impl=ring cuts "
+                          "the sequence into 2 chunks per device)")
+    if cfg.parallel.sequence_impl == "ulysses":
+        split = n * math.prod(cfg.mesh_shape[a] for a in table["heads"])
+        for key, heads in (("model.num_attention_heads", m.num_attention_heads),
+                           ("model.num_kv_heads", m.num_kv_heads)):
+            if heads % split:
+                raise ConfigError(key, heads, f"must be divisible by mesh.tensor x mesh.sequence = {split} "
+                                              "(parallel.sequence_impl=ulysses splits each tensor shard's heads "
+                                              "over sequence)")
 
 
 def zigzag_order(seq_len: int, n: int) -> np.ndarray:
@@ -78,26 +95,29 @@ def zigzag_order(seq_len: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def zigzag(sequence_impl, inputs, targets):
+def zigzag(layout: Layout | None, sequence_impl: str, inputs, targets):
     """Puts a batch in ring attention's load-balanced order (see :func:`zigzag_order`).
 
     Args:
+      layout: the mesh and rules table (None: one device).
       sequence_impl: ``parallel.sequence_impl``; only ``"ring"`` reorders.
       inputs, targets: int ``[..., seq]``, permuted identically along the last axis.
     Returns:
       ``(inputs, targets, positions)``: positions int32 broadcast to ``inputs.shape`` (the
       true position of each token, to pass to the model), or None where nothing is
-      reordered (not ring, no active mesh, or one sequence device).
+      reordered (not ring, or one sequence device).
     """
-    found = sequence_axes()
-    if sequence_impl != "ring" or found is None or found[3] == 1:
+    n = 1 if layout is None else layout.size("length")
+    if sequence_impl != "ring" or n == 1:
         return inputs, targets, None
-    order = jnp.asarray(zigzag_order(inputs.shape[-1], found[3]))
+    order = jnp.asarray(zigzag_order(inputs.shape[-1], n))
     return inputs[..., order], targets[..., order], jnp.broadcast_to(order, inputs.shape)
 
 
-def attention(q, k, v, positions, *, impl="xla", sequence_impl="allgather"):
-    """Causal self-attention, sequence-parallel over the active mesh's ``length`` axes.
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """Causal self-attention, sequence-parallel over the ``length`` axes of ``layout``
+    (the ``attention`` of the model's :class:`jaxllm.model.Ops`).
 
     ``allgather``: keys/values all-gathered (MaxText); ``ulysses``: DeepSpeed-Ulysses
     all-to-all (Jacobs et al. 2023); ``ring``: ring attention (Liu et al. 2023) in zigzag
@@ -105,49 +125,50 @@ def attention(q, k, v, positions, *, impl="xla", sequence_impl="allgather"):
     A kernel (any impl but ``xla``) runs under ``shard_map`` on every mesh, sequence-split
     or not: it is a custom call, which XLA's partitioner would feed the gathered inputs.
 
-    Args:
-      q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
-        (global shapes, split along ``len`` over the sequence axes).
-      positions: int ``[batch, len]``, the true position of each token (the causal mask
-        uses them, so any order works for ``allgather`` and ``ulysses``; ``ring`` expects
-        the order of :func:`zigzag`).
-      impl: ``model.attention_impl`` for the local attention.
-      sequence_impl: ``"allgather"``, ``"ring"`` or ``"ulysses"``.
-    Returns:
-      ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
-    Raises:
-      ValueError: unknown ``sequence_impl``; ulysses with local heads not divisible by the
-        sequence devices; ring with a local length that is odd.
+    Attributes:
+      layout: the mesh and rules table.
+      sequence_impl: ``"allgather"``, ``"ring"`` or ``"ulysses"`` (``parallel.sequence_impl``).
     """
-    found = sequence_axes()
-    if found is None or (found[3] == 1 and attn.resolve_impl(impl) == "xla"):
-        return attn.attention(q, k, v, impl=impl, causal=True)
-    mesh, table, axes, n = found
-    spec = lambda *names: sharding.logical_to_spec(names, table)  # noqa: E731
-    q_spec, kv_spec = spec("batch", "length", "heads", "head_dim"), spec("batch", "length", "kv_heads", "head_dim")
-    pos_spec = spec("batch", "length")
-    axis = axes[0] if len(axes) == 1 else axes
-    if n == 1:  # a kernel is a custom call XLA cannot partition (it would gather q, k, v): run it per shard
-        body = lambda q, k, v, positions: attn.attention(q, k, v, impl=impl, causal=True)  # noqa: E731
-    elif sequence_impl == "allgather":
-        body = functools.partial(_allgather, axis=axis, impl=impl)
-    elif sequence_impl == "ulysses":
-        for name, x, s in (("heads", q, q_spec), ("kv_heads", k, kv_spec)):
-            local = x.shape[2] // math.prod(mesh.shape[a] for a in _spec_axes(s[2]))
-            if local % n:
-                raise ValueError(f"ulysses: {name} per tensor shard ({local}) is not divisible by the {n} sequence devices")
-        body = functools.partial(_ulysses, axis=axis, impl=impl)
-    elif sequence_impl == "ring":
-        body = functools.partial(_ring, (axis, n, impl))
-    else:
-        raise ValueError(f"parallel.sequence_impl={sequence_impl!r}: choose allgather, ring or ulysses")
-    run = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, pos_spec), out_specs=q_spec,
-                        check_vma=False)
-    return run(q, k, v, positions.astype(jnp.int32))
 
+    layout: Layout
+    sequence_impl: str = "allgather"
 
-def _spec_axes(entry):
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    def __call__(self, q, k, v, positions, impl="xla"):
+        """Attention of one layer.
+
+        Args:
+          q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
+            (global shapes, split along ``len`` over the sequence axes).
+          positions: int ``[batch, len]``, the true position of each token (the causal mask
+            uses them, so any order works for ``allgather`` and ``ulysses``; ``ring`` expects
+            the order of :func:`zigzag`).
+          impl: ``model.attention_impl`` for the local attention.
+        Returns:
+          ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
+        Raises:
+          ValueError: unknown ``sequence_impl``; ring with a local length that is odd.
+        """
+        layout = self.layout
+        n = layout.size("length")
+        if n == 1 and attn.resolve_impl(impl) == "xla":
+            return attn.attention(q, k, v, impl=impl, causal=True)
+        q_spec, kv_spec = layout.spec(("batch", "length", "heads", "head_dim")), layout.spec(
+            ("batch", "length", "kv_heads", "head_dim"))
+        axes = layout.mesh_axes("length")
+        axis = axes[0] if len(axes) == 1 else axes
+        if n == 1:  # a kernel is a custom call XLA cannot partition (it would gather q, k, v): run it per shard
+            body = lambda q, k, v, positions: attn.attention(q, k, v, impl=impl, causal=True)  # noqa: E731
+        elif self.sequence_impl == "allgather":
+            body = functools.partial(_allgather, axis=axis, impl=impl)
+        elif self.sequence_impl == "ulysses":
+            body = functools.partial(_ulysses, axis=axis, impl=impl)
+        elif self.sequence_impl == "ring":
+            body = functools.partial(_ring, (axis, n, impl))
+        else:
+            raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring or ulysses")
+        run = jax.shard_map(body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, layout.spec(("batch", "length"))),
+                            out_specs=q_spec, check_vma=False)
+        return run(q, k, v, positions.astype(jnp.int32))
 
 
 def local_attention(q, k, v, q_positions, kv_positions, impl):
@@ -222,7 +243,7 @@ def _zigzag_step(q, k, v, qp, kp, before, impl):
     o1, l1 = local_attention(qb, ka, va, qpb, kpa, impl)
     o2, l2 = local_attention(pick(qa, qb), pick(ka, kb), pick(va, vb), pick(qpa, qpb), pick(kpa, kpb), impl)
     o1, o2 = o1.astype(jnp.float32), o2.astype(jnp.float32)
-    empty_o, empty_l = jnp.zeros_like(o2), jnp.full_like(l2, _MASKED)
+    empty_o, empty_l = jnp.zeros_like(o2), jnp.full_like(l2, MASKED)
     oa, la = pick(o2, empty_o), pick(l2, empty_l)
     ob, lb = _merge(o1, l1, pick(empty_o, o2), pick(empty_l, l2))
     return jnp.concatenate([oa, ob], axis=1), jnp.concatenate([la, lb], axis=2)

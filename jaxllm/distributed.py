@@ -43,7 +43,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from jaxllm.config import ConfigError
+from jaxllm.errors import ConfigError
 
 DEFAULT_PORT = 12355
 VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")

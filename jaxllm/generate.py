@@ -1,41 +1,42 @@
 """Text generation CLI: ``python -m jaxllm.generate --workdir DIR --prompt "..."``.
 
-Samples from the last checkpoint of a training run (see :mod:`jaxllm.sampling`).
+Samples from the last checkpoint of a training run (see :mod:`jaxllm.sampling`), on this
+host whatever mesh the run used.
 """
 
 from __future__ import annotations
 
-import sys
+import os
 
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, model, train
-from jaxllm.data import TokenData
+from jaxllm import checkpoint, cli, config, model
+from jaxllm.data import DataError, TokenData, ensure_prepared
 from jaxllm.sampling import Sampler
+
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
     F = flags.FLAGS
-    try:
-        cfg = checkpoint.load_config(F.workdir)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     if F.temperature <= 0:
-        print(f"error: --temperature={F.temperature}: must be > 0", file=sys.stderr)
-        sys.exit(2)
-    data = TokenData(train.data_dir(cfg, F.workdir))
-    tokenizer = data.tokenizer
-    params = checkpoint.restore_params(cfg, F.workdir)  # on this host, whatever mesh the run used
-    graphdef, _ = model.abstract(cfg)
-    prompt = tokenizer.encode(F.prompt or "\n")
-    sampler = Sampler(cfg, graphdef, params)
+        cli.fail(f"error: --temperature={F.temperature}: must be > 0")
+    try:
+        saved = checkpoint.load_config(F.workdir)
+        data = TokenData(ensure_prepared(saved.data, os.path.join(F.workdir, "data")))
+    except FileNotFoundError as e:
+        cli.fail(f"error: {e}")
+    except DataError as e:
+        cli.fail(f"data error: {e}")
+    model_cfg = config.resolve_model(saved.model, seq_length=saved.train.seq_length)
+    params = checkpoint.restore_params(model_cfg, F.workdir)
+    prompt = data.tokenizer.encode(F.prompt or "\n")
+    sampler = Sampler(model_cfg, model.describe(model_cfg).graphdef, params, saved.train.seq_length)
     new = sampler(np.tile(np.asarray(prompt)[None], (F.num_samples, 1)), F.num_tokens,
                   temperature=F.temperature, top_k=F.top_k, seed=F.seed)
     for row in new:
-        print(F.prompt + tokenizer.decode(row.tolist()))
+        print(F.prompt + data.tokenizer.decode(row.tolist()))
         print("-" * 40)
 
 
@@ -47,4 +48,4 @@ if __name__ == "__main__":
     flags.DEFINE_float("temperature", 0.8, "softmax temperature (> 0)")
     flags.DEFINE_integer("top_k", 200, "sample among the k most likely tokens (0: all)")
     flags.DEFINE_integer("seed", 0, "sampling seed")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

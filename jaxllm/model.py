@@ -8,33 +8,77 @@ run with ``jax.lax.scan``, so compile time does not grow with depth.
 
 Parameters are float32; matmuls run in ``model.dtype``; norms, softmax and
 logits are float32.  Every parameter carries logical axis names in its
-``out_sharding`` metadata and large activations are constrained by logical
-name through :func:`jaxllm.sharding.constrain`: this file names no mesh axis.
+``out_sharding`` metadata, and large activations pass through
+``ops.constrain(x, logical_names)``.  The model knows nothing of parallelism: the
+two operations where a layout enters (that constraint, and attention, which
+sequence parallelism replaces) come in an :class:`Ops` object, by default the plain
+single-device ones; :class:`jaxllm.run.Run` gives the mesh's.
 
 Parameters are handled as a plain nested dict (``params``) outside this file:
-``abstract(cfg)`` gives the graph definition and parameter shapes, ``init(cfg,
-seed)`` the parameters, and ``forward(graphdef, params, tokens)`` runs the model.
+``describe(cfg)`` gives the graph definition, parameter shapes, logical axes and
+weight-decay mask in one pass (:class:`Spec`), ``init(cfg, seed)`` the parameters,
+and ``forward(graphdef, params, tokens)`` runs the model.  ``cfg`` is the ``model``
+section of a resolved config (:class:`jaxllm.config.Model`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import context_parallel
-from jaxllm.attention import attention
-from jaxllm.sharding import constrain
+from jaxllm import attention as dispatch
+from jaxllm_kernels.reference import MASKED
+
+if TYPE_CHECKING:
+    from jaxllm.config import Model as ModelConfig
 
 
-def _param(key, shape, std, axes):
-    """A float32 parameter: normal(0, std), or zeros (std=0), or ones (std=None)."""
+def _unconstrained(x, axes):
+    return x
+
+
+def _plain_attention(q, k, v, positions, impl):
+    return dispatch.attention(q, k, v, impl=impl, causal=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The operations through which a parallel layout enters the model.
+
+    Attributes:
+      constrain: ``(x, axes) -> x``: pins activation ``x``, whose dimensions have the
+        logical names ``axes``, to its layout (identity on one device).
+      attention: ``(q, k, v, positions, impl) -> out``: causal self-attention of q
+        ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]`` with
+        the true positions int32 ``[batch, len]`` of the tokens, by ``model.attention_impl``
+        ``impl``; returns ``[batch, len, heads, head_dim]``.
+    """
+
+    constrain: Callable = _unconstrained
+    attention: Callable = _plain_attention
+
+
+LOCAL = Ops()
+
+
+def _param(key, shape, std, axes, pad=None):
+    """A float32 parameter: normal(0, std), or zeros (std=0), or ones (std=None); ``pad``
+    ``(axis, size)`` appends zeros along ``axis`` up to ``size`` (the padded vocabulary rows, so
+    that padding draws no random numbers: the real rows do not depend on it)."""
     if std is None:
         value = jnp.ones(shape, jnp.float32)
     elif std == 0:
         value = jnp.zeros(shape, jnp.float32)
     else:
         value = std * jax.random.normal(key, shape, jnp.float32)
+    if pad is not None:
+        axis, size = pad
+        value = jnp.pad(value, [(0, size - n if i == axis else 0) for i, n in enumerate(shape)])
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
@@ -89,11 +133,11 @@ class Norm(nnx.Module):
 class Attention(nnx.Module):
     """Causal self-attention with ``num_kv_heads`` key/value heads (GQA when fewer than query heads)."""
 
-    def __init__(self, cfg, rngs):
+    def __init__(self, cfg, rngs, ops):
         h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads
         d = h // nh
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.wq = _param(rngs.params(), (h, nh, d), std, ("embed", "heads", "head_dim"))
         self.wk = _param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
         self.wv = _param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
@@ -107,7 +151,7 @@ class Attention(nnx.Module):
             self.bq = self.bk = self.bv = self.bo = None
 
     def __call__(self, x, positions, cache=None):
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
         q = _dense(x, self.wq[...], self.bq, "bse,ehd->bshd", dt)
         k = _dense(x, self.wk[...], self.bk, "bse,ehd->bshd", dt)
         v = _dense(x, self.wv[...], self.bv, "bse,ehd->bshd", dt)
@@ -116,9 +160,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if cfg.position_embedding == "rotary":
             q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
-        if cache is None:  # sequence-parallel over the mesh when one is active (jaxllm/context_parallel.py)
-            out = context_parallel.attention(q, k, v, positions, impl=cfg.attention_impl,
-                                             sequence_impl=cfg.sequence_impl)
+        if cache is None:
+            out = self.ops.attention(q, k, v, positions, cfg.attention_impl)
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.
@@ -127,8 +170,8 @@ class Attention(nnx.Module):
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
             kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
-            out = attention(q, k_cache, v_cache, impl="xla", causal=True,
-                            q_positions=positions, kv_positions=kv_positions)
+            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True,
+                                     q_positions=positions, kv_positions=kv_positions)
             cache = (k_cache, v_cache)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return _dense(out, self.wo[...], self.bo, "bshd,hde->bse", dt), cache
@@ -137,9 +180,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block."""
 
-    def __init__(self, cfg, rngs):
+    def __init__(self, cfg, rngs, ops):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.w1 = _param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp"))
         self.wg = _param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if cfg.activation == "swiglu" else None
         self.w2 = _param(rngs.params(), (f, h), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
@@ -153,25 +196,27 @@ class MLP(nnx.Module):
             y = jax.nn.gelu(y, approximate=True)
         else:
             y = jax.nn.silu(_dense(x, self.wg[...], None, "bse,ef->bsf", dt)) * y
-        y = constrain(y, ("batch", "length", "mlp"))
+        y = self.ops.constrain(y, ("batch", "length", "mlp"))
         return _dense(y, self.w2[...], self.b2, "bsf,fe->bse", dt)
 
 
 class Block(nnx.Module):
     """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg, rngs):
-        self.dropout = cfg.dropout
-        self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs)
-        self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs)
+    def __init__(self, cfg, rngs, ops):
+        self.dropout, self.ops = cfg.dropout, ops
+        self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs, ops)
+        self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs, ops)
 
     def __call__(self, x, positions, key=None, cache=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         y, cache = self.attn(self.ln1(x), positions, cache)
-        x = constrain(x + _dropout(y, self.dropout, k1), ("batch", "residual", "embed"))
+        x = self.ops.constrain(x + _dropout(y, self.dropout, k1), RESIDUAL)
         x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2)
-        return constrain(x, ("batch", "residual", "embed")), cache
+        return self.ops.constrain(x, RESIDUAL), cache
 
+
+RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -183,27 +228,28 @@ class GPT(nnx.Module):
     """GPT decoder.
 
     Args:
-      cfg: the ``model`` section of a resolved config (see :func:`jaxllm.config.resolved`),
-        plus ``max_length`` (positions the learned embedding covers).
+      cfg: the ``model`` section of a resolved config (:class:`jaxllm.config.Model`).
       rngs: ``nnx.Rngs`` for initialization: normal(0, ``init_std``), output projections
         of each layer scaled by ``1/sqrt(2 * num_layers)`` (GPT-2, Megatron-LM).
+      ops: how a parallel layout enters (:class:`Ops`); default: one device.
     """
 
-    def __init__(self, cfg, rngs):
-        self.cfg = cfg
-        self.wte = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.init_std, ("vocab", "embed"))
-        self.wpe = (_param(rngs.params(), (cfg.max_length, cfg.hidden_size), cfg.init_std, (None, "embed"))
-                    if cfg.position_embedding == "learned" else None)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: Ops = LOCAL):
+        self.cfg, self.ops = cfg, ops
+        vocab, padded = cfg.vocab_size, cfg.padded_vocab_size
+        self.wte = _param(rngs.params(), (vocab, cfg.hidden_size), cfg.init_std, ("vocab", "embed"), (0, padded))
+        self.wpe = (_param(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std,
+                           (None, "embed")) if cfg.position_embedding == "learned" else None)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stack(rngs):
-            return Block(cfg, rngs)
+            return Block(cfg, rngs, ops)
 
         self.layers = stack(rngs)
         self.ln_f = Norm(cfg)
         self.lm_head = (None if cfg.tie_embeddings else
-                        _param(rngs.params(), (cfg.hidden_size, cfg.vocab_size), cfg.init_std, ("embed", "vocab")))
+                        _param(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, ("embed", "vocab"), (1, padded)))
 
     def __call__(self, tokens, *, positions=None, dropout_key=None, cache=None):
         """Logits of the next token.
@@ -236,7 +282,7 @@ class GPT(nnx.Module):
             dropout_key, emb_key = jax.random.split(dropout_key)
             x = _dropout(x, cfg.dropout, emb_key)
             keys = jax.random.split(dropout_key, cfg.num_layers)
-        return constrain(x, ("batch", "residual", "embed")), keys
+        return self.ops.constrain(x, RESIDUAL), keys
 
     def run_layers(self, x, positions, layer_params, keys=None, cache=None):
         """Applies the layers whose parameters are ``layer_params`` (a slice of ``params["layers"]``
@@ -260,50 +306,70 @@ class GPT(nnx.Module):
         return jax.lax.scan(layer, x, (layer_params, keys, cache))
 
     def head(self, x):
-        """Final norm and output layer: float32 logits ``[batch, len, vocab]`` from ``[batch, len, embed]``."""
-        dt = jnp.dtype(self.cfg.dtype)
+        """Final norm and output layer: float32 logits ``[batch, len, padded_vocab]`` from ``[batch, len,
+        embed]``; the padded entries (ids >= ``vocab_size``) are ``MASKED`` (-1e30), so the softmax, the
+        loss and sampling see exactly the ``vocab_size`` real tokens whatever the padding."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = self.ln_f(x)
         if self.lm_head is None:
             logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(dt), preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("bse,ev->bsv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "vocab"))
+        if cfg.padded_vocab_size > cfg.vocab_size:
+            ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+            logits = jnp.where(ids < cfg.vocab_size, logits, MASKED)
+        return self.ops.constrain(logits, ("batch", "length", "vocab"))
 
 
-def model_config(cfg):
-    """The ``model`` section of a resolved config, with ``max_length`` from ``train.seq_length``
-    and ``sequence_impl`` from ``parallel.sequence_impl``."""
-    m = cfg.model.copy_and_resolve_references()
-    with m.unlocked():
-        m.max_length = cfg.train.seq_length
-        m.sequence_impl = cfg.parallel.sequence_impl
-    return m
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The model without its values, from one trace (:func:`describe`).
 
-
-def abstract(cfg):
-    """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated.
-
-    ``params`` is a nested dict ``{name: ...}`` as :func:`init` returns it.
+    Attributes:
+      graphdef: the NNX graph definition (to :func:`forward` or ``nnx.merge`` with params).
+      params: the parameters' ``jax.ShapeDtypeStruct`` (float32), a nested dict as :func:`init` gives.
+      axes: each parameter's logical axis names, a dict shaped as ``params`` with tuple leaves.
+      decay: which parameters get weight decay (the matrices that multiply the ``embed``
+        axis: embeddings and projections, not norms or biases), bool leaves.
     """
-    model = nnx.eval_shape(lambda: GPT(model_config(cfg), nnx.Rngs(0)))
-    graphdef, state = nnx.split(model, nnx.Param)
-    return graphdef, nnx.to_pure_dict(state)
+
+    graphdef: Any
+    params: dict
+    axes: dict
+    decay: dict
 
 
-def logical_axes(cfg):
-    """The logical axis names of every parameter: a dict shaped as ``params`` with tuple leaves."""
-    model = nnx.eval_shape(lambda: GPT(model_config(cfg), nnx.Rngs(0)))
-    state = nnx.state(model, nnx.Param)
-    axes = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"] or (None,) * v.value.ndim),
-                        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return nnx.to_pure_dict(axes)
+def describe(cfg: ModelConfig, ops: Ops = LOCAL) -> Spec:
+    """The :class:`Spec` of the model ``cfg`` describes (nothing is allocated)."""
+    gpt = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0), ops))
+    graphdef, state = nnx.split(gpt, nnx.Param)
+    axes = nnx.to_pure_dict(jax.tree.map(
+        lambda v: tuple(v.get_metadata()["out_sharding"] or (None,) * v.value.ndim), state,
+        is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    decay = jax.tree.map(lambda a: "embed" in a and len([n for n in a if n != "layers"]) >= 2, axes,
+                         is_leaf=lambda x: isinstance(x, tuple))
+    return Spec(graphdef, nnx.to_pure_dict(state), axes, decay)
 
 
-def init(cfg, seed):
+def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str]]:
+    """Each logical axis the rules table may split: ``{name: (size, the config key that sets it)}``
+    (for the divisibility checks of :func:`jaxllm.sharding.check`)."""
+    return {
+        "heads": (cfg.num_attention_heads, "model.num_attention_heads"),
+        "kv_heads": (cfg.num_kv_heads, "model.num_kv_heads"),
+        "mlp": (cfg.ffn_hidden_size, "model.ffn_hidden_size"),
+        "vocab": (cfg.padded_vocab_size, "model.vocab_size"),
+        "embed": (cfg.hidden_size, "model.hidden_size"),
+        "layers": (cfg.num_layers, "model.num_layers"),
+        "length": (seq_length, "train.seq_length"),
+        "residual": (seq_length, "train.seq_length"),
+    }
+
+
+def init(cfg: ModelConfig, seed) -> dict:
     """The initialized float32 parameters as a nested dict of arrays (jit it with
     ``out_shardings`` to create them sharded)."""
-    model = GPT(model_config(cfg), nnx.Rngs(params=seed))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.to_pure_dict(nnx.state(GPT(cfg, nnx.Rngs(params=seed)), nnx.Param))
 
 
 def forward(graphdef, params, tokens, **kwargs):
@@ -311,24 +377,15 @@ def forward(graphdef, params, tokens, **kwargs):
     return nnx.merge(graphdef, params)(tokens, **kwargs)
 
 
-def init_cache(cfg, batch, max_length):
+def init_cache(cfg: ModelConfig, batch: int, max_length: int):
     """An empty decoding cache: per layer keys and values ``[layers, batch, max_length, kv_heads, head_dim]``."""
-    m = cfg.model
-    shape = (m.num_layers, batch, max_length, m.num_kv_heads, m.hidden_size // m.num_attention_heads)
-    return (jnp.zeros(shape, m.dtype), jnp.zeros(shape, m.dtype))
+    shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
+    return (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
 
 
-def num_params(params, *, exclude_positions=False) -> int:
+def num_params(params, *, exclude_positions: bool = False) -> int:
     """Parameter count; ``exclude_positions`` leaves out the learned position table."""
     n = sum(x.size for x in jax.tree.leaves(params))
     if exclude_positions and "wpe" in params:
         n -= params["wpe"].size
     return n
-
-
-
-def decay_mask(cfg):
-    """Which parameters get weight decay: the matrices that multiply the ``embed`` axis
-    (embeddings, projections), not norms or biases (a dict shaped as ``params`` of bools)."""
-    return jax.tree.map(lambda axes: "embed" in axes and len([a for a in axes if a != "layers"]) >= 2,
-                        logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))

@@ -39,15 +39,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import config, model
-from jaxllm.sharding import constrain, mesh_axes
+from jaxllm.errors import ConfigError
+from jaxllm.sharding import Layout
 
-ACTIVATION = ("stage", "batch", "residual", "embed")
+ACTIVATION = ("stage", "batch", "residual", "act_embed")
 
 
-def num_stages(cfg) -> int:
-    """Pipeline stages ``p``: devices along the ``pipeline`` mesh axis (ICI x DCN)."""
-    return cfg.mesh.pipeline * cfg.mesh.dcn_pipeline
+def check(cfg) -> None:
+    """What the pipeline needs of a config being resolved (``stages`` and ``microbatches`` filled).
+
+    Raises:
+      ConfigError: layers not divisible by stages x virtual stages; microbatches not a multiple
+        of the stages (which also guarantees ``m >= p``).
+    """
+    stages, virtual, t = cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.train
+    if cfg.model.num_layers % (stages * virtual):
+        raise ConfigError("model.num_layers", cfg.model.num_layers,
+                          f"must be divisible by pipeline stages x virtual stages (mesh.pipeline x "
+                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
+    if stages > 1 and cfg.microbatches % stages:
+        rows = t.micro_batch_size * cfg.data_parallel
+        raise ConfigError(
+            "train.global_batch_size", t.global_batch_size,
+            f"gives {cfg.microbatches} microbatches (global batch / (micro batch {t.micro_batch_size} x data-parallel "
+            f"size {cfg.data_parallel})), which must be a multiple of the {stages} pipeline stages; use a global "
+            f"batch that is a multiple of {rows * stages}, or a smaller train.micro_batch_size")
 
 
 def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> float:
@@ -57,7 +73,7 @@ def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> floa
 
 def schedule_bubble(cfg) -> float:
     """:func:`bubble_fraction` of a resolved config's pipeline (0 without one)."""
-    return bubble_fraction(num_stages(cfg), cfg.parallel.pipeline_virtual_stages, config.grad_accum_steps(cfg))
+    return bubble_fraction(cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches)
 
 
 def _stage_layout(w, p, v):
@@ -65,14 +81,15 @@ def _stage_layout(w, p, v):
     return w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]).swapaxes(0, 1)
 
 
-def loss(cfg, graphdef, params, inputs, targets, positions, dropout_keys, loss_fn):
+def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_keys, loss_fn):
     """Mean loss of a batch of microbatches pushed through the pipeline.
 
     Args:
-      cfg: the resolved run config (``num_stages(cfg) > 1``).
-      graphdef, params: the model (see :func:`jaxllm.model.abstract`).
+      cfg: the resolved run config (``cfg.stages > 1``).
+      layout: the mesh and rules table (``stage`` over the pipeline axis).
+      spec, params: the model (:class:`jaxllm.model.Spec`: its graph definition and logical axes).
       inputs, targets: int32 ``[microbatches, micro_batch, seq]``; ``microbatches`` must be a
-        multiple of the stages (checked by :func:`jaxllm.config.validate`).
+        multiple of the stages (checked by :func:`check`).
       positions: int32 ``[microbatches, micro_batch, seq]``, the same in every microbatch (ring
         attention's order, :func:`jaxllm.context_parallel.zigzag`), or None: ``arange(seq)``.
       dropout_keys: one PRNG key per microbatch ``[microbatches]``, or None (no dropout).
@@ -81,9 +98,9 @@ def loss(cfg, graphdef, params, inputs, targets, positions, dropout_keys, loss_f
       float32 scalar: the mean of ``loss_fn`` over every token, as the same batch gives
       without pipeline.
     """
-    p, v, (m, mb, seq) = num_stages(cfg), cfg.parallel.pipeline_virtual_stages, inputs.shape
-    stage_axis = mesh_axes("stage")
-    gpt = nnx.merge(graphdef, params)
+    p, v, (m, mb, seq) = cfg.stages, cfg.parallel.pipeline_virtual_stages, inputs.shape
+    stage_axis, constrain = layout.mesh_axes("stage"), layout.constrain
+    gpt = nnx.merge(spec.graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
 
     if dropout_keys is None:
@@ -92,9 +109,8 @@ def loss(cfg, graphdef, params, inputs, targets, positions, dropout_keys, loss_f
         x, layer_keys = jax.vmap(lambda t, k: gpt.embed(t, positions, k))(inputs, dropout_keys)
         layer_keys = _stage_layout(layer_keys.swapaxes(0, 1), p, v).transpose(0, 3, 1, 2)
 
-    logical = model.logical_axes(cfg)["layers"]
-    stage_params = jax.tree.map(lambda w, axes: constrain(_stage_layout(w, p, v), ("stage", None) + axes),
-                                params["layers"], logical)
+    stage_params = jax.tree.map(lambda w, axes: constrain(_stage_layout(w, p, v), ("stage", None, None) + axes[1:]),
+                                params["layers"], spec.axes["layers"])
 
     stage = jnp.arange(p)
     first, last = stage == 0, stage == p - 1
@@ -129,7 +145,7 @@ def loss(cfg, graphdef, params, inputs, targets, positions, dropout_keys, loss_f
         return (out, buffers), None
 
     # per stage a buffer of m microbatch activations (stage 0: inputs, last stage: outputs)
-    buffers = constrain(jnp.broadcast_to(x, (p, *x.shape)), ("stage", None, "batch", "residual", "embed"))
+    buffers = constrain(jnp.broadcast_to(x, (p, *x.shape)), ("stage", None, *ACTIVATION[1:]))
     out = jnp.zeros((p, mb, seq, x.shape[-1]), x.dtype)
     (_, buffers), _ = jax.lax.scan(iteration, (out, buffers), jnp.arange(v * m + p - 1))
     hidden = buffers[-1]
@@ -138,6 +154,6 @@ def loss(cfg, graphdef, params, inputs, targets, positions, dropout_keys, loss_f
         total = lambda acc, hy: (acc + loss_fn(gpt.head(hy[0]), hy[1]).sum(), None)  # noqa: E731
         return jax.lax.scan(total, jnp.zeros((), jnp.float32), (h, y))[0]
 
-    hidden = constrain(hidden.reshape(p, m // p, mb, seq, -1), ("stage", None, "batch", "residual", "embed"))
+    hidden = constrain(hidden.reshape(p, m // p, mb, seq, -1), ("stage", None, *ACTIVATION[1:]))
     totals = jax.vmap(head_loss, spmd_axis_name=stage_axis)(hidden, targets.reshape(p, m // p, mb, seq))
     return totals.sum() / targets.size

@@ -13,45 +13,19 @@ import re
 import sys
 import time
 
-
-def devices_from_argv(argv, default: int = 0) -> int:
-    """The value of ``--devices=N`` / ``--devices N`` in ``argv`` (``default`` when absent or not an int)."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
-            argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                return default
-    return default
-
-
-def force_host_devices(argv) -> None:
-    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices (the
-    CLIs plan, bench and tune; no effect on GPUs)."""
-    n = devices_from_argv(argv)
-    if n > 1:
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-
-
 if __name__ == "__main__":  # the device count must be fixed before jax is imported
+    from jaxllm.cli import force_host_devices
+
     force_host_devices(sys.argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from jaxllm import config, metrics, model, pipeline, sharding  # noqa: E402
-
-GiB = 2**30
-# Memory per device in bytes (vendor datasheets; MI250X: one of its two GCDs).
-DEVICE_MEMORY = {
-    "A100-40GB": 40e9, "A100-80GB": 80e9, "H100": 80e9, "H200": 141e9, "MI250X": 64 * GiB, "MI300X": 192 * GiB,
-}
-# Vocabulary of the tokenizers whose size is known without reading data.
-TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
+from jaxllm import cli, config, flops, pipeline, sharding  # noqa: E402
+from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
+from jaxllm.hardware import DEVICE_MEMORY, GiB  # noqa: E402
+from jaxllm.run import Run  # noqa: E402
 
 
 def parse_bytes(text: str) -> float:
@@ -74,35 +48,29 @@ def memory_report(compiled) -> dict:
             - mem.alias_size_in_bytes}
 
 
-def plan(cfg, num_devices: int) -> dict:
-    """Compiles ``cfg``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
+def plan(spec: config.Config, num_devices: int) -> dict:
+    """Compiles ``spec``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
-    to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.metrics.flops_per_step`),
+    to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.flops.flops_per_step`),
     ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches, bubble fraction).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
-    from jaxllm.train import Run  # noqa: PLC0415  (imports the data stack, which a plan does not otherwise need)
-
-    config.validate(cfg, num_devices=num_devices)
-    vocab = None if cfg.model.vocab_size else TOKENIZER_VOCAB.get(cfg.data.tokenizer)
-    if not cfg.model.vocab_size and vocab is None:
+    vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
+    if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
-    cfg = config.resolved(cfg, vocab_size=vocab, num_devices=num_devices)
+    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab)
     run = Run(cfg, devices=jax.devices()[:num_devices])
-    t = cfg.train
-    accum = config.grad_accum_steps(cfg)
-    batch = jax.ShapeDtypeStruct((accum, t.global_batch_size // accum, t.seq_length), "int32",
-                                 sharding=run.batch_sharding)
+    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     t0 = time.perf_counter()
     compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = memory_report(compiled)
     state = run.abstract_state
     grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state["params"],
-                         sharding.grad_shardings(cfg, model.logical_axes(cfg), run.mesh))
+                         sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
     return {
         "params": sharding.per_device_bytes(state["params"]),
         "grads": sharding.per_device_bytes(grads),
@@ -110,12 +78,11 @@ def plan(cfg, num_devices: int) -> dict:
         "batch": 2 * sharding.per_device_bytes(batch),
         "temp": mem["temp"],
         "total": mem["total"],
-        "model_flops": metrics.flops_per_step(cfg),
+        "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
-        "pipeline": (pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages, accum,
-                     pipeline.schedule_bubble(cfg)),
+        "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, pipeline.schedule_bubble(cfg)),
     }
 
 
@@ -132,7 +99,7 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"  model state (sum)     {gib(state)}   ({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
-        f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.metrics.flops_per_step)",
+        f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.flops.flops_per_step)",
     ]
     stages, virtual, microbatches, bubble = p["pipeline"]
     if stages > 1:
@@ -158,14 +125,13 @@ def main(argv):
             memory = parse_bytes(F.device_memory)
         p = plan(F.config, F.devices)
     except (config.ConfigError, ValueError) as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
+        cli.fail(e)
     print(report(p, memory, name))
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "config.py"), "config file")
+    cli.define_config_flag()
     flags.DEFINE_integer("devices", 1, "number of devices to plan for")
     flags.DEFINE_string("device", None, f"accelerator whose memory to check against: {', '.join(DEVICE_MEMORY)}")
     flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -18,11 +18,12 @@ class Sampler:
     """Compiled prefill and decode functions for one model.
 
     Args:
-      cfg: the resolved run config; ``graphdef``/``params``: the model (see :mod:`jaxllm.model`).
+      model_cfg: the resolved ``model`` section; ``graphdef``/``params``: the model (see
+        :mod:`jaxllm.model`); max_length: the longest context, in tokens (``train.seq_length``).
     """
 
-    def __init__(self, cfg, graphdef, params):
-        self.cfg, self.params, self.max_length = cfg, params, cfg.train.seq_length
+    def __init__(self, model_cfg, graphdef, params, max_length: int):
+        self.model_cfg, self.params, self.max_length = model_cfg, params, max_length
 
         def run(params, tokens, positions, cache):
             logits, cache = model.forward(graphdef, params, tokens, positions=positions, cache=cache)
@@ -46,12 +47,12 @@ class Sampler:
         """
         tokens = np.asarray(prompt, np.int32)
         batch, key, out = tokens.shape[0], jax.random.key(seed), []
-        top_k = min(int(top_k), self.cfg.model.vocab_size)
+        top_k = min(int(top_k), self.model_cfg.padded_vocab_size)
         logits, cache, pos = None, None, 0
         for _ in range(num_tokens):
             if cache is None or pos == self.max_length:
                 context = tokens[:, -max(1, self.max_length // 2):] if cache is not None else tokens[:, -self.max_length:]
-                cache = model.init_cache(self.cfg, batch, self.max_length)
+                cache = model.init_cache(self.model_cfg, batch, self.max_length)
                 positions = np.broadcast_to(np.arange(context.shape[1], dtype=np.int32), context.shape)
                 logits, cache = self._run(self.params, context, positions, cache)
                 pos = context.shape[1]

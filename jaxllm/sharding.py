@@ -1,11 +1,13 @@
 """The device mesh and the one table that maps the model's logical axes to mesh axes.
 
-The model names logical axes only: ``batch``, ``length`` (the sequence inside
-attention and MLP), ``residual`` (the sequence of the residual stream between
-blocks), ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``,
-``layers``, and ``stage`` (the pipeline stages, see :mod:`jaxllm.pipeline`).  :data:`RULES` says which mesh axes each one is split over, and
-every sharding of the program (parameters, optimizer state, gradients, batch,
-activations) is derived from it by :func:`rules`.
+The model names logical axes only.  Weights: ``vocab``, ``embed``, ``heads``,
+``kv_heads``, ``head_dim``, ``mlp``, ``layers``.  Activations: ``batch``, ``length``
+(the sequence inside attention and MLP), ``residual`` (the sequence of the residual
+stream between blocks), ``act_embed``, the head and MLP axes as for weights, and
+``stage`` (the pipeline stages, see :mod:`jaxllm.pipeline`).  :data:`RULES` says which
+mesh axes each one is split over, and every sharding of the program (parameters,
+optimizer state, gradients, batch, activations) is derived from it by :func:`rules`;
+so is every divisibility requirement of a config (:func:`check`).
 
 Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
 
@@ -32,8 +34,9 @@ its output sharding.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -41,20 +44,27 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllm.config import MESH_AXES, ConfigError
+from jaxllm.errors import ConfigError
 
-# The rules table: logical axis -> mesh axes it is split over, in order of preference.
-RULES = {
-    "batch": ("data", "fsdp"),
-    "length": ("sequence",),
-    "residual": ("sequence",),
+MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "sequence")
+
+# The rules table: logical axis -> the mesh axes it is split over.  Weights and activations
+# have distinct names where their layouts differ: a weight's ``embed`` is split over ``fsdp``
+# (ZeRO-3), an activation's ``act_embed`` never is (its ``batch`` already is).
+RULES: dict[str, tuple[str, ...]] = {
+    # weights
+    "vocab": ("tensor",),
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
-    "vocab": ("tensor",),
     "layers": ("pipeline",),
+    # activations (heads, kv_heads, head_dim, mlp and vocab as for weights)
+    "batch": ("data", "fsdp"),
+    "length": ("sequence",),
+    "residual": ("sequence",),
+    "act_embed": (),
     "stage": ("pipeline",),
 }
 
@@ -77,43 +87,67 @@ def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
 def logical_to_spec(axes, table) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions have the logical names ``axes`` (None: not split).
 
-    A mesh axis is used at most once per array: when two logical axes ask for the same
-    one, the first keeps it (so an activation's ``embed`` is not split over ``fsdp`` once
-    its ``batch`` is).
+    Raises:
+      ValueError: two dimensions map to the same mesh axis (the names are wrong).
     """
-    used, spec = set(), []
+    spec, used = [], []
     for name in axes:
-        mesh_axes = tuple(a for a in table.get(name, ()) if a not in used) if name else ()
-        used.update(mesh_axes)
+        mesh_axes = tuple(table[name]) if name else ()
+        used += mesh_axes
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    if len(used) != len(set(used)):
+        raise ValueError(f"logical axes {axes} use a mesh axis twice: {used}")
     return PartitionSpec(*spec)
 
 
-_ACTIVE: list[tuple[jax.sharding.Mesh, dict]] = []
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """A device mesh and a rules table: where every logically named dimension lives.
+
+    ``eq=False``: hashed by identity, so the model's graph definition can hold its methods.
+    """
+
+    mesh: jax.sharding.Mesh
+    table: Mapping[str, tuple[str, ...]]
+
+    def spec(self, axes) -> PartitionSpec:
+        return logical_to_spec(axes, self.table)
+
+    def sharding(self, axes) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes))
+
+    def constrain(self, x, axes):
+        """Pins activation ``x`` (dimensions named ``axes``) to its sharding while tracing."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes))
+
+    def mesh_axes(self, name) -> tuple[str, ...]:
+        """The mesh axes logical axis ``name`` is split over."""
+        return tuple(self.table[name])
+
+    def size(self, name) -> int:
+        """Devices logical axis ``name`` is split over."""
+        return math.prod(self.mesh.shape[a] for a in self.table[name])
 
 
-@contextlib.contextmanager
-def activation_sharding(mesh, table):
-    """Within this context (while tracing), :func:`constrain` pins activations to ``mesh`` by ``table``."""
-    _ACTIVE.append((mesh, table))
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
+def check(cfg, sizes: Mapping[str, tuple[int, str]]) -> None:
+    """Every dimension must divide by the devices the rules table splits it over.
 
-
-def constrain(x, axes):
-    """Constrains activation ``x`` (dimensions named ``axes``) to its sharding; identity outside
-    :func:`activation_sharding`, so the model runs unchanged on one device."""
-    if not _ACTIVE:
-        return x
-    mesh, table = _ACTIVE[-1]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, table)))
-
-
-def mesh_axes(name) -> tuple[str, ...]:
-    """The mesh axes the active table (see :func:`activation_sharding`) splits logical axis ``name`` over."""
-    return tuple(_ACTIVE[-1][1].get(name, ()))
+    Args:
+      cfg: a config being resolved (``mesh_shape`` filled).
+      sizes: logical axis -> (size, the config key that sets it), see :func:`jaxllm.model.logical_sizes`.
+    Raises:
+      ConfigError: the first dimension that does not divide, with its key.
+    """
+    tables = [rules(cfg)] + ([rules(cfg, zero=True)] if cfg.parallel.zero_stage >= 1 else [])
+    for table in tables:
+        for name, (size, key) in sizes.items():
+            axes = table.get(name, ())
+            n = math.prod(cfg.mesh_shape[a] for a in axes)
+            if size % n:
+                what = " x ".join(f"mesh.{a}" + (f" x mesh.dcn_{a}" if getattr(cfg.mesh, f"dcn_{a}") > 1 else "")
+                                  for a in axes)
+                raise ConfigError(key, size, f"must be divisible by {what} = {n} (the rules table splits the "
+                                             f"logical axis {name!r} over {', '.join(axes)})")
 
 
 def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
@@ -131,8 +165,8 @@ def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
       ConfigError: the devices do not split into ``prod(dcn_*)`` equal granules.
     """
     devices = jax.devices() if devices is None else devices
-    ici = tuple(cfg.mesh[a] for a in MESH_AXES)
-    dcn = tuple(cfg.mesh[f"dcn_{a}"] for a in MESH_AXES)
+    ici = tuple(getattr(cfg.mesh, a) for a in MESH_AXES)
+    dcn = tuple(getattr(cfg.mesh, f"dcn_{a}") for a in MESH_AXES)
     granules = math.prod(dcn)
     if granules == 1:
         grid = (np.asarray(devices).reshape(ici) if len(devices) == 1 else
@@ -146,7 +180,7 @@ def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
             size = len(ordered) // granules
             groups = [ordered[i * size:(i + 1) * size] for i in range(granules)]
         if len({len(g) for g in groups}) != 1 or len(groups[0]) != math.prod(ici):
-            raise ConfigError("mesh", {k: cfg.mesh[k] for k in cfg.mesh},
+            raise ConfigError("mesh", cfg.mesh.to_dict(),
                               f"{len(devices)} devices do not split into {granules} (prod of mesh.dcn_*) granules "
                               f"of {math.prod(ici)} (prod of mesh.*) devices each")
         per_granule = np.stack([mesh_utils.create_device_mesh(ici, g, allow_split_physical_axes=True)
@@ -158,7 +192,8 @@ def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
 
 
 def param_specs(logical, table):
-    """PartitionSpecs of the parameters from their logical axes (see :func:`jaxllm.model.logical_axes`)."""
+    """PartitionSpecs of the parameters from their logical axes (a tree of tuples, as
+    :class:`jaxllm.model.Spec` holds them)."""
     return jax.tree.map(lambda axes: logical_to_spec(axes, table), logical, is_leaf=lambda x: isinstance(x, tuple))
 
 

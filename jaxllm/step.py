@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import context_parallel, model, pipeline
+from jaxllm import context_parallel, model, optim, pipeline
 
 
 def cross_entropy(logits, targets):
@@ -31,16 +31,16 @@ def cross_entropy(logits, targets):
     return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
-def init_state(cfg, optimizer, seed):
-    """Fresh training state (jit it with ``out_shardings`` to create it sharded)."""
-    params = model.init(cfg, seed)
+def init_state(params, optimizer) -> dict:
+    """The training state at step 0 around ``params`` (jit it with ``out_shardings`` to create it
+    sharded; ``jax.eval_shape`` it for the shapes)."""
     zero = jnp.zeros((), jnp.int32)
     return {"step": zero, "params": params, "opt_state": optimizer.init(params),
             "nonfinite_steps": zero, "nonfinite_in_a_row": zero}
 
 
-def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
-    """``train_step(state, inputs, targets) -> (state, metrics)``.
+def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
+    """``train_step(state, inputs, targets) -> (state, metrics)`` of the resolved config ``cfg``.
 
     The loss is the mean over every token of the global batch: gradients of the
     ``microbatches`` micro batches are summed in float32 and divided by their
@@ -49,8 +49,10 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
     norm before clipping), ``lr``, and the int32 counters ``nonfinite_steps`` (total
     skipped steps of the run) and ``nonfinite_in_a_row`` (consecutive ones, ending at
-    this step).  ``grad_sharding`` (optional) pins the gradient accumulator, which is
-    where ZeRO-2 turns the all-reduce into a reduce-scatter.
+    this step).  ``spec`` is the model (:func:`jaxllm.model.describe`, with the mesh's
+    ops); ``layout`` the mesh and rules table (None: one device); ``grad_sharding``
+    (optional) pins the gradient accumulator, which is where ZeRO-2 turns the all-reduce
+    into a reduce-scatter.
 
     Non-finite guard: when the loss or the gradient norm is NaN or inf, the step keeps
     ``params`` and ``opt_state`` unchanged (so the optimizer's own count, and with it the
@@ -60,9 +62,10 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     pin = (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)) if grad_sharding else (lambda g: g)
     dropout = cfg.model.dropout > 0
     base_key = jax.random.key(cfg.train.seed)
+    schedule = optim.lr_schedule(cfg.train)
 
     def loss_fn(params, inputs, targets, positions, key):
-        logits = model.forward(graphdef, params, inputs, positions=positions, dropout_key=key)
+        logits = model.forward(spec.graphdef, params, inputs, positions=positions, dropout_key=key)
         return cross_entropy(logits, targets).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
@@ -79,15 +82,15 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
 
     def pipelined(params, inputs, targets, positions, keys):  # micro batches through the pipeline stages
         loss, grads = jax.value_and_grad(lambda p: pipeline.loss(
-            cfg, graphdef, p, inputs, targets, positions, keys if dropout else None, cross_entropy))(params)
+            cfg, layout, spec, p, inputs, targets, positions, keys if dropout else None, cross_entropy))(params)
         return loss, pin(grads)
 
-    loss_and_grads = pipelined if pipeline.num_stages(cfg) > 1 else accumulated
+    loss_and_grads = pipelined if cfg.stages > 1 else accumulated
 
     def train_step(state, inputs, targets):
         params = state["params"]
         keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), inputs.shape[0])
-        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
+        inputs, targets, positions = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets)
         loss, grads = loss_and_grads(params, inputs, targets, positions, keys)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -108,20 +111,21 @@ def make_train_step(cfg, graphdef, optimizer, schedule, grad_sharding=None):
     return train_step
 
 
-def make_eval_step(cfg, graphdef, microbatches=1):
+def make_eval_step(cfg, spec, layout=None):
     """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch.
 
     Ring attention reorders the batch as the train step does; with pipeline stages the batch
-    goes through the pipeline as ``microbatches`` micro batches (row ``r`` in micro batch
+    goes through the pipeline as ``cfg.microbatches`` micro batches (row ``r`` in micro batch
     ``r % microbatches``, as in training).
     """
+    m = cfg.microbatches
 
     def eval_step(params, inputs, targets):
-        inputs, targets, positions = context_parallel.zigzag(cfg.parallel.sequence_impl, inputs, targets)
-        if pipeline.num_stages(cfg) == 1:
-            return cross_entropy(model.forward(graphdef, params, inputs, positions=positions), targets).mean()
-        split = lambda a: None if a is None else a.reshape(-1, microbatches, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
-        return pipeline.loss(cfg, graphdef, params, split(inputs), split(targets), split(positions), None,
+        inputs, targets, positions = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets)
+        if cfg.stages == 1:
+            return cross_entropy(model.forward(spec.graphdef, params, inputs, positions=positions), targets).mean()
+        split = lambda a: None if a is None else a.reshape(-1, m, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
+        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(positions), None,
                              cross_entropy)
 
     return eval_step

@@ -1,6 +1,6 @@
 """Training CLI: ``python -m jaxllm.train --config=configs/FILE.py[:KEY] --config.SECTION.KEY=VALUE --workdir=DIR``.
 
-With no flags it trains the default config (``jaxllm/config.py``) on the Python
+With no flags it trains the default config (:mod:`jaxllm.config`) on the Python
 standard library's sources.  Rerunning with the same ``--workdir`` resumes from
 the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.checkpoint`).
 
@@ -15,22 +15,26 @@ command to continue.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
+import tempfile
 import time
 
 import jax
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from jaxllm import attention, checkpoint, config, distributed, metrics, model, optim, pipeline, sharding, step
+from jaxllm import checkpoint, cli, config, distributed, flops, hardware, metrics, model, pipeline
 from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
+from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
+from jaxllm.run import Run
 from jaxllm.sampling import Sampler
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130  # a second Ctrl-C (or one before training started): the shell's status for SIGINT
 
 
 class Preempted(Exception):
@@ -45,115 +49,65 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient norm was non-finite for ``train.max_nonfinite_steps`` steps in a row."""
 
 
+def check_workdir(workdir: str) -> None:
+    """A run directory must be a directory this process can write (it is created if missing).
+
+    Raises:
+      ConfigError: ``--workdir`` is a file, or cannot be created or written.
+    """
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise config.ConfigError("--workdir", workdir, "is a file; give a directory (created if missing)")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise config.ConfigError("--workdir", workdir, f"cannot be written ({e.strerror}); give a directory you can "
+                                 "write, or copy the run there to resume it") from None
+
+
 def data_dir(cfg, workdir: str) -> str:
     """The prepared token directory of a run (prepared into ``WORKDIR/data`` if needed)."""
     return ensure_prepared(cfg.data, os.path.join(workdir, "data"))
 
 
-def setup(cfg, workdir: str):
-    """Checks config and data before anything compiles; returns ``(resolved cfg, TokenData)``.
+def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, TokenData]:
+    """Checks config and data before anything compiles; returns ``(resolved config, TokenData)``.
 
     Raises:
       ConfigError, DataError: with the key or file, the value and the fix.
     """
-    config.validate(cfg, num_devices=jax.device_count())
-    attention.check_config(cfg)
-    data = TokenData(data_dir(cfg, workdir))
-    cfg = config.resolved(cfg, vocab_size=data.vocab_size, num_devices=jax.device_count())
-    data.check_vocab(cfg.model.vocab_size)
-    return cfg, data
+    config.resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
+    data = TokenData(data_dir(spec, workdir))
+    return config.resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
 
-class Run:
-    """The compiled pieces of a run on a device mesh: shardings, state, train and eval steps.
+def check(spec: config.Config, num_devices: int) -> str:
+    """Resolves ``spec`` for ``num_devices`` devices as the job would, without starting a backend
+    or reading data (a launcher's dry run, on a login node); returns a one-line summary.
 
-    Args:
-      cfg: a resolved config (see :func:`setup`).
-      devices: the devices of the mesh (default: all).
+    The attention implementation is checked against the backend ``JAX_PLATFORMS`` or the
+    machine names (CPU if none); data inputs missing on this machine are named in the summary
+    and checked when the job starts.
+    Raises:
+      ConfigError: as :func:`jaxllm.config.resolve`.
     """
-
-    def __init__(self, cfg, devices=None):
-        self.cfg = cfg
-        self.mesh = sharding.make_mesh(cfg, devices)
-        self.table = sharding.rules(cfg)
-        self.graphdef, _ = model.abstract(cfg)
-        self.optimizer = optim.make_optimizer(cfg)
-        logical = model.logical_axes(cfg)
-        abstract_state = jax.eval_shape(lambda: step.init_state(cfg, self.optimizer, cfg.train.seed))
-        self.state_sharding = sharding.state_shardings(cfg, abstract_state, logical, self.optimizer, self.mesh)
-        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                           abstract_state, self.state_sharding)
-        spec = lambda *axes: jax.sharding.NamedSharding(self.mesh, sharding.logical_to_spec(axes, self.table))  # noqa: E731
-        self.batch_sharding, self.eval_sharding = spec(None, "batch", "length"), spec("batch", "length")
-        train_fn = step.make_train_step(cfg, self.graphdef, self.optimizer, optim.lr_schedule(cfg.train),
-                                        sharding.grad_shardings(cfg, logical, self.mesh))
-        self.train_step = jax.jit(self._in_mesh(train_fn), in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
-                                  out_shardings=(self.state_sharding, None), donate_argnums=0)
-        self.eval_step = jax.jit(self._in_mesh(step.make_eval_step(cfg, self.graphdef, config.grad_accum_steps(cfg))),
-                                 in_shardings=(self.state_sharding["params"], self.eval_sharding, self.eval_sharding))
-
-    def _in_mesh(self, fn):
-        """``fn`` traced with the activation constraints of this mesh and rules table."""
-
-        def traced(*args):
-            with sharding.activation_sharding(self.mesh, self.table):
-                return fn(*args)
-
-        return traced
-
-    def initial_state(self, checkpointer=None):
-        """The latest checkpoint's state, or a fresh one created directly in its sharding."""
-        state = checkpointer.restore(self.abstract_state) if checkpointer else None
-        if state is None:
-            init = jax.jit(lambda: step.init_state(self.cfg, self.optimizer, self.cfg.train.seed),
-                           out_shardings=self.state_sharding)
-            state = init()
-        return state
-
-    def process_rows(self) -> slice:
-        """The rows of the global batch this process feeds (its devices' part of the batch axis)."""
-        t = self.cfg.train
-        accum = config.grad_accum_steps(self.cfg)
-        index = self.batch_sharding.addressable_devices_indices_map((accum, t.global_batch_size // accum, t.seq_length))
-        rows = [i[1].indices(t.global_batch_size // accum)[:2] for i in index.values()]
-        return slice(min(r[0] for r in rows) * accum, max(r[1] for r in rows) * accum)
-
-    def global_batch(self, inputs, targets):
-        """This process's rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``.
-
-        Row ``r`` goes to micro batch ``r % microbatches``, so each process's contiguous
-        rows stay contiguous within every micro batch."""
-        accum = config.grad_accum_steps(self.cfg)
-        out = []
-        for x in (inputs, targets):
-            x = x.reshape(-1, accum, x.shape[-1]).swapaxes(0, 1)
-            out.append(jax.make_array_from_process_local_data(self.batch_sharding, np.ascontiguousarray(x)))
-        return out
-
-    def evaluate(self, params, loader) -> float:
-        """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches."""
-        losses = []
-        for i in range(self.cfg.train.eval_iters):
-            x, y = (jax.make_array_from_process_local_data(self.eval_sharding, a) for a in loader.eval_batch(i))
-            losses.append(self.eval_step(params, x, y))
-        return float(np.mean(jax.device_get(losses)))
-
-    def describe(self, params) -> str:
-        """The mesh and a table of every parameter: shape, partition spec, bytes per device."""
-        lines = [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} device(s)",
-                 f"{'parameter':<28} {'shape':<22} {'partition spec':<44} {'bytes/device':>13}"]
-        flat = jax.tree_util.tree_flatten_with_path(params)[0]
-        for path, leaf in flat:
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            spec = str(tuple(leaf.sharding.spec))
-            lines.append(f"{name:<28} {str(leaf.shape):<22} {spec:<44} {sharding.per_device_bytes(leaf):>13,}")
-        lines.append(f"{'total':<96}{sharding.per_device_bytes(params):>13,}")
-        return "\n".join(lines)
+    spec = copy.deepcopy(spec)
+    missing = [p for p in spec.data.input.split(",") if p and not os.path.exists(p)]
+    if missing:
+        spec.data.input = config.default_corpus()
+    backend = distributed.gpu_vendor(os.environ) or "cpu"
+    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=KNOWN_VOCAB_SIZES.get(spec.data.tokenizer),
+                         backend=backend)
+    mesh = " x ".join(f"{a} {n}" for a, n in cfg.mesh_shape.items() if n > 1) or "one device"
+    note = f"; data.input {', '.join(missing)} is not on this machine (read when the job starts)" if missing else ""
+    return (f"config ok for {num_devices} {backend} devices: {mesh}, {cfg.microbatches} microbatch(es)/step"
+            f"{pipeline_note(cfg)}{note}")
 
 
 def pipeline_note(cfg) -> str:
     """``" through 4 pipeline stages (gpipe, bubble 27.3%)"``, or ``""`` without pipeline."""
-    p, v = pipeline.num_stages(cfg), cfg.parallel.pipeline_virtual_stages
+    p, v = cfg.stages, cfg.parallel.pipeline_virtual_stages
     if p == 1:
         return ""
     chunks = f" x {v} virtual" if v > 1 else ""
@@ -171,22 +125,29 @@ def train(cfg, workdir: str) -> dict:
       jaxllm.checkpoint.CheckpointError: checkpoints exist and none can be restored.
       ConfigError, DataError: see :func:`setup`.
     """
+    check_workdir(workdir)
     cfg, data = setup(cfg, workdir)
     t = cfg.train
-    run = Run(cfg)
-    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                    rows=run.process_rows())
     checkpointer = checkpoint.Checkpointer(workdir, cfg)
+    run = Run(cfg)
     state = run.initial_state(checkpointer)
     start = int(jax.device_get(state["step"]))
+    if start >= t.train_iters:  # nothing is compiled for a finished run
+        checkpointer.close()
+        if jax.process_index() == 0:
+            print(f"jaxllm: the run in {workdir} is finished: its checkpoint is at step {start} of "
+                  f"train.train_iters={t.train_iters}; to train on, raise --config.train.train_iters")
+        return {}
+    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
+                    rows=run.process_rows())
     n_params = model.num_params(state["params"])
     primary = jax.process_index() == 0
     unigram = data.unigram_entropy("val")  # logged with every evaluation: the best context-free model's loss
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"{config.grad_accum_steps(cfg)} microbatch(es)/step{pipeline_note(cfg)}, "
+              f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, "
               f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
-              f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.vocab_size}; unigram entropy "
+              f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.padded_vocab_size}; unigram entropy "
               f"{data.unigram_entropy('all'):.3f} nats/token, validation split {unigram:.3f})"
               + (f", resuming at step {start}" if start else ""))
         print(run.describe(state["params"]))
@@ -194,8 +155,8 @@ def train(cfg, workdir: str) -> dict:
     t0 = time.perf_counter()
     train_step = run.train_step.lower(state, *run.global_batch(*loader.train_batch(start))).compile()
     compile_s = time.perf_counter() - t0
-    flops_per_step = metrics.flops_per_step(cfg)
-    peak, peak_source = metrics.peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
+    flops_per_step = flops.flops_per_step(cfg)
+    peak, peak_source = hardware.peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
     if primary:
         print(f"compiled the train step in {compile_s:.1f} s; {flops_per_step / 1e12:.4f} TFLOP/step; "
               f"peak {peak / 1e12:.2f} TFLOP/s/device ({peak_source})")
@@ -222,7 +183,7 @@ def train(cfg, workdir: str) -> dict:
             if done % t.log_interval == 0 or done == t.train_iters or diverged:
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
                 elapsed = time.perf_counter() - tick
-                m.update(metrics.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
+                m.update(flops.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
                 if bubble:  # the schedule's theoretical idle fraction, next to the MFU it costs
                     m["pipeline_bubble"] = bubble
                 stats = jax.local_devices()[0].memory_stats() or {}
@@ -250,7 +211,7 @@ def train(cfg, workdir: str) -> dict:
         logger.close()
 
     if primary and cfg.log.samples:
-        print_samples(cfg, run.graphdef, state["params"], data.tokenizer, np.asarray(data.val[:8]), workdir)
+        print_samples(cfg, run.spec.graphdef, state["params"], data.tokenizer, np.asarray(data.val[:8]), workdir)
     return {**last, **last_eval, "compile_s": compile_s}
 
 
@@ -261,7 +222,7 @@ def print_samples(cfg, graphdef, params, tokenizer, default_prompt, workdir):
         return
     log = cfg.log
     tokens = tokenizer.encode(log.sample_prompt) if log.sample_prompt else default_prompt
-    sampler = Sampler(cfg, graphdef, jax.device_get(params))
+    sampler = Sampler(cfg.model, graphdef, jax.device_get(params), cfg.train.seq_length)
     rows = sampler(np.tile(np.asarray(tokens)[None], (log.samples, 1)), log.sample_tokens,
                    temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
     for row in rows:
@@ -271,16 +232,19 @@ def print_samples(cfg, graphdef, params, tokenizer, default_prompt, workdir):
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     try:
+        if flags.FLAGS.check_devices:
+            print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
+            return
         distributed.initialize()  # first: joins a multi-process job before any backend starts; a LaunchError is a ConfigError
         train(flags.FLAGS.config, flags.FLAGS.workdir)
+    except KeyboardInterrupt:
+        cli.fail("jaxllm: interrupted; nothing saved since the last checkpoint", code=EXIT_INTERRUPTED)
     except config.ConfigError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
+        cli.fail(e)
     except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(f"data error: {e}")
     except Preempted as e:
         print(f"jaxllm: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
@@ -290,7 +254,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "config.py"),
-                                    "config file, e.g. configs/shakespeare_char.py or configs/gpt3.py:GPT125M")
+    cli.define_config_flag()
     flags.DEFINE_string("workdir", "runs/default", "run directory: data cache, checkpoints, metrics.jsonl, tensorboard/")
-    app.run(main)
+    flags.DEFINE_integer("check_devices", 0, "only check the config for this many devices (a launcher's dry run): "
+                         "nothing is started, read or written")
+    app.run(main, flags_parser=cli.parse_flags)

@@ -38,24 +38,25 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count must be fixed before jax is imported
-    from jaxllm.plan import force_host_devices
+    from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
 
+import copy  # noqa: E402
 import csv  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
-import math  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxllm import attention, bench, config, plan  # noqa: E402
+from jaxllm import attention, bench, cli, config, plan  # noqa: E402
 from jaxllm.data import DataError  # noqa: E402
+from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
+from jaxllm.hardware import DEVICE_MEMORY, GiB  # noqa: E402
 
-GiB = 2**30
 AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
 
 
@@ -118,28 +119,22 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
 
 
-def candidate_config(base, c: Candidate, vocab: int | None):
-    """``base`` with candidate ``c`` applied (``vocab``: the tokenizer's, padded as
-    :func:`jaxllm.config.resolved` would for the candidate's tensor size when the base
-    leaves ``model.vocab_size`` derived)."""
-    cfg = bench.apply_overrides(base, [(k, str(v)) for k, v in c.overrides().items()])
-    if not base.model.vocab_size and vocab:
-        k = cfg.model.make_vocab_size_divisible_by * c.mesh[AXES.index("tensor")]
-        cfg.model.vocab_size = k * math.ceil(vocab / k)
+def candidate_config(base: config.Config, c: Candidate) -> config.Config:
+    """``base`` with candidate ``c`` applied."""
+    cfg = copy.deepcopy(base)
+    for key, value in c.overrides().items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
     return cfg
 
 
-def constraint(cfg, num_devices: int) -> str | None:
+def constraint(cfg: config.Config, num_devices: int) -> str | None:
     """None if ``cfg`` can run on ``num_devices``, else the key that rejects it
-    (:func:`jaxllm.config.validate`'s, or ``model.attention_impl`` when the backend lacks it)."""
+    (:func:`jaxllm.config.resolve`'s: the mesh, divisibility, pipeline, sequence and attention checks)."""
     try:
-        config.validate(cfg, num_devices=num_devices)
+        config.resolve(cfg, num_devices=num_devices)
     except config.ConfigError as e:
         return e.key
-    try:
-        attention.check_config(cfg)
-    except config.ConfigError:
-        return "model.attention_impl (not on this backend)"
     return None
 
 
@@ -161,7 +156,7 @@ def space(base, num_devices: int, *, axes, micro_batches, remats, attentions, vi
 
 def baseline_candidate(base, num_devices: int) -> Candidate:
     """The base config as a candidate (its -1 mesh axis filled)."""
-    sizes = config.mesh_shape(base, num_devices)
+    sizes = config.mesh_shape(base.mesh, num_devices)
     return Candidate(tuple(sizes[a] for a in AXES), base.train.micro_batch_size, base.model.remat,
                      base.model.attention_impl, base.parallel.pipeline_virtual_stages, base.parallel.sequence_impl)
 
@@ -189,18 +184,18 @@ class Tuner:
     """Runs the search; see the module docstring.
 
     Args:
-      base: the config to tune (validated as given: it is the baseline).
+      base: the config to tune (validated as given: it is the baseline), with its
+        ``model.vocab_size`` set (the planning and measuring read no data).
       num_devices: devices to lay out.
       memory_limit: bytes per device; None: no memory pruning.
       steps, warmup: of each measurement (:func:`jaxllm.bench.benchmark`).
-      vocab: the tokenizer's vocabulary when ``model.vocab_size`` is 0 (derived).
       log: a function taking one line of progress (default: print it).
     """
 
     def __init__(self, base, num_devices: int, *, memory_limit: float | None, steps: int = 3, warmup: int = 1,
-                 vocab: int | None = None, log=None):
+                 log=None):
         self.base, self.n, self.memory_limit = base, num_devices, memory_limit
-        self.steps, self.warmup, self.vocab = steps, warmup, vocab
+        self.steps, self.warmup = steps, warmup
         self.log = log or (lambda line: print(line, flush=True))
         self.results: dict[Candidate, Result] = {}
         self.rejected: dict[str, int] = {}
@@ -212,7 +207,7 @@ class Tuner:
         """Applies the constraints to every candidate, counting rejections by key."""
         self.space_size = len(candidates)
         for c in candidates:
-            why = constraint(candidate_config(self.base, c, self.vocab), self.n)
+            why = constraint(candidate_config(self.base, c), self.n)
             if why:
                 self.rejected[why] = self.rejected.get(why, 0) + 1
             else:
@@ -222,7 +217,7 @@ class Tuner:
         """Plans ``c`` and, if it fits, measures it (once; later calls return the result)."""
         if c in self.results:
             return self.results[c]
-        cfg = candidate_config(self.base, c, self.vocab)
+        cfg = candidate_config(self.base, c)
         try:
             p = plan.plan(cfg, self.n)
         except Exception as e:  # noqa: BLE001  (a candidate XLA cannot compile is a result, not the end)
@@ -243,7 +238,7 @@ class Tuner:
     def _measure(self, r: Result) -> None:
         c = r.candidate
         try:
-            cfg, _ = bench.prepare(candidate_config(self.base, c, self.vocab), self.n)
+            cfg, _ = bench.prepare(candidate_config(self.base, c), self.n)
             rec = bench.benchmark(cfg, num_devices=self.n, steps=self.steps, warmup=self.warmup,
                                   name=c.mesh_text())
         except Exception as e:  # noqa: BLE001  (e.g. out of memory on a GPU)
@@ -464,7 +459,7 @@ def main(argv):
 
     F = flags.FLAGS
     if len(argv) > 1:
-        bench._usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
+        cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     base = F.config
     try:
         n = F.devices or len(jax.devices())
@@ -475,42 +470,41 @@ def main(argv):
         t = base.train
         mbs = (_ints("micro_batch", F.micro_batch) if F.micro_batch != "auto"
                else [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % d == 0])
-        remats = _choices("remat", F.remat, config.CHOICES["model.remat"])
+        remats = _choices("remat", F.remat, config.choices("model.remat"))
         attns = default_attentions() if F.attention == "auto" else _choices(
-            "attention", F.attention, [i for i in config.CHOICES["model.attention_impl"] if i != "auto"])
+            "attention", F.attention, [i for i in config.choices("model.attention_impl") if i != "auto"])
         vss = _ints("virtual_stages", F.virtual_stages)
-        sis = _choices("sequence_impls", F.sequence_impls, config.CHOICES["parallel.sequence_impl"])
+        sis = _choices("sequence_impls", F.sequence_impls, config.choices("parallel.sequence_impl"))
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
         if F.steps < 1 or F.warmup < 0 or F.confirm < 0:
             raise ValueError("--steps must be >= 1, --warmup and --confirm >= 0")
-        if any(base.mesh[f"dcn_{a}"] != 1 for a in AXES):
+        if any(getattr(base.mesh, f"dcn_{a}") != 1 for a in AXES):
             raise ValueError("tune lays out one node's devices: set every mesh.dcn_* to 1")
         memory = None
         if F.device:
-            if F.device not in plan.DEVICE_MEMORY:
-                raise ValueError(f"--device={F.device!r}: choose one of {', '.join(plan.DEVICE_MEMORY)}")
-            memory = plan.DEVICE_MEMORY[F.device]
+            if F.device not in DEVICE_MEMORY:
+                raise ValueError(f"--device={F.device!r}: choose one of {', '.join(DEVICE_MEMORY)}")
+            memory = DEVICE_MEMORY[F.device]
         if F.device_memory:
             memory = plan.parse_bytes(F.device_memory)
         if memory is None:
             memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-        if n > 1 and all(base.mesh[a] == 1 for a in AXES):  # a one-device config: the baseline is data N
+        if n > 1 and all(getattr(base.mesh, a) == 1 for a in AXES):  # a one-device config: the baseline is data N
             base.mesh.data = -1
             print(f"jaxllm.tune: the config's mesh is one device; baseline: mesh.data={n}", flush=True)
-        config.validate(base, num_devices=n)  # the baseline must be valid as given
-        vocab = plan.TOKENIZER_VOCAB.get(base.data.tokenizer)
-        if not base.model.vocab_size and vocab is None:
-            cfg, _ = bench.prepare(base, n, workdir=F.workdir)  # reads the data for the char vocabulary
-            vocab = cfg.model.vocab_size
+        if not base.model.vocab_size:  # the candidates are planned and measured without reading data
+            base.model.vocab_size = KNOWN_VOCAB_SIZES.get(base.data.tokenizer) or bench.prepare(
+                base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
+        config.resolve(base, num_devices=n)  # the baseline must be valid as given
     except config.ConfigError as e:
-        bench._usage_error(str(e))
+        cli.fail(e)
     except DataError as e:
-        bench._usage_error(f"data error: {e}")
+        cli.fail(f"data error: {e}")
     except ValueError as e:
-        bench._usage_error(f"error: {e}")
+        cli.fail(f"error: {e}")
 
-    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, vocab=vocab)
+    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup)
     tuner.filter(space(base, n, axes=axes, micro_batches=mbs, remats=remats, attentions=attns,
                        virtual_stages=vss, sequence_impls=sis))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
@@ -537,17 +531,17 @@ if __name__ == "__main__":
     from absl import app, flags, logging
 
     logging.set_verbosity(logging.WARNING)
-    bench.define_config_flag()
+    cli.define_config_flag()
     flags.DEFINE_integer("devices", 0, "devices to lay out (CPU: fake devices); 0: all")
     flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)")
-    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(plan.DEVICE_MEMORY)}")
+    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICE_MEMORY)}")
     flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)")
     flags.DEFINE_string("axes", ",".join(AXES), "mesh axes to factorize the devices over")
     flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)")
     flags.DEFINE_string("remat", "none,full,save_dots", "remat policies")
     flags.DEFINE_string("attention", "auto", "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
     flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
-    flags.DEFINE_string("sequence_impls", ",".join(config.CHOICES["parallel.sequence_impl"]),
+    flags.DEFINE_string("sequence_impls", ",".join(config.choices("parallel.sequence_impl")),
                         "sequence_impl values tried when mesh.sequence > 1")
     flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")
     flags.DEFINE_integer("seed", 0, "Optuna sampler seed")
@@ -556,4 +550,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("confirm", 2, "re-measure the baseline and this many of the best at the end")
     flags.DEFINE_string("workdir", "runs/tune", "where real data is tokenized when the vocabulary needs it")
     flags.DEFINE_string("output_dir", "runs/tune", "where tune.md, tune.csv and tune.png go")
-    app.run(main, flags_parser=bench.parse_flags_exit_2)
+    app.run(main, flags_parser=cli.parse_flags)

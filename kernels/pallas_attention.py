@@ -67,7 +67,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxllm_kernels import reference
 
-_MASKED = -1e30  # the reference's masked score / lse of a query that sees no key
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -297,11 +296,11 @@ def _fwd_kernel(*refs, cfg):
             s = _dot(q, k, cfg.exact, trans_b=True) * scale  # [bq, bk] float32, log2 units
             mask = _mask(cfg, q_idx, k_start + jnp.arange(bk, dtype=jnp.int32), q_seg, k_seg, q_pos, k_pos)
             if mask is not None:
-                s = jnp.where(mask, s, _MASKED)
+                s = jnp.where(mask, s, reference.MASKED)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
-            if mask is not None:  # a row masked so far has m_new == _MASKED and exp2(0) == 1
+            if mask is not None:  # a row masked so far has m_new == MASKED and exp2(0) == 1
                 p = jnp.where(mask, p, 0.0)
             l = alpha * l + jnp.sum(p, axis=1)
             acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, cfg.exact)
@@ -310,13 +309,14 @@ def _fwd_kernel(*refs, cfg):
         return _maybe_skip(cfg, step, q_seg, k_seg, q_pos, k_pos)(carry)
 
     d = q.shape[-1]
-    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), reference.MASKED, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
     lo, hi = _kv_range(cfg, q_start, bq, bk, k_ref.shape[0] // bk)
     acc, m, l = lax.fori_loop(lo, hi, body, init)
-    empty = l == 0.0  # the query sees no key: output 0, lse _MASKED, like the reference
+    empty = l == 0.0  # the query sees no key: output 0, lse MASKED, like the reference
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, _MASKED, m * _LN2 + jnp.log(l_safe))
+    lse_ref[...] = jnp.where(empty, reference.MASKED, m * _LN2 + jnp.log(l_safe))
 
 
 def _launch(cfg, bwd):
@@ -482,7 +482,7 @@ def _backward(cfg, q, k, v, segs, poss, out, lse, dout, dlse):
     # i.e. subtracts dlse from D.
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     # lse in log2 units; +inf for queries that see nothing, so exp2(s - lse) == 0 there.
-    lse2 = jnp.where(lse <= _MASKED, jnp.inf, lse * _LOG2E)
+    lse2 = jnp.where(lse <= reference.MASKED, jnp.inf, lse * _LOG2E)
 
     # dK, dV: grid over key blocks and kv heads; the group's query heads are a block of size `group`.
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv

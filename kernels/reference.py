@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # finite, so a fully masked row gives zeros instead of NaN
+MASKED = -1e30  # a masked score or logit: finite, so a fully masked row gives zeros instead of NaN
 
 
 def default_positions(q_positions, kv_positions, batch, q_len, kv_len):
@@ -69,13 +69,13 @@ def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, 
     qg = q.reshape(b, sq, kvh, h // kvh, d)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _MASKED)
+    scores = jnp.where(mask[:, None, None], scores, MASKED)
     lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.exp(scores - lse[..., None])
     probs = jnp.where(mask[:, None, None], probs, 0.0)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out.reshape(b, sq, h, d).astype(q.dtype)
     if return_lse:
-        lse = jnp.where(mask.any(-1)[:, None, None], lse, _MASKED)
+        lse = jnp.where(mask.any(-1)[:, None, None], lse, MASKED)
         return out, lse.reshape(b, h, sq)
     return out

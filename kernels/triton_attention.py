@@ -45,7 +45,6 @@ from jaxllm_kernels.pallas_attention import DEFAULT_BLOCK_SIZES, BlockSizes, gpu
 triton = None  # bound by _load(); the kernels below resolve ``tl`` from these module globals
 tl = None
 
-_MASKED = -1e30
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -345,7 +344,7 @@ def _backward(cfg, q, k, v, side, out, lse, dout, dlse):
     sk, kvh = k.shape[1], k.shape[2]
     bs = cfg.blocks
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
-    lse2 = jnp.where(lse <= _MASKED, jnp.inf, lse * _LOG2E)
+    lse2 = jnp.where(lse <= reference.MASKED, jnp.inf, lse * _LOG2E)
     ins = (q, k, v, dout, lse2, delta, *_side(side))
     dk, dv = _triton_call(
         *ins, kernel=_load()["dkdv"],

@@ -110,11 +110,18 @@ jaxllm_train_cmd() {
   TRAIN_CMD=("${PYTHON:-python}" -u -m jaxllm.train "${config_file[@]}" "${overrides[@]}" "${rest[@]}")
 }
 
-# jaxllm_summary NODES PROCESSES DEVICES: a comment line (also printed on dry runs).
+# jaxllm_summary NODES PROCESSES DEVICES: a comment line (also printed on dry runs).  A dry run
+# also checks the config the job would run for its DEVICES (jaxllm.train --check_devices: one
+# line, exit 2 for a bad config, nothing started).
 jaxllm_summary() {
   local dp=config  # the mesh is the config's unless a knob pinned it
   if [[ -n "${TP:-}${PP:-}${SP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then dp=$DP; fi
   echo "# jaxllm launch: nodes=$1 processes=$2 devices=$3 dp=$dp global_batch=${GLOBAL_BATCH:-config}"
+  if [[ "$DRY_RUN" == 1 ]]; then
+    local checked
+    checked=$("${TRAIN_CMD[@]}" --check_devices="$3") || exit $?
+    echo "# jaxllm check: $checked"
+  fi
 }
 
 # jaxllm_exec CMD...: DRY_RUN=1: print the exports and the command (shell-quoted); else run it.

@@ -8,7 +8,7 @@ comments dropped) or a ``$ ``-prefixed line of any fenced block (a transcript). 
   command (``python -m pytest``) are what ``.ci/run`` does, checked against its text;
 * cluster submissions (``sbatch``, ``qsub``) run their script with ``DRY_RUN=1`` and the
   allocation's environment (nodes from ``-N``/``-l select=``), knobs kept, and the config of
-  the ``jaxllm.train`` command it prints must pass ``config.validate`` for the job's devices;
+  the ``jaxllm.train`` command it prints must pass ``config.resolve`` for the job's devices;
 * everything else runs for real in a sandbox checkout, with :data:`SHORTER` flags appended
   so that a training run takes a few steps and a benchmark a few points; the flags are
   the documented ones plus size knobs, never other code paths.
@@ -53,7 +53,8 @@ SHORTER = [
     (r"benchmarks/attention\.py", ["--seqs=128", "--iters=1", "--warmup=0", "--impls=xla"]),
     (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
 ]
-CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "python -m pytest")
+CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "ruff check",
+      "python -m pytest")
 
 
 @dataclass
@@ -185,15 +186,14 @@ def run(command: Command, sandbox: Path, timeout: int = 600) -> subprocess.Compl
 _VALIDATE = """
 import os, sys
 from absl import app, flags
-from ml_collections import config_flags
-from jaxllm import config
-config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(config.__file__), "config.py"))
+from jaxllm import cli, config
+cli.define_config_flag()
 flags.DEFINE_string("workdir", "", "")
 def main(argv):
     cfg = flags.FLAGS.config
     if not all(os.path.exists(p) for p in cfg.data.input.split(",")):  # a cluster path
         cfg.data.input = config.default_corpus()
-    config.validate(cfg, num_devices=int(argv[1]))
+    config.resolve(cfg, num_devices=int(argv[1]), backend="cuda")
 app.run(main, argv=[sys.argv[0], *sys.argv[2:], sys.argv[1]])
 """
 

@@ -20,8 +20,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import config, model, sharding  # noqa: E402
-from jaxllm.train import Run  # noqa: E402
+from jaxllm import config, sharding  # noqa: E402
+from jaxllm.run import Run  # noqa: E402
 
 STEPS = 3
 
@@ -39,11 +39,10 @@ def run_layout(layout, batches):
     layout = dict(layout)
     evaluate = layout.pop("eval", False)  # also the eval step's loss on the first batch, after training
     for section, values in layout.items():
-        cfg[section].update(values)
-    sizes = [cfg.mesh[a] for a in config.MESH_AXES] + [cfg.mesh[f"dcn_{a}"] for a in config.MESH_AXES]
+        getattr(cfg, section).update(**values)
+    sizes = list(cfg.mesh.to_dict().values())
     n = 8 if -1 in sizes else int(np.prod(sizes))
-    config.validate(cfg, num_devices=n)
-    cfg = config.resolved(cfg, num_devices=n)
+    cfg = config.resolve(cfg, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])
     state = run.initial_state()
     rows = run.process_rows()
@@ -51,8 +50,7 @@ def run_layout(layout, batches):
     for x, y in batches:
         state, m = run.train_step(state, *run.global_batch(x[rows], y[rows]))
         losses.append(float(m["loss"]))
-    logical = model.logical_axes(cfg)
-    declared = sharding.param_specs(logical, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
+    declared = sharding.param_specs(run.spec.axes, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
     mismatched = [
         jax.tree_util.keystr(path)
         for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(state["params"])[0],

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm import bench, config, metrics, train
+from jaxllm import bench, config, flops, train
+from jaxllm.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -40,11 +41,11 @@ def hand_flops_per_token(remat):
 
 @pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
 def test_hardware_flops_hand_count(remat):
-    cfg = config.resolved(tiny(remat))
+    cfg = config.resolve(tiny(remat), num_devices=1)
     model_fpt, hardware_fpt = hand_flops_per_token(remat)
-    assert metrics.flops_per_step(cfg, recompute=False) == 8 * S * model_fpt
-    assert metrics.hardware_flops_per_step(cfg) == 8 * S * hardware_fpt
-    out = metrics.throughput(0.5, cfg, num_devices=2, peak_flops=1e9)
+    assert flops.flops_per_step(cfg, recompute=False) == 8 * S * model_fpt
+    assert flops.hardware_flops_per_step(cfg) == 8 * S * hardware_fpt
+    out = flops.throughput(0.5, cfg, num_devices=2, peak_flops=1e9)
     assert out["hfu"] / out["mfu"] == pytest.approx(hardware_fpt / model_fpt, rel=1e-12)
 
 
@@ -73,7 +74,7 @@ def test_bench_numbers_against_hand_count_and_independent_timing():
     # Independent timing of the same step, outside bench: a fresh Run, compiled, 6 steps timed as one
     # window. A shared 2-core machine moves step times by 2x between runs; a factor 3 still catches
     # unit errors (ms/s, per device), compile time or warm-up inside the timed steps.
-    run = train.Run(cfg, devices=jax.devices()[:1])
+    run = Run(cfg, devices=jax.devices()[:1])
     state = run.initial_state()
     rng = np.random.default_rng(0)
     tok = rng.integers(0, V, (8, S + 1), dtype=np.int32)

@@ -17,6 +17,7 @@ import pytest
 
 from jaxllm import checkpoint, config, train
 from jaxllm.data import Loader, ensure_prepared
+from jaxllm.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -55,7 +56,7 @@ def make_config(o):
     cfg = config.get_config()
     for key, value in o.items():
         section, name = key.split(".")
-        cfg[section][name] = value
+        setattr(getattr(cfg, section), name, value)
     return cfg
 
 
@@ -151,7 +152,7 @@ def test_kills_during_async_saves_keep_the_previous_checkpoint(data_dir, referen
     o = overrides(data_dir, checkpoint__interval=1, checkpoint__keep_period=0)
     ckpts = workdir / "checkpoints"
     cfg, _ = train.setup(make_config(o), str(workdir))
-    abstract = train.Run(cfg).abstract_state
+    abstract = Run(cfg).abstract_state
     kills = []
     for delay in (0.0, 0.003, 0.02):
         after = last_step(workdir) + 2
@@ -180,7 +181,7 @@ def test_damaged_checkpoints_fall_back_to_the_previous_step(data_dir, reference,
     (workdir / "metrics.jsonl").unlink()
     o = overrides(data_dir)
     cfg, _ = train.setup(make_config(o), str(workdir))
-    abstract = train.Run(cfg).abstract_state
+    abstract = Run(cfg).abstract_state
     ckpts = workdir / "checkpoints"
     data_files = lambda step: [p for p in (ckpts / str(step) / "state").rglob("*") if p.is_file() and p.stat().st_size]  # noqa: E731
 
@@ -268,7 +269,7 @@ HUGE_INIT = {"model.init_std": 1e30}  # gradients overflow float32: every step's
 
 def test_nonfinite_step_is_skipped_and_counted(data_dir, tmp_path):
     cfg, data = train.setup(make_config(overrides(data_dir, **{"model__init_std": 1e30})), str(tmp_path))
-    run = train.Run(cfg)
+    run = Run(cfg)
     loader = Loader(data, seed=cfg.train.seed, global_batch_size=8, seq_length=32, rows=run.process_rows())
     state = run.initial_state()
     before = jax.device_get(state)
@@ -283,7 +284,8 @@ def test_nonfinite_step_is_skipped_and_counted(data_dir, tmp_path):
         np.testing.assert_array_equal(a, b)
 
     # A finite step after them updates, resets the run of skipped steps and keeps the total.
-    normal = train.Run(config.resolved(make_config(overrides(data_dir)), vocab_size=data.vocab_size)).initial_state()
+    normal = Run(config.resolve(make_config(overrides(data_dir)), num_devices=1,
+                                vocab_size=data.vocab_size)).initial_state()
     state = {**state, "params": normal["params"], "opt_state": normal["opt_state"]}
     opt0 = jax.device_get(state["opt_state"])
     state, m = run.train_step(state, *run.global_batch(*loader.train_batch(2)))
@@ -306,25 +308,24 @@ def test_run_stops_after_max_nonfinite_steps_in_a_row(data_dir, tmp_path):
 def test_checkpoint_config_errors(key, value):
     cfg = config.get_config()
     section, name = key.split(".")
-    cfg[section][name] = value
+    setattr(getattr(cfg, section), name, value)
     with pytest.raises(config.ConfigError) as e:
-        config.validate(cfg, num_devices=1)
+        config.resolve(cfg, num_devices=1)
     assert e.value.key == key and str(e.value).startswith(f"config error: {key}={value}")
 
 
 def test_resuming_with_another_model_is_a_clear_error(tmp_path):
     """A checkpoint of another model is not "damaged": the error names the keys that differ."""
-    from jaxllm import config as config_lib
     from jaxllm.checkpoint import CheckpointError, Checkpointer
-    from jaxllm.train import Run
 
-    cfg = config_lib.get_config()
-    cfg.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32")
-    cfg = config_lib.resolved(cfg)
+    spec = config.get_config()
+    spec.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32")
+    cfg = config.resolve(spec, num_devices=1)
     ckpt = Checkpointer(str(tmp_path), cfg)
     ckpt.maybe_save(1, Run(cfg).initial_state(), force=True)
     ckpt.close()
-    cfg.model.hidden_size = 64
+    spec.model.hidden_size = 64
+    cfg = config.resolve(spec, num_devices=1)
     ckpt = Checkpointer(str(tmp_path), cfg)
     with pytest.raises(CheckpointError, match=r"another model: model.hidden_size=32 \(this run: 64\)"):
         ckpt.restore(Run(cfg).abstract_state)

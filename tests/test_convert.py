@@ -2,8 +2,10 @@
 
 Import: transformers' GPT-2 / Llama logits == jaxllm's on the imported parameters.
 Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
-CLI, and from a jaxllm-initialized model) and gives jaxllm's logits.  Bad inputs: pickle-only
-directories, unsupported configs both ways.
+CLI, and from a jaxllm-initialized model with a padded vocabulary) and gives jaxllm's logits,
+with exactly the tensors transformers itself saves.  The imported workdir's config.py loads
+through the training CLI's --config flag.  Bad inputs: pickle-only directories, unsupported
+configs both ways, options the import cannot honour.
 """
 
 import json
@@ -20,6 +22,8 @@ import torch
 import transformers
 
 from jaxllm import checkpoint, config, convert, model, optim, step
+from jaxllm.run import Run
+from jaxllm_kernels.reference import MASKED
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_DIR = ROOT.parent / "shared" / "data" / "gpt2"
@@ -64,9 +68,12 @@ def hf_logits(m, toks):
         return m(torch.tensor(toks, dtype=torch.long)).logits.float().numpy()
 
 
-def jax_logits(cfg, params, toks):
-    graphdef, _ = model.abstract(cfg)
-    return np.asarray(model.forward(graphdef, params, toks))
+def jax_logits(m, params, toks, **kwargs):
+    """Logits of the (resolved) model section ``m`` over its real vocabulary: the padding entries,
+    checked to be masked (probability 0), are cut off."""
+    out = np.asarray(model.forward(model.describe(m).graphdef, params, toks, **kwargs))
+    assert out.shape[-1] == m.padded_vocab_size and (out[..., m.vocab_size:] == MASKED).all()
+    return out[..., :m.vocab_size]
 
 
 def load_hf(directory):
@@ -75,7 +82,7 @@ def load_hf(directory):
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "jaxllm.convert", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, check=False)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -92,18 +99,19 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     name, d, ref = hf_dir
     cfg, params = convert.from_hf(d, F32)
     m = cfg.model
-    assert m.vocab_size == VOCAB and cfg.train.seq_length == SEQ
+    assert (m.vocab_size, m.padded_vocab_size) == (VOCAB, 128)  # padded as jaxllm pads, the padding masked
+    assert cfg.train.seq_length == m.max_position_embeddings == SEQ
     assert (m.position_embedding, m.norm, m.activation) == (("learned", "layernorm", "gelu") if "gpt2" in name
                                                             else ("rotary", "rmsnorm", "swiglu"))
     assert m.tie_embeddings == ("untied" not in name)
     if "llama" in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
-    out = jax_logits(cfg, params, tokens())
+    out = jax_logits(m, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
-    hf_config, tensors = convert.to_hf(cfg, params)
+    hf_config, tensors = convert.to_hf(m, params)
     assert hf_config["architectures"] == [("GPT2LMHeadModel" if "gpt2" in name else "LlamaForCausalLM")]
-    convert.save_hf(cfg, params, str(tmp_path / "back"))
+    convert.save_hf(m, params, str(tmp_path / "back"))
     back = load_hf(tmp_path / "back")
     np.testing.assert_allclose(hf_logits(back, tokens()), ref, atol=TOL, rtol=0)
     # Exactly the same tensors as transformers itself saved (the tied head is not stored).
@@ -126,8 +134,7 @@ def test_rotary_layout_is_hf_llamas(hf_dir):
     positions = (20 + 3 * np.arange(8, dtype=np.int32))[None]  # shifted, with gaps
     with torch.no_grad():
         ref = m(torch.tensor(toks, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long))
-    graphdef, _ = model.abstract(cfg)
-    out = np.asarray(model.forward(graphdef, params, toks, positions=positions))
+    out = jax_logits(cfg.model, params, toks, positions=positions)
     np.testing.assert_allclose(out, ref.logits.numpy(), atol=TOL, rtol=0)
     # Interleaved pairs (0,1),(2,3),... instead of halves: the test above would catch that mix-up.
     hd = params["layers"]["attn"]["wq"].shape[-1]
@@ -135,7 +142,7 @@ def test_rotary_layout_is_hf_llamas(hf_dir):
     wrong = jax.tree.map(lambda x: x, params)
     for w in ("wq", "wk"):
         wrong["layers"]["attn"][w] = params["layers"]["attn"][w][..., perm]
-    assert np.abs(np.asarray(model.forward(graphdef, wrong, toks, positions=positions)) - out).max() > 1e-2
+    assert np.abs(jax_logits(cfg.model, wrong, toks, positions=positions) - out).max() > 1e-2
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -152,35 +159,59 @@ def test_cli_round_trip_through_workdir(arch, tmp_path):
     assert "jaxllm.train --config=" in r.stdout and (work / "config.py").is_file()
     assert "the data must be tokenized as the model expects" in r.stderr
 
-    cfg = checkpoint.load_config(str(work))
-    assert cfg.train.train_iters == 5 and cfg.model.vocab_size == VOCAB
-    assert cfg.data.to_dict() == config.get_config().data.to_dict()  # no tokenizer in the dir: the defaults
+    saved = checkpoint.load_config(str(work))
+    assert saved.train.train_iters == 5 and saved.model.vocab_size == VOCAB
+    assert saved.data.to_dict() == config.get_config().data.to_dict()  # no tokenizer in the dir: the defaults
     # The checkpoint is what training resumes from: full state, step 0, HF's parameters.
-    from jaxllm import train
-
+    cfg = config.resolve(saved, num_devices=jax.device_count())
     ckpt = checkpoint.Checkpointer(str(work), cfg)
-    state = train.Run(cfg).initial_state(ckpt)
+    state = Run(cfg).initial_state(ckpt)
     ckpt.close()
     assert int(state["step"]) == 0
+    optimizer = optim.make_optimizer(cfg.train, model.describe(cfg.model).decay)
     assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(
-        jax.eval_shape(lambda: optim.make_optimizer(cfg).init(state["params"])))
-    np.testing.assert_allclose(jax_logits(cfg, state["params"], tokens()), ref, atol=TOL, rtol=0)
-    # config.py reproduces the stored config (what `jaxllm.train --config=WORKDIR/config.py` uses).
-    ns = {}
-    exec((work / "config.py").read_text(), ns)
-    assert ns["get_config"]().to_dict() == cfg.to_dict()
+        jax.eval_shape(lambda: optimizer.init(state["params"])))
+    np.testing.assert_allclose(jax_logits(cfg.model, state["params"], tokens()), ref, atol=TOL, rtol=0)
+    # config.py loads through the training CLI's --config flag (ml-collections runs it as a module),
+    # flags still apply, and it resolves to the stored config.
+    loaded = config_file(work / "config.py", "--config.train.lr=0.005")
+    assert loaded.train.lr == 0.005
+    loaded.train.lr = saved.train.lr
+    assert config.resolve(loaded, num_devices=jax.device_count()).to_dict() == cfg.to_dict()
 
     r = cli("--to-hf", str(work), str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(hf_logits(load_hf(tmp_path / "out"), tokens()), ref, atol=TOL, rtol=0)
 
 
-def small_cfg(**model):
+LOAD_CONFIG = """
+import json, sys
+from absl import flags
+from jaxllm import cli
+cli.define_config_flag()
+cli.parse_flags(["train", *sys.argv[1:]])
+c = flags.FLAGS.config
+print(type(c).__module__ + "." + type(c).__name__)
+print(json.dumps(c.to_dict()))
+"""
+
+
+def config_file(path, *flags):
+    """The Config that ``--config=path`` (the flag of jaxllm.train and the other CLIs) gives, in a new process."""
+    r = subprocess.run([sys.executable, "-c", LOAD_CONFIG, f"--config={path}", *flags], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    kind, values = r.stdout.splitlines()[-2:]
+    assert kind == "jaxllm.config.Config"
+    return config.from_dict(json.loads(values))
+
+
+def small_cfg(**changes):
+    """A resolved config of a tiny model of 100 tokens (padded to 128 rows)."""
     c = config.get_config()
-    c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=128)
-    c.model.update(**model)
+    c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=100, **changes)
     c.train.seq_length = SEQ
-    return config.resolved(c)
+    return config.resolve(c, num_devices=1)
 
 
 LLAMA_CFG = dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False,
@@ -189,16 +220,18 @@ LLAMA_CFG = dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_jaxllm_model_exports(kind, tmp_path):
-    """A jaxllm-initialized model (padded vocab 128, all parameters perturbed) loads in transformers."""
-    cfg = small_cfg(**(LLAMA_CFG if kind == "llama" else {}))
-    params = model.init(cfg, 0)
+    """A jaxllm-initialized model (vocab 100 padded to 128, all parameters perturbed, the padding rows too)
+    loads in transformers with its 100 real rows and gives jaxllm's logits over them."""
+    m = small_cfg(**(LLAMA_CFG if kind == "llama" else {})).model
+    params = model.init(m, 0)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    hf = convert.save_hf(cfg, params, str(tmp_path))
-    assert hf["vocab_size"] == 128  # the padded vocabulary, written whole
-    toks = tokens(vocab=128)
-    np.testing.assert_allclose(hf_logits(load_hf(tmp_path), toks), jax_logits(cfg, params, toks), atol=TOL, rtol=0)
+    params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
+                                          for x, k in zip(leaves, keys, strict=True)])
+    hf = convert.save_hf(m, params, str(tmp_path))
+    assert (m.padded_vocab_size, hf["vocab_size"]) == (128, 100)
+    toks = tokens(vocab=100)
+    np.testing.assert_allclose(hf_logits(load_hf(tmp_path), toks), jax_logits(m, params, toks), atol=TOL, rtol=0)
 
 
 def test_bfloat16_safetensors_import(tmp_path):
@@ -208,7 +241,8 @@ def test_bfloat16_safetensors_import(tmp_path):
     _, params = convert.from_hf(str(tmp_path), F32)
     want = m.model.embed_tokens.weight.detach().float().numpy()
     assert params["wte"].dtype == np.float32
-    np.testing.assert_array_equal(params["wte"], want)
+    np.testing.assert_array_equal(params["wte"][:VOCAB], want)
+    assert not params["wte"][VOCAB:].any()  # the padding rows are zeros
 
 
 def test_sharded_safetensors_import(tmp_path):
@@ -217,7 +251,7 @@ def test_sharded_safetensors_import(tmp_path):
     m.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
     cfg, params = convert.from_hf(str(tmp_path), F32)
-    np.testing.assert_allclose(jax_logits(cfg, params, tokens()), hf_logits(m, tokens()), atol=TOL, rtol=0)
+    np.testing.assert_allclose(jax_logits(cfg.model, params, tokens()), hf_logits(m, tokens()), atol=TOL, rtol=0)
 
 
 def test_gpt2_tokenizer_travels(tmp_path):
@@ -263,9 +297,9 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu"), ("model.use_bias",)),
 ])
 def test_unsupported_combination_names_keys(changes, keys):
-    cfg = small_cfg(**changes)
+    m = small_cfg(**changes).model
     with pytest.raises(convert.ConvertError) as e:
-        convert.to_hf(cfg, model.init(cfg, 0))
+        convert.to_hf(m, model.init(m, 0))
     assert e.value.keys == keys
     for k in keys:
         assert k in str(e.value)
@@ -273,9 +307,9 @@ def test_unsupported_combination_names_keys(changes, keys):
 
 def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     cfg = small_cfg(position_embedding="rotary")  # rotary + layernorm + gelu: neither GPT-2 nor Llama
-    optimizer = optim.make_optimizer(cfg)
+    optimizer = optim.make_optimizer(cfg.train, model.describe(cfg.model).decay)
     ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
-    ckpt.maybe_save(1, step.init_state(cfg, optimizer, 0), force=True)
+    ckpt.maybe_save(1, step.init_state(model.init(cfg.model, 0), optimizer), force=True)
     ckpt.close()
     r = cli("--to-hf", str(tmp_path), str(tmp_path / "out"))
     assert r.returncode == 2, r.stderr
@@ -304,13 +338,20 @@ def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
 
 @pytest.mark.parametrize("hf_dir", ["gpt2-tied", "llama-gqa-untied"], indirect=True)
 def test_import_options_are_checked(hf_dir, tmp_path):
-    _, d, _ = hf_dir
-    with pytest.raises(convert.ConvertError, match="model.hidden_size"):
+    name, d, _ = hf_dir
+    with pytest.raises(convert.ConvertError, match="model.hidden_size") as e:
         convert.from_hf(d, {"model.hidden_size": "128"})
+    assert e.value.keys == ("model.hidden_size",)
     with pytest.raises(convert.ConvertError, match="train.seq_length"):
         convert.from_hf(d, {"train.seq_length": str(2 * SEQ)})
-    with pytest.raises(convert.ConvertError, match="no such config key"):
+    # A shorter training length keeps HF's whole position table.
+    cfg, params = convert.from_hf(d, {"train.seq_length": str(SEQ // 2)})
+    assert (cfg.train.seq_length, cfg.model.max_position_embeddings) == (SEQ // 2, SEQ)
+    assert params["wpe"].shape[0] == SEQ if "gpt2" in name else "wpe" not in params
+    with pytest.raises(config.ConfigError, match="data.nope.*no such key"):
         convert.from_hf(d, {"data.nope": "1"})
+    with pytest.raises(config.ConfigError, match="train.train_iters.*must be a int"):
+        convert.from_hf(d, {"train.train_iters": "many"})
     with pytest.raises(config.ConfigError, match="data.input"):
         convert.from_hf(d, {"data.input": str(tmp_path / "missing.txt")})
     convert.import_to_workdir(d, str(tmp_path / "w"))

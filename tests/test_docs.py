@@ -13,11 +13,11 @@ def test_docs_show_commands_and_ci_does_the_install_ones():
     commands = [c for path in DOCS for c in documented(path)]
     assert len(commands) > 20 and any(c.e2e for c in commands)
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -e ".[test]" && python -m pytest\n' in ci  # the README's test command, nothing narrower
+    assert 'pip install -e ".[test]" && ruff check . && python -m pytest\n' in ci  # the README's test command
     for c in commands:
         if c.text.startswith(CI):
             assert c.text in ("python3 -m venv .venv", ". .venv/bin/activate", "pip install -e .",
-                              'pip install -e ".[test]"', "python -m pytest"), c
+                              'pip install -e ".[test]"', "ruff check .", "python -m pytest"), c
             assert c.text.split(" .")[0].split(' "')[0] in ci, c
 
 

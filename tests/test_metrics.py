@@ -1,5 +1,5 @@
-"""jaxllm.metrics: FLOP counts against hand counts and Megatron-LM's formulas, the peak
-table, the measured CPU peak, and MetricsLogger's files and lines."""
+"""jaxllm.flops, jaxllm.hardware, jaxllm.metrics: FLOP counts against hand counts and Megatron-LM's
+formulas, the peak table, the measured CPU peak, and MetricsLogger's files and lines."""
 
 import glob
 import io
@@ -16,16 +16,19 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jaxllm import config, metrics
+from jaxllm import config, flops, hardware, metrics
 
 
-def make_cfg(activation="gelu", remat="none", **model):
+def make_cfg(activation="gelu", remat="none", train=None, **model):
+    """A resolved config; the vocabulary unpadded, so that the counts below see exactly ``V``."""
     cfg = config.get_config()
-    cfg.model.update(dict(activation=activation, remat=remat, **model))
-    return config.resolved(cfg)
+    cfg.model.update(activation=activation, remat=remat, make_vocab_size_divisible_by=1, **model)
+    cfg.train.update(**(train or {}))
+    return config.resolve(cfg, num_devices=1)
 
 
 TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, ffn_hidden_size=32, vocab_size=10)
+STEP = dict(seq_length=4, global_batch_size=6, micro_batch_size=6)
 
 
 # --- flops_per_token: a hand count ---------------------------------------------------------
@@ -42,8 +45,8 @@ TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, 
 @pytest.mark.parametrize("activation, plain, recomputed", [("gelu", 9312, 12256), ("swiglu", 12384, 16352)])
 def test_flops_per_token_hand_count(activation, plain, recomputed):
     m = make_cfg(activation, **TINY).model
-    assert metrics.flops_per_token(m, 4) == plain
-    assert metrics.flops_per_token(m, 4, recompute=True) == recomputed
+    assert flops.flops_per_token(m, 4) == plain
+    assert flops.flops_per_token(m, 4, recompute=True) == recomputed
 
 
 def test_recompute_is_four_thirds_of_the_layer_part():
@@ -51,8 +54,8 @@ def test_recompute_is_four_thirds_of_the_layer_part():
     m = make_cfg("swiglu", num_layers=3, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                  ffn_hidden_size=192, vocab_size=1000).model
     logits = 3 * 2 * 64 * 1000
-    plain = metrics.flops_per_token(m, 128) - logits
-    recomputed = metrics.flops_per_token(m, 128, recompute=True) - logits
+    plain = flops.flops_per_token(m, 128) - logits
+    recomputed = flops.flops_per_token(m, 128, recompute=True) - logits
     assert recomputed == pytest.approx(4 / 3 * plain, rel=1e-12)
 
 
@@ -66,8 +69,8 @@ def test_matches_megatron_after_adding_back_uncausal_attention():
                  ffn_hidden_size=4 * h, vocab_size=V).model
     megatron = 72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     megatron_recompute = 96 * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
-    assert metrics.flops_per_token(m, s) + 3 * L * 2 * s * h == pytest.approx(megatron, rel=1e-12)
-    assert metrics.flops_per_token(m, s, recompute=True) + 4 * L * 2 * s * h == pytest.approx(
+    assert flops.flops_per_token(m, s) + 3 * L * 2 * s * h == pytest.approx(megatron, rel=1e-12)
+    assert flops.flops_per_token(m, s, recompute=True) + 4 * L * 2 * s * h == pytest.approx(
         megatron_recompute, rel=1e-12)
 
 
@@ -78,29 +81,26 @@ def test_matches_megatron_code_formula_for_gqa_swiglu():
     m = make_cfg("swiglu", num_layers=L, hidden_size=h, num_attention_heads=n, num_kv_heads=k,
                  ffn_hidden_size=f, vocab_size=V).model
     megatron = 12 * L * h**2 * (1 + f / h * 3 / 2 + k / n + s / h + V / (2 * L * h))
-    assert metrics.flops_per_token(m, s) + 3 * L * 2 * s * h == pytest.approx(megatron, rel=1e-12)
+    assert flops.flops_per_token(m, s) + 3 * L * 2 * s * h == pytest.approx(megatron, rel=1e-12)
 
 
 def test_flops_per_step_and_recompute_default():
-    cfg = make_cfg("gelu", **TINY)
-    cfg.train.update(dict(seq_length=4, global_batch_size=6, micro_batch_size=6))
-    assert metrics.flops_per_step(cfg) == 6 * 4 * 9312
-    assert metrics.flops_per_step(cfg, recompute=True) == 6 * 4 * 12256
-    cfg.model.remat = "full"
-    assert metrics.flops_per_step(cfg) == 6 * 4 * 12256
-    cfg.model.remat = "save_dots"  # keeps matmul outputs: no matmul is recomputed
-    assert metrics.flops_per_step(cfg) == 6 * 4 * 9312
+    cfg = make_cfg("gelu", train=STEP, **TINY)
+    assert flops.flops_per_step(cfg) == 6 * 4 * 9312
+    assert flops.flops_per_step(cfg, recompute=True) == 6 * 4 * 12256
+    assert flops.flops_per_step(make_cfg("gelu", "full", train=STEP, **TINY)) == 6 * 4 * 12256
+    # save_dots keeps matmul outputs: no matmul is recomputed
+    assert flops.flops_per_step(make_cfg("gelu", "save_dots", train=STEP, **TINY)) == 6 * 4 * 9312
 
 
 def test_unresolved_config_raises():
     with pytest.raises(ValueError, match="resolved"):
-        metrics.flops_per_token(config.get_config().model, 16)
+        flops.flops_per_token(config.get_config().model, 16)
 
 
 def test_throughput():
-    cfg = make_cfg("gelu", remat="full", **TINY)
-    cfg.train.update(dict(seq_length=4, global_batch_size=6, micro_batch_size=6))
-    out = metrics.throughput(0.5, cfg, num_devices=2, peak_flops=1e6)
+    cfg = make_cfg("gelu", remat="full", train=STEP, **TINY)
+    out = flops.throughput(0.5, cfg, num_devices=2, peak_flops=1e6)
     assert out["tokens_per_sec"] == 48 and out["tokens_per_sec_per_device"] == 24
     assert out["mfu"] == pytest.approx(24 * 9312 / 1e6)  # model FLOPs: no recompute
     assert out["hfu"] == pytest.approx(24 * 12256 / 1e6)  # hardware FLOPs: remat=full
@@ -123,29 +123,29 @@ def test_throughput():
 def test_peak_table(kind, bf16, fp32):
     gpu = types.SimpleNamespace(device_kind=kind, platform="gpu")
     for dtype, want in (("bfloat16", bf16), (jnp.float16, bf16), ("float32", fp32)):
-        peak, source = metrics.peak_flops_per_device(gpu, dtype)
+        peak, source = hardware.peak_flops_per_device(gpu, dtype)
         assert peak == pytest.approx(want, rel=1e-9), (kind, dtype)
         assert source.startswith("datasheet")
 
 
 def test_unknown_gpu_is_measured(monkeypatch):
     calls = []
-    monkeypatch.setattr(metrics, "_measure_matmul", lambda device, dtype, n: calls.append(n) or 1.5e12)
-    monkeypatch.setattr(metrics, "_MEASURED", {})
+    monkeypatch.setattr(hardware, "_measure_matmul", lambda device, dtype, n: calls.append(n) or 1.5e12)
+    monkeypatch.setattr(hardware, "_MEASURED", {})
     gpu = types.SimpleNamespace(device_kind="NVIDIA GeForce RTX 9090", platform="gpu")
-    assert metrics.peak_flops_per_device(gpu) == (1.5e12, "measured matmul on 'NVIDIA GeForce RTX 9090' "
+    assert hardware.peak_flops_per_device(gpu) == (1.5e12, "measured matmul on 'NVIDIA GeForce RTX 9090' "
                                                             "(not in PEAK_FLOPS) (8192x8192 bfloat16)")
-    metrics.peak_flops_per_device(gpu)
+    hardware.peak_flops_per_device(gpu)
     assert calls == [8192]  # cached
 
 
 def test_cpu_peak_is_measured_once():
     cpu = jax.devices("cpu")[0]
-    peak, source = metrics.peak_flops_per_device(cpu, "bfloat16")
+    peak, source = hardware.peak_flops_per_device(cpu, "bfloat16")
     assert source == "measured matmul on cpu (2048x2048 bfloat16)"
     assert 1e8 < peak < 1e14  # positive and plausible for a CPU
     start = time.perf_counter()
-    again = metrics.peak_flops_per_device(cpu, jnp.bfloat16)
+    again = hardware.peak_flops_per_device(cpu, jnp.bfloat16)
     assert time.perf_counter() - start < 0.05
     assert again == (peak, source)
 

@@ -15,16 +15,18 @@ from jaxllm import config, model, optim, step
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def small_cfg(**model_overrides):
+def small_cfg(train=None, **model_overrides):
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=97)
     c.model.update(**model_overrides)
     c.train.update(seq_length=32, micro_batch_size=4, global_batch_size=4, warmup_iters=0, lr=1e-3, min_lr=1e-3)
-    return config.resolved(c)
+    c.train.update(**(train or {}))
+    return config.resolve(c, num_devices=1)
 
 
 def reference_logits(cfg, p, tokens):
-    """GPT forward written out with jax.numpy, layer by layer, sharing no code with jaxllm.model."""
+    """GPT forward written out with jax.numpy, layer by layer, sharing no code with jaxllm.model;
+    logits over the ``vocab_size`` real tokens (the tables' padded rows left out)."""
     m = cfg.model
     h, nh, nkv = m.hidden_size, m.num_attention_heads, m.num_kv_heads
     d, s = h // nh, tokens.shape[1]
@@ -67,7 +69,7 @@ def reference_logits(cfg, p, tokens):
             1 + jnp.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
         x = x + u @ f["w2"] + f.get("b2", 0)
     x = norm(x, p["ln_f"])
-    return x @ (p["wte"].T if m.tie_embeddings else p["lm_head"])
+    return (x @ (p["wte"].T if m.tie_embeddings else p["lm_head"]))[..., :m.vocab_size]
 
 
 VARIANTS = [
@@ -80,8 +82,9 @@ VARIANTS = [
 @pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
 def test_loss_matches_plain_jax_reference(overrides):
     cfg = small_cfg(**overrides)
-    graphdef, _ = model.abstract(cfg)
-    params = model.init(cfg, 0)
+    graphdef = model.describe(cfg.model).graphdef
+    params = model.init(cfg.model, 0)
+    assert params["wte"].shape[0] == cfg.model.padded_vocab_size == 128  # 97 padded: the padding is masked
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
     targets = jnp.roll(tokens, -1, axis=1)
     ours = step.cross_entropy(model.forward(graphdef, params, tokens), targets).mean()
@@ -90,9 +93,35 @@ def test_loss_matches_plain_jax_reference(overrides):
     assert ours > 4.0  # near ln(97) = 4.57 at init: the comparison is not between two constants
 
 
+@pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
+def test_vocabulary_padding_does_not_change_the_model(overrides):
+    """97 tokens in tables of 97, 128 or 392 rows (the padding tensor parallelism asks for): the same
+    initial values and the same loss and gradients of the real rows; the padded rows stay zero."""
+    results = []
+    for divisible_by in (1, 128, 392):
+        cfg = small_cfg(make_vocab_size_divisible_by=divisible_by, **overrides)
+        graphdef, params = model.describe(cfg.model).graphdef, model.init(cfg.model, 0)
+        tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
+        loss, grads = jax.value_and_grad(lambda p: step.cross_entropy(  # noqa: B023
+            model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, axis=1)).mean())(params)
+        for table, axis in (("wte", 0), ("lm_head", 1)):
+            if table in params:
+                assert params[table].shape[axis] == cfg.model.padded_vocab_size
+                pad = (slice(None),) * axis + (slice(97, None),)
+                assert not np.any(params[table][pad]) and not np.any(grads[table][pad])
+                params[table], grads[table] = params[table][(slice(None),) * axis + (slice(0, 97),)], \
+                    grads[table][(slice(None),) * axis + (slice(0, 97),)]
+        results.append((loss, params, grads))
+    for loss, params, grads in results[1:]:
+        np.testing.assert_allclose(loss, results[0][0], rtol=1e-6)
+        jax.tree.map(np.testing.assert_array_equal, params, results[0][1])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7), grads, results[0][2])
+
+
 def test_initialization_scales():
     cfg = small_cfg(num_layers=8, hidden_size=256)
-    p = model.init(cfg, 0)
+    p = model.init(cfg.model, 0)
+    p["wte"] = p["wte"][:97]  # the real rows (the padding is zeros)
     np.testing.assert_allclose(np.std(p["wte"]), 0.02, rtol=0.05)
     np.testing.assert_allclose(np.std(p["layers"]["mlp"]["w1"]), 0.02, rtol=0.05)
     np.testing.assert_allclose(np.std(p["layers"]["attn"]["wo"]), 0.02 / math.sqrt(16), rtol=0.05)
@@ -102,8 +131,8 @@ def test_initialization_scales():
 @pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
 def test_causal_masking(overrides):
     cfg = small_cfg(**overrides)
-    graphdef, _ = model.abstract(cfg)
-    params = model.init(cfg, 0)
+    graphdef = model.describe(cfg.model).graphdef
+    params = model.init(cfg.model, 0)
     fwd = jax.jit(lambda t: model.forward(graphdef, params, t))
     tokens = jax.random.randint(jax.random.key(2), (1, 32), 0, 97)
     base = fwd(tokens)
@@ -115,11 +144,11 @@ def test_causal_masking(overrides):
 
 def test_kv_cache_decoding_matches_full_forward():
     cfg = small_cfg(position_embedding="rotary", num_kv_heads=2)
-    graphdef, _ = model.abstract(cfg)
-    params = model.init(cfg, 0)
+    graphdef = model.describe(cfg.model).graphdef
+    params = model.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)
     full = model.forward(graphdef, params, tokens)
-    cache = model.init_cache(cfg, 2, 32)
+    cache = model.init_cache(cfg.model, 2, 32)
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
     logits, cache = model.forward(graphdef, params, tokens[:, :8], positions=pos, cache=cache)
     np.testing.assert_allclose(logits, full[:, :8], atol=1e-5)
@@ -129,12 +158,11 @@ def test_kv_cache_decoding_matches_full_forward():
 
 
 def test_overfits_one_batch():
-    cfg = small_cfg()
-    cfg.train.update(lr=3e-3, min_lr=3e-3, weight_decay=0.0)
-    graphdef, _ = model.abstract(cfg)
-    opt = optim.make_optimizer(cfg)
-    state = step.init_state(cfg, opt, 0)
-    train_step = jax.jit(step.make_train_step(cfg, graphdef, opt, optim.lr_schedule(cfg.train)))
+    cfg = small_cfg(train=dict(lr=3e-3, min_lr=3e-3, weight_decay=0.0))
+    spec = model.describe(cfg.model)
+    opt = optim.make_optimizer(cfg.train, spec.decay)
+    state = step.init_state(model.init(cfg.model, 0), opt)
+    train_step = jax.jit(step.make_train_step(cfg, spec, opt))
     tokens = np.random.default_rng(0).integers(0, 97, (1, 4, 33)).astype(np.int32)
     for _ in range(150):
         state, m = train_step(state, tokens[..., :-1], tokens[..., 1:])
@@ -143,19 +171,19 @@ def test_overfits_one_batch():
 
 def test_gradient_accumulation_equals_one_big_batch():
     cfg = small_cfg()
-    graphdef, _ = model.abstract(cfg)
-    opt = optim.make_optimizer(cfg)
-    train_step = jax.jit(step.make_train_step(cfg, graphdef, opt, optim.lr_schedule(cfg.train)))
+    spec = model.describe(cfg.model)
+    opt = optim.make_optimizer(cfg.train, spec.decay)
+    train_step = jax.jit(step.make_train_step(cfg, spec, opt))
     tokens = np.random.default_rng(0).integers(0, 97, (8, 33)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    one, m1 = train_step(step.init_state(cfg, opt, 0), x[None], y[None])
-    four, m4 = train_step(step.init_state(cfg, opt, 0), x.reshape(4, 2, 32), y.reshape(4, 2, 32))
+    one, m1 = train_step(step.init_state(model.init(cfg.model, 0), opt), x[None], y[None])
+    four, m4 = train_step(step.init_state(model.init(cfg.model, 0), opt), x.reshape(4, 2, 32), y.reshape(4, 2, 32))
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one["params"], four["params"])
 
 
 def test_weight_decay_spares_norms_and_biases():
-    mask = model.decay_mask(small_cfg())
+    mask = model.describe(small_cfg().model).decay
     assert mask["wte"] and mask["wpe"] and mask["layers"]["attn"]["wq"] and mask["layers"]["mlp"]["w2"]
     assert not mask["layers"]["ln1"]["scale"] and not mask["layers"]["attn"]["bq"] and not mask["ln_f"]["bias"]
 
@@ -169,11 +197,10 @@ def _gpt3_sizes():
 
 @pytest.mark.parametrize("key", list(_gpt3_sizes().SIZES))
 def test_gpt3_parameter_counts(key):
-    cfg = config.resolved(_gpt3_sizes().get_config(key))
-    _, abstract = model.abstract(cfg)
-    n = model.num_params(abstract)
+    cfg = config.resolve(_gpt3_sizes().get_config(key), num_devices=1, vocab_size=50257)
+    n = model.num_params(model.describe(cfg.model).params)
     layers, h, _ = _gpt3_sizes().SIZES[key]
-    expected = 12 * layers * h * h + cfg.model.vocab_size * h
+    expected = 12 * layers * h * h + cfg.model.padded_vocab_size * h
     assert abs(n - expected) / expected < 0.03, (key, n, expected)
 
 
@@ -182,8 +209,8 @@ def test_pallas_attention_gives_the_xla_loss():
     losses = []
     for impl in ("xla", "pallas"):
         cfg = small_cfg(attention_impl=impl, num_kv_heads=2)
-        graphdef, _ = model.abstract(cfg)
-        params = model.init(cfg, 0)
+        graphdef = model.describe(cfg.model).graphdef
+        params = model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
         loss_fn = lambda p: step.cross_entropy(model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, 1)).mean()  # noqa: E731
         losses.append(jax.value_and_grad(loss_fn)(params))

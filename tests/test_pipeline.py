@@ -56,7 +56,7 @@ def _config(**sections):
     cfg.model.update(num_layers=4, vocab_size=256)
     cfg.train.update(micro_batch_size=2, global_batch_size=16)
     for section, values in sections.items():
-        cfg[section].update(values)
+        getattr(cfg, section).update(**values)
     return cfg
 
 
@@ -77,12 +77,12 @@ def _config(**sections):
 ])
 def test_pipeline_config_errors(sections, key, words):
     with pytest.raises(config.ConfigError) as e:
-        config.validate(_config(**sections), num_devices=8)
+        config.resolve(_config(**sections), num_devices=8)
     assert e.value.key == key and words in str(e.value), str(e.value)
 
 
 def test_log_line_and_plan_report_the_bubble():
-    cfg = config.resolved(_config(mesh={"pipeline": 4, "data": 2}), num_devices=8)
+    cfg = config.resolve(_config(mesh={"pipeline": 4, "data": 2}), num_devices=8)
     assert train.pipeline_note(cfg) == " through 4 pipeline stages (gpipe, bubble 42.9%)"
     r = subprocess.run([sys.executable, "-m", "jaxllm.plan", "--config=configs/gpt3.py:GPT125M", "--devices=8",
                         "--config.model.num_layers=4", "--config.train.seq_length=128",

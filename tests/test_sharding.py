@@ -63,10 +63,12 @@ def test_rules_table_specs():
     P = sharding.PartitionSpec
     assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), table) == P("pipeline", "fsdp", "tensor", None)
     assert sharding.logical_to_spec(("vocab", "embed"), table) == P("tensor", "fsdp")
-    # an activation's embed is not split over fsdp once its batch is
-    assert sharding.logical_to_spec(("batch", "length", "embed"), table) == P(("data", "fsdp"), "sequence", None)
+    # an activation's act_embed is never split (its batch is over data and fsdp); a weight's embed is
+    assert sharding.logical_to_spec(("batch", "length", "act_embed"), table) == P(("data", "fsdp"), "sequence", None)
+    with pytest.raises(ValueError, match="mesh axis twice"):
+        sharding.logical_to_spec(("batch", "length", "embed"), table)
     cfg.parallel.megatron_sp = True
-    assert sharding.logical_to_spec(("batch", "residual", "embed"), sharding.rules(cfg)) == P(
+    assert sharding.logical_to_spec(("batch", "residual", "act_embed"), sharding.rules(cfg)) == P(
         ("data", "fsdp"), ("sequence", "tensor"), None)
     assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data")
 

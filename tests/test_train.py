@@ -42,20 +42,13 @@ BAD = [
 ]
 
 
-def _apply(cfg, override):
-    key, value = override.split("=")
-    section, name = key.split(".")
-    old = cfg[section][name]
-    cfg[section][name] = type(old)(value) if not isinstance(old, str) else value
-
-
 @pytest.mark.parametrize("first,second,key", BAD, ids=[b[2] + ":" + b[0] for b in BAD])
 def test_each_config_error_names_its_key(first, second, key):
     cfg = config.get_config()
     for override in filter(None, (first, second)):
-        _apply(cfg, override)
+        config.override(cfg, *override.split("="))
     with pytest.raises(config.ConfigError) as e:
-        config.validate(cfg, num_devices=1)
+        config.resolve(cfg, num_devices=1)
     assert e.value.key == key
     assert e.value.fix and str(e.value).startswith(f"config error: {key}=")
 
@@ -64,7 +57,7 @@ def test_vocab_smaller_than_tokenizer_is_a_config_error():
     cfg = config.get_config()
     cfg.model.vocab_size = 100
     with pytest.raises(config.ConfigError, match="model.vocab_size=100.*256"):
-        config.resolved(cfg, vocab_size=256)
+        config.resolve(cfg, num_devices=1, vocab_size=256)
 
 
 @pytest.mark.parametrize("flag,key", [("--config.model.hidden_size=102", "model.hidden_size"),

@@ -39,7 +39,7 @@ def test_constraints_count_rejections_by_key():
                        virtual_stages=[1, 2], sequence_impls=["allgather"])
     got = {}
     for c in cands:
-        why = tune.constraint(tune.candidate_config(base, c, None), 8)
+        why = tune.constraint(tune.candidate_config(base, c), 8)
         got[why] = got.get(why, 0) + 1
     # Hand counts, 8 devices: 35 meshes over 5 axes, 20 of them without pipeline; x 2 micro batches,
     # x 2 virtual stages where pipeline > 1: 20*2 + 15*4 = 100 candidates.
@@ -53,13 +53,13 @@ def test_constraints_count_rejections_by_key():
     assert got["train.global_batch_size"] == 4 + 3
     assert got[None] == 100 - 2 - 7 - 40
     ulysses = tune.Candidate((1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
-    assert tune.constraint(tune.candidate_config(base, ulysses, None), 8) == "model.num_attention_heads"
+    assert tune.constraint(tune.candidate_config(base, ulysses), 8) == "model.num_attention_heads"
     allgather = dataclasses.replace(ulysses, sequence_impl="allgather")
-    assert tune.constraint(tune.candidate_config(base, allgather, None), 8) is None
+    assert tune.constraint(tune.candidate_config(base, allgather), 8) is None
     short = tiny()
     short.train.seq_length = 8
     ring = tune.Candidate((1, 1, 1, 1, 8), 1, "none", "xla", 1, "ring")  # 8 % (2 x 8)
-    assert tune.constraint(tune.candidate_config(short, ring, None), 8) == "train.seq_length"
+    assert tune.constraint(tune.candidate_config(short, ring), 8) == "train.seq_length"
 
 
 L, H, N, V, S = 2, 64, 4, 256, 32
@@ -74,7 +74,7 @@ def tiny():
 
 def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     base = tiny()
-    small, large = (plan.plan(tune.candidate_config(base, tune.Candidate((1,) * 5, mb, "none", "xla"), None), 1)["total"]
+    small, large = (plan.plan(tune.candidate_config(base, tune.Candidate((1,) * 5, mb, "none", "xla")), 1)["total"]
                     for mb in (1, 8))
     assert large > small
     limit = (small + large) / 2

@@ -22,6 +22,9 @@ import re
 import numpy as np
 
 GPT2_FILES = ("encoder.json", "vocab.bpe")
+GPT2_VOCAB_SIZE, GPT2_EOT_ID = 50257, 50256  # GPT-2's BPE: 50,257 tokens, <|endoftext|> the last
+# The vocabulary of the tokenizers whose size is known without reading data.
+KNOWN_VOCAB_SIZES = {"byte": 256, "gpt2": GPT2_VOCAB_SIZE}
 REPLACEMENT = "\ufffd"
 
 
@@ -150,9 +153,9 @@ class GPT2Tokenizer:
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         self.eot_id = tok.token_to_id("<|endoftext|>")
-        if self.vocab_size != 50257 or self.eot_id != 50256:
+        if self.vocab_size != GPT2_VOCAB_SIZE or self.eot_id != GPT2_EOT_ID:
             raise DataError(f"gpt2 tokenizer: {paths[0]} has {self.vocab_size} tokens and <|endoftext|> = "
-                            f"{self.eot_id}, expected 50257 and 50256; use the original GPT-2 files")
+                            f"{self.eot_id}, expected {GPT2_VOCAB_SIZE} and {GPT2_EOT_ID}; use the original GPT-2 files")
 
     def encode(self, text: str) -> np.ndarray:
         """int32 [num_tokens] GPT-2 ids of ``text`` (no end-of-text token added)."""

@@ -1,0 +1,140 @@
+"""What the command-line tools share: the ``--config`` flag, flag parsing where every mistake is
+one line and exit status 2, and fake CPU devices for the planning tools.
+
+Imports nothing heavy at module level: :func:`force_host_devices` must run before jax starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
+
+
+def fail(message: str, code: int = EXIT_USAGE):
+    """Prints ``message`` as one line on stderr and exits with ``code``."""
+    print(" ".join(str(message).split("\n")), file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def devices_from_argv(argv, default: int = 0) -> int:
+    """The value of ``--devices=N`` / ``--devices N`` in ``argv`` (``default`` when absent or not an int)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
+            argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return default
+    return default
+
+
+def force_host_devices(argv) -> None:
+    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices (the
+    planning tools plan, bench and tune; no effect on GPUs)."""
+    n = devices_from_argv(argv)
+    if n > 1:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+
+
+def define_config_flag(argv: list[str] | None = None) -> None:
+    """``--config=FILE.py[:ARG]`` (ml-collections) with ``--config.SECTION.KEY=VALUE`` overrides;
+    default: :mod:`jaxllm.default_config`, every default of :mod:`jaxllm.config`.
+
+    ml-collections reads the default config and the overrides in ``argv`` (default ``sys.argv``)
+    already here, so they are checked first: an unknown key, a missing config file or one that
+    does not load is one line on stderr and exit status 2 (see :func:`parse_flags`).
+    """
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    argv = sys.argv if argv is None else argv
+    _check_config_args(argv)
+    try:
+        config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "default_config.py"),
+                                        "config file, e.g. configs/shakespeare_char.py or configs/gpt3.py:GPT125M")
+    except Exception as e:  # noqa: BLE001  the default config with the overrides failed to load
+        fail(f"config error: {_file_error(e)}")
+
+
+def _check_config_args(argv) -> None:
+    """Each ``--config.SECTION.KEY`` must be a key users can set, and ``--config`` must name a file."""
+    from jaxllm import config  # noqa: PLC0415
+
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            key, _, value = arg[len("--config."):].partition("=")
+            try:
+                config.check_key(key, value)
+            except config.ConfigError as e:
+                fail(e)
+    path = _config_file(argv)
+    if path is not None and not os.path.isfile(path.split(":", 1)[0]):
+        fail(f"config error: --config={path}: no such file {path.split(':', 1)[0]!r}; give a config file such as "
+             "configs/shakespeare_char.py, or configs/gpt3.py:GPT125M")
+
+
+def _config_file(argv) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _file_error(e: BaseException) -> str:
+    """One line for a config file that failed to load."""
+    if isinstance(e, SyntaxError):
+        return f"{type(e).__name__} at line {e.lineno}: {e.msg}; fix the file"
+    if isinstance(e, AttributeError) and "get_config" in str(e):
+        return "the file defines no get_config(); a config file returns its config from get_config()"
+    text = str(e)
+    if "Error whilst parsing config file" in text:  # ml-collections puts the traceback in the message
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        text = lines[-1] if lines else text
+    else:
+        text = f"{type(e).__name__}: {text}"
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing where every mistake is one line on stderr and exit status 2.
+
+    Before absl sees them, each ``--config.SECTION.KEY`` is checked against the schema
+    (an unknown key names the closest one, or the jaxllm key for a Megatron-DeepSpeed name)
+    and the config file must exist; a config file that does not load, an override that does
+    not parse as its key's type and an unknown flag are reported in one line too.
+    ``--some-flag`` is accepted for ``--some_flag`` (not for ``--config.*``).  Use as
+    ``app.run(main, flags_parser=parse_flags)``.
+    """
+    from absl import flags  # noqa: PLC0415
+
+    from jaxllm import config  # noqa: PLC0415
+
+    _check_config_args(argv)
+    fixed = [argv[0]]
+    for arg in argv[1:]:
+        if arg.startswith("--") and not arg.startswith("--config"):
+            flag, eq, value = arg[2:].partition("=")
+            arg = "--" + flag.replace("-", "_") + eq + value
+        fixed.append(arg)
+    path = _config_file(argv)
+    try:
+        return flags.FLAGS(fixed)
+    except flags.IllegalFlagValueError as e:
+        text = str(e)
+        if text.startswith("flag --config."):  # an override that does not parse as its key's type
+            key, _, rest = text[len("flag --config."):].partition("=")
+            value = rest.split(":", 1)[0]
+            fail(config.ConfigError(key, value, f"must be {config.type_name(key)}"))
+        if path is not None and text.startswith("flag --config="):
+            fail(f"config error: --config={path}: {_file_error(e.__cause__ or e)}")
+        fail(f"error: {text}")
+    except flags.Error as e:
+        fail(f"error: {e}")
+    except Exception as e:  # noqa: BLE001  the config file itself raised while loading
+        if path is None:
+            raise
+        fail(f"config error: --config={path}: {_file_error(e)}")

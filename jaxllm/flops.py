@@ -1,0 +1,174 @@
+"""FLOP counts of a training step and the throughput figures built on them (tokens/s, TFLOP/s, MFU, HFU).
+
+* :func:`flops_per_token` / :func:`flops_per_step` count the matmul FLOPs of one
+  training step of the GPT in :mod:`jaxllm.model` (forward + backward, optionally
+  the recomputed forward of ``model.remat="full"``).
+* :func:`throughput` turns a step time into tokens/s, TFLOP/s per device, MFU and HFU
+  against a device's peak (:func:`jaxllm.hardware.peak_flops_per_device`).
+
+Units: FLOPs are floating-point operations (a multiply-add counts 2), FLOP/s are
+FLOPs per second, throughput is tokens/s, times are seconds.
+"""
+
+from __future__ import annotations
+
+
+def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> float:
+    """Training FLOPs per token of one step: forward + backward (= 3x forward).
+
+    Counts matmul FLOPs only (2 FLOPs per multiply-add; norms, softmax, activations,
+    the optimizer and the embedding lookup are not counted). With ``h`` = hidden size,
+    ``d`` = head dim, ``n`` = attention heads, ``k`` = kv heads, ``f`` = FFN size,
+    ``V`` = vocabulary, ``s`` = sequence length, ``L`` = layers, the forward FLOPs per
+    token are, per layer:
+
+    * QKV projections: ``2*h*(n + 2*k)*d``
+    * attention scores ``Q K^T`` and ``probs @ V``: ``2 * 2*s*n*d``, halved for the
+      causal mask, i.e. ``2*s*n*d`` (each query attends to ~s/2 keys on average; this is
+      the work a causal kernel does, and the convention of FlashAttention's benchmarks)
+    * output projection: ``2*(n*d)*h`` (= ``2*h*h``)
+    * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu: gate, up, down)
+
+    plus the output layer (logits) ``2*h*V``. Training is 3x the forward (the backward
+    computes the gradients of both the activations and the weights, 2x). With
+    ``recompute=True`` the transformer layers are counted 4x instead of 3x (the forward
+    recomputed in the backward by ``model.remat="full"``); the logits are not rematerialised
+    and stay at 3x. ``recompute=False`` gives *model* FLOPs (the basis of MFU),
+    ``recompute=True`` *hardware* FLOPs for ``remat="full"`` (the basis of HFU).
+
+    Relation to Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+    Training on GPU Clusters Using Megatron-LM", arXiv:2104.04473, Appendix "Floating-point
+    operations"): for ``f = 4h``, multi-head attention (``k = n``, ``n*d = h``), per
+    iteration of ``B`` sequences they count ``72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h))``
+    without recomputation and ``96*B*s*L*h^2*(1 + s/(6h) + V/(16*L*h))`` with it (eq. 3).
+    Megatron does NOT halve the attention for the causal mask, so per token::
+
+        flops_per_token(...)                 = 72*L*h^2*(1 + s/(6h) + V/(12Lh)) - 6*L*s*h
+        flops_per_token(..., recompute=True) = 96*L*h^2*(1 + s/(6h) + V/(16Lh)) - 8*L*s*h
+
+    (for GQA/SwiGLU the same holds against Megatron-LM's ``num_floating_point_operations``,
+    with ``6*L*s*n*d`` in place of ``6*L*s*h``).
+
+    ``V`` is the padded vocabulary (``model.padded_vocab_size``): the output layer computes
+    every row of its table.
+
+    Args:
+      model_cfg: the ``model`` section of a resolved config (:func:`jaxllm.config.resolve`).
+      seq_length: tokens per sequence ``s``.
+      recompute: add one forward of the transformer layers (activation recomputation).
+    Returns:
+      FLOPs per token (a float).
+    Raises:
+      ValueError: the vocabulary is not known (resolved without the tokenizer's size).
+    """
+    m = model_cfg
+    if not m.padded_vocab_size:
+        raise ValueError("model.padded_vocab_size is 0: pass a config resolved with the tokenizer's vocabulary size")
+    h, n, k, f, V, s = (m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size,
+                        m.padded_vocab_size, seq_length)
+    d = h // n
+    qkv = 2 * h * (n + 2 * k) * d
+    attention = 2 * 2 * s * n * d / 2  # QK^T and probs@V, halved: causal
+    out_proj = 2 * (n * d) * h
+    mlp = 2 * h * f * (3 if m.activation == "swiglu" else 2)
+    layers = m.num_layers * (qkv + attention + out_proj + mlp)
+    logits = 2 * h * V
+    return float((4 if recompute else 3) * layers + 3 * logits)
+
+
+def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
+    """Training FLOPs of one optimizer step, all devices together.
+
+    ``train.global_batch_size * train.seq_length`` tokens x :func:`flops_per_token`.
+
+    Args:
+      cfg: a resolved config.
+      recompute: count the recomputed forward; None: ``cfg.model.remat == "full"``
+        (``"save_dots"`` keeps every matmul output, so it recomputes no matmul FLOPs).
+    Returns:
+      FLOPs per step (a float).
+    """
+    if recompute is None:
+        recompute = cfg.model.remat == "full"
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    return tokens * flops_per_token(cfg.model, cfg.train.seq_length, recompute=recompute)
+
+
+def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
+    """Matmul FLOPs per token that activation recomputation (``model.remat``) adds to a step.
+
+    * ``"none"``: 0.
+    * ``"full"`` (``nothing_saveable``): one more forward of the transformer layers, i.e.
+      ``flops_per_token(recompute=True) - flops_per_token()``.
+    * ``"save_dots"`` (``dots_with_no_batch_dims_saveable``): the projection and MLP matmuls
+      (no dot batch dimensions) are saved; the attention score and value matmuls (batched over
+      batch and heads) are recomputed, so one forward of them: ``L * 2*s*n*d`` per token
+      (causal-halved as in :func:`flops_per_token`).  Approximation: norms, softmax, GELU
+      and the other elementwise work that is also recomputed are not matmuls and are not
+      counted, like everywhere in this module; a fused attention kernel (``pallas``,
+      ``cudnn``, ``triton``) recomputes inside its own backward whatever the policy says,
+      which no policy term counts either.
+
+    Args:
+      model_cfg: a resolved ``model`` section (see :func:`flops_per_token`).
+      seq_length: tokens per sequence.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"``.
+    Returns:
+      FLOPs per token (a float).
+    Raises:
+      ValueError: unknown ``remat``, or the errors of :func:`flops_per_token`.
+    """
+    if remat == "none":
+        return 0.0
+    if remat == "full":
+        return flops_per_token(model_cfg, seq_length, recompute=True) - flops_per_token(model_cfg, seq_length)
+    if remat == "save_dots":
+        flops_per_token(model_cfg, seq_length)  # the same checks
+        m = model_cfg
+        head_dim = m.head_dim
+        return float(m.num_layers * 2 * 2 * seq_length * m.num_attention_heads * head_dim / 2)
+    raise ValueError(f"remat={remat!r}: choose none, full or save_dots")
+
+
+def hardware_flops_per_step(cfg) -> float:
+    """Matmul FLOPs one step actually executes, all devices: :func:`flops_per_step` without
+    recomputation plus :func:`recompute_flops_per_token` of ``cfg.model.remat`` per token
+    (the basis of HFU; MFU uses the model FLOPs alone).
+
+    Args:
+      cfg: a resolved config.
+    Returns:
+      FLOPs per step (a float).
+    """
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    return flops_per_step(cfg, recompute=False) + tokens * recompute_flops_per_token(
+        cfg.model, cfg.train.seq_length, cfg.model.remat)
+
+
+def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) -> dict[str, float]:
+    """Throughput of one training step.
+
+    Args:
+      step_time_s: wall time of the step, seconds.
+      cfg: the resolved config (global batch, sequence length, model, ``model.remat``).
+      num_devices: devices the step ran on.
+      peak_flops: peak FLOP/s of one device (:func:`jaxllm.hardware.peak_flops_per_device`).
+    Returns:
+      ``step_time_s``; ``tokens_per_sec`` (all devices) and ``tokens_per_sec_per_device``
+      (tokens/s); ``tflops_per_device``: model TFLOP/s (1e12 FLOP/s) per device;
+      ``mfu``: model FLOPs utilisation (model FLOP/s per device / peak, recomputation not
+      counted); ``hfu``: hardware FLOPs utilisation (:func:`hardware_flops_per_step`: adds
+      the matmuls ``model.remat`` recomputes; equals ``mfu`` for ``remat="none"``).
+      Fractions, not percent.
+    """
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    model_flops = flops_per_step(cfg, recompute=False) / step_time_s / num_devices
+    hardware_flops = hardware_flops_per_step(cfg) / step_time_s / num_devices
+    return {
+        "step_time_s": float(step_time_s),
+        "tokens_per_sec": tokens / step_time_s,
+        "tokens_per_sec_per_device": tokens / step_time_s / num_devices,
+        "tflops_per_device": model_flops / 1e12,
+        "mfu": model_flops / peak_flops,
+        "hfu": hardware_flops / peak_flops,
+    }

@@ -1,0 +1,148 @@
+"""What jaxllm knows of the hardware: peak FLOP/s and memory per device, the backend's kind.
+
+* :data:`PEAK_FLOPS` / :func:`peak_flops_per_device`: the dense peak FLOP/s of one device
+  (vendor datasheet for known accelerators, a measured matmul otherwise), the basis of MFU.
+* :data:`DEVICE_MEMORY`: memory per device of the accelerators ``jaxllm.plan`` checks against.
+* :func:`backend_kind`: ``cpu``, ``cuda``, ``rocm`` or ``tpu`` for a running JAX backend.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+GiB = 2**30
+# Memory per device in bytes (vendor datasheets; MI250X: one of its two GCDs).
+DEVICE_MEMORY = {
+    "A100-40GB": 40e9, "A100-80GB": 80e9, "H100": 80e9, "H200": 141e9, "MI250X": 64 * GiB, "MI300X": 192 * GiB,
+}
+_KINDS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def backend_kind(backend=None) -> str:
+    """``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"`` (or another platform name) for a JAX backend.
+
+    Args:
+      backend: None (the default backend), a JAX backend name (``"gpu"``, ``"cpu"``, ...),
+        or one of the kinds themselves, returned unchanged (to ask about another machine).
+    """
+    if backend in _KINDS:
+        return backend
+    client = jax.extend.backend.get_backend(backend)
+    platform = client.platform
+    if platform in ("gpu", "cuda", "rocm"):
+        version = str(client.platform_version).lower()
+        return "rocm" if ("rocm" in version or "hip" in version or platform == "rocm") else "cuda"
+    return platform
+
+
+# Dense (no 2:4 sparsity) peak FLOP/s of one device (one GCD for the MI250X) by device kind
+# and dtype. "float32" is the best full-FP32 matmul rate: NVIDIA's non-tensor-core FP32
+# (TF32 tensor-core rates are higher: XLA's default precision may use TF32 for float32 dots
+# on Ampere and later, which can put float32 MFU above 100%); AMD's FP32 matrix-core rate.
+# float16 = bfloat16 (V100 has no bfloat16 hardware: its "bfloat16" entry is the FP16
+# tensor-core rate and is far above what bfloat16 actually reaches there).
+# Sources (vendor datasheets; NVIDIA lists sparse tensor rates, dense = half):
+#   A100:      NVIDIA A100 Tensor Core GPU datasheet: BF16/FP16 312 TF, FP32 19.5 TF (SXM and PCIe)
+#   H100 SXM:  NVIDIA H100 Tensor Core GPU datasheet: BF16 1979 TF sparse -> 989, FP32 67 TF
+#   H100 PCIe: same datasheet (first edition):        BF16 1513 TF sparse -> 756, FP32 51 TF
+#   H100 NVL:  same datasheet:                        BF16 1671 TF sparse -> 835, FP32 60 TF
+#   H200 SXM:  NVIDIA H200 Tensor Core GPU datasheet: BF16 1979 TF sparse -> 989, FP32 67 TF
+#   H200 NVL:  same datasheet:                        BF16 1671 TF sparse -> 835, FP32 60 TF
+#   GH200:     NVIDIA GH200 Grace Hopper datasheet (its GPU is an H100/H200 SXM): 989 / 67 TF
+#   V100 SXM2: NVIDIA Tesla V100 datasheet: FP16 tensor 125 TF, FP32 15.7 TF
+#   V100 PCIe: same datasheet:               FP16 tensor 112 TF, FP32 14 TF
+#   MI250X:    AMD Instinct MI250X datasheet (2 GCDs; JAX sees each GCD as a device):
+#              BF16/FP16 383 TF, FP32 matrix 95.7 TF -> per GCD 191.5 / 47.85 TF
+#   MI300X:    AMD Instinct MI300X datasheet: BF16/FP16 1307.4 TF dense, FP32 matrix 163.4 TF
+# Keys match ``jax.Device.device_kind`` by case-insensitive substring, the longest key
+# first (so "NVIDIA H100 PCIe" -> "H100 PCIe", "NVIDIA H100 80GB HBM3" -> "H100").
+
+
+def _entry(bf16: float, fp32: float) -> dict:
+    return {"bfloat16": bf16, "float16": bf16, "float32": fp32}
+
+
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "A100": _entry(312e12, 19.5e12),
+    "H100": _entry(989e12, 67e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    "H100 PCIe": _entry(756e12, 51e12),
+    "H100 NVL": _entry(835e12, 60e12),
+    "H200": _entry(989e12, 67e12),  # SXM ("NVIDIA H200")
+    "H200 NVL": _entry(835e12, 60e12),
+    "GH200": _entry(989e12, 67e12),
+    "V100": _entry(125e12, 15.7e12),  # SXM2 ("Tesla V100-SXM2-16GB")
+    "V100-PCIE": _entry(112e12, 14e12),
+    "MI250X": _entry(383e12 / 2, 95.7e12 / 2),  # per GCD
+    "MI300X": _entry(1307.4e12, 163.4e12),
+}
+
+_MEASURED: dict[tuple[str, str, str], float] = {}  # (platform, device_kind, dtype) -> FLOP/s
+
+
+def _dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def lookup_peak_flops(device_kind: str, dtype="bfloat16") -> tuple[float, str] | None:
+    """The :data:`PEAK_FLOPS` entry for a device kind string, or None.
+
+    Args:
+      device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA A100-SXM4-80GB"``.
+      dtype: the matmul dtype (name or dtype).
+    Returns:
+      ``(FLOP/s, the matching key)``, or None when no key matches or the entry lacks ``dtype``.
+    """
+    kind, dtype = device_kind.lower(), _dtype_name(dtype)
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key.lower() in kind:
+            peak = PEAK_FLOPS[key].get(dtype)
+            return None if peak is None else (peak, key)
+    return None
+
+
+def _measure_matmul(device, dtype: str, n: int, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of ``repeats`` jitted ``[n, n] @ [n, n]`` matmuls on ``device``."""
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), dtype), device)
+    b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), dtype), device)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops_per_device(device=None, dtype="bfloat16") -> tuple[float, str]:
+    """Peak dense matmul FLOP/s of one device, and where the number came from.
+
+    Known accelerators (:data:`PEAK_FLOPS`, matched on ``device.device_kind``): the
+    datasheet number. Anything else (CPU, an unknown GPU, a dtype the table lacks): the
+    fastest of 5 jitted square matmuls in ``dtype`` (2048 on CPU, 8192 elsewhere),
+    measured once per process and device kind and cached; on a shared CPU this is what
+    the machine delivered at that moment, not a datasheet peak.
+
+    Args:
+      device: a ``jax.Device``; None: the first local device.
+      dtype: the compute dtype (``model.dtype``).
+    Returns:
+      ``(FLOP/s, source)``, e.g. ``(312e12, "datasheet PEAK_FLOPS['A100'] bfloat16")`` or
+      ``(1.8e11, "measured matmul on cpu (2048x2048 bfloat16)")``.
+    """
+    device = device if device is not None else jax.local_devices()[0]
+    dtype = _dtype_name(dtype)
+    found = lookup_peak_flops(device.device_kind, dtype)
+    if found is not None:
+        return found[0], f"datasheet PEAK_FLOPS[{found[1]!r}] {dtype}"
+    n = 2048 if device.platform == "cpu" else 8192
+    key = (device.platform, device.device_kind, dtype)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure_matmul(device, dtype, n)
+    where = "cpu" if device.platform == "cpu" else f"{device.device_kind!r} (not in PEAK_FLOPS)"
+    return _MEASURED[key], f"measured matmul on {where} ({n}x{n} {dtype})"

@@ -1,0 +1,98 @@
+"""A run's compiled pieces on a device mesh: :class:`Run`.
+
+From a resolved config (:func:`jaxllm.config.resolve`) it builds, once: the mesh and
+rules table (:class:`jaxllm.sharding.Layout`), the model's description with the
+mesh's operations (:func:`jaxllm.model.describe`: graph definition, shapes, logical
+axes, weight-decay mask), the optimizer, the shardings of the training state, batch
+and gradients, and the jitted train and eval steps (:mod:`jaxllm.step`).  The
+training CLI, ``plan``, ``bench`` and ``tune`` all use it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxllm import context_parallel, model, optim, sharding, step
+from jaxllm.config import Resolved
+
+
+class Run:
+    """The compiled pieces of a run on a device mesh: layout, model, shardings, state, train and eval steps.
+
+    Args:
+      cfg: a resolved config.
+      devices: the devices of the mesh (default: all).
+    Attributes:
+      cfg, layout (mesh + rules table), mesh, spec (:class:`jaxllm.model.Spec`), optimizer,
+      state_sharding, abstract_state (``jax.ShapeDtypeStruct`` leaves with shardings),
+      batch_sharding (``[microbatches, rows, seq]``), eval_sharding (``[rows, seq]``),
+      train_step, eval_step (jitted; see :mod:`jaxllm.step`).
+    """
+
+    def __init__(self, cfg: Resolved, devices=None):
+        self.cfg = cfg
+        self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
+        self.mesh = layout.mesh
+        ops = model.Ops(constrain=layout.constrain,
+                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl))
+        self.spec = spec = model.describe(cfg.model, ops)
+        self.optimizer = optim.make_optimizer(cfg.train, spec.decay)
+        abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
+        self.state_sharding = sharding.state_shardings(cfg, abstract_state, spec.axes, self.optimizer, self.mesh)
+        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                           abstract_state, self.state_sharding)
+        self.batch_sharding = layout.sharding((None, "batch", "length"))
+        self.eval_sharding = layout.sharding(("batch", "length"))
+        train_fn = step.make_train_step(cfg, spec, self.optimizer, layout,
+                                        sharding.grad_shardings(cfg, spec.axes, self.mesh))
+        self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+                                  out_shardings=(self.state_sharding, None), donate_argnums=0)
+        self.eval_step = jax.jit(step.make_eval_step(cfg, spec, layout),
+                                 in_shardings=(self.state_sharding["params"], self.eval_sharding, self.eval_sharding))
+
+    def initial_state(self, checkpointer=None) -> dict:
+        """The latest checkpoint's state, or a fresh one created directly in its sharding."""
+        state = checkpointer.restore(self.abstract_state) if checkpointer else None
+        if state is None:
+            cfg = self.cfg
+            init = jax.jit(lambda: step.init_state(model.init(cfg.model, cfg.train.seed), self.optimizer),
+                           out_shardings=self.state_sharding)
+            state = init()
+        return state
+
+    def process_rows(self) -> slice:
+        """The rows of the global batch this process feeds (its devices' part of the batch axis)."""
+        m, rows_per_microbatch, _ = shape = self.cfg.batch_shape
+        index = self.batch_sharding.addressable_devices_indices_map(shape)
+        rows = [i[1].indices(rows_per_microbatch)[:2] for i in index.values()]
+        return slice(min(r[0] for r in rows) * m, max(r[1] for r in rows) * m)
+
+    def global_batch(self, inputs: np.ndarray, targets: np.ndarray) -> list[jax.Array]:
+        """This process's rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``.
+
+        Row ``r`` goes to micro batch ``r % microbatches``, so each process's contiguous
+        rows stay contiguous within every micro batch."""
+        m = self.cfg.microbatches
+        return [jax.make_array_from_process_local_data(
+            self.batch_sharding, np.ascontiguousarray(x.reshape(-1, m, x.shape[-1]).swapaxes(0, 1)))
+            for x in (inputs, targets)]
+
+    def evaluate(self, params, loader) -> float:
+        """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches."""
+        losses = []
+        for i in range(self.cfg.train.eval_iters):
+            x, y = (jax.make_array_from_process_local_data(self.eval_sharding, a) for a in loader.eval_batch(i))
+            losses.append(self.eval_step(params, x, y))
+        return float(np.mean(jax.device_get(losses)))
+
+    def describe(self, params) -> str:
+        """The mesh and a table of every parameter: shape, partition spec, bytes per device."""
+        lines = [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} device(s)",
+                 f"{'parameter':<28} {'shape':<22} {'partition spec':<44} {'bytes/device':>13}"]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            spec = str(tuple(leaf.sharding.spec))
+            lines.append(f"{name:<28} {str(leaf.shape):<22} {spec:<44} {sharding.per_device_bytes(leaf):>13,}")
+        lines.append(f"{'total':<96}{sharding.per_device_bytes(params):>13,}")
+        return "\n".join(lines)
