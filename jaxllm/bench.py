@@ -40,7 +40,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import attention, config, metrics, model, plan  # noqa: E402
-from jaxllm.data import DataError, Loader, TokenData  # noqa: E402
+from jaxllm.data import Batches, Data, DataError  # noqa: E402
 
 DATA_MODES = ("synthetic", "real")
 
@@ -104,7 +104,7 @@ def apply_overrides(cfg, overrides) -> ml_collections.ConfigDict:
 
 
 def prepare(cfg, num_devices: int, *, data: str = "synthetic", workdir: str = "runs/bench"):
-    """Validates ``cfg`` for ``num_devices`` and resolves it; returns ``(resolved cfg, TokenData or None)``.
+    """Validates ``cfg`` for ``num_devices`` and resolves it; returns ``(resolved cfg, Data or None)``.
 
     The data are read (tokenized into ``WORKDIR/data`` once) when ``data="real"`` or when
     the vocabulary cannot be known otherwise (``model.vocab_size=0`` with the char tokenizer).
@@ -121,13 +121,9 @@ def prepare(cfg, num_devices: int, *, data: str = "synthetic", workdir: str = "r
     tokens = None
     vocab = plan.TOKENIZER_VOCAB.get(cfg.data.tokenizer)
     if data == "real" or (not cfg.model.vocab_size and vocab is None):
-        from jaxllm.train import data_dir  # noqa: PLC0415
-
-        tokens = TokenData(data_dir(cfg, workdir))
+        tokens = Data(cfg, workdir, splits=("train",))
         vocab = tokens.vocab_size
     cfg = config.resolved(cfg, vocab_size=vocab, num_devices=num_devices)
-    if tokens is not None:
-        tokens.check_vocab(cfg.model.vocab_size)
     return cfg, (tokens if data == "real" else None)
 
 
@@ -139,7 +135,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       cfg: a config resolved by :func:`prepare`.
       num_devices: the first N of ``jax.devices()`` (default: all).
       steps: timed steps (>= 1); warmup: untimed steps before them (>= 0).
-      data: a :class:`jaxllm.data.TokenData` to feed real batches, or None for synthetic ones.
+      data: a :class:`jaxllm.data.Data` to feed real batches, or None for synthetic ones.
       name: a label stored in the record.
     Returns:
       A dict; times in seconds, throughput in tokens/s (all devices), ``tflops_per_device``
@@ -163,8 +159,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     state = run.initial_state()
     rows = run.process_rows()
     if data is not None:
-        loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                        rows=rows)
+        loader = Batches(data, rows=rows)
         next_batch = lambda i: run.global_batch(*loader.train_batch(i))  # noqa: E731
     else:
         rng = np.random.default_rng(t.seed)

@@ -28,7 +28,7 @@ CHOICES = {
     "model.remat": ("none", "full", "save_dots"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attention_impl": ("auto", "xla", "cudnn", "pallas", "triton"),
-    "data.tokenizer": ("char", "byte", "gpt2"),
+    "data.sampling": ("megatron", "uniform"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.pipeline_schedule": ("gpipe", "interleaved"),
     "parallel.sequence_impl": ("allgather", "ring", "ulysses"),
@@ -91,12 +91,23 @@ def get_config() -> ml_collections.ConfigDict:
             max_nonfinite_steps=10,
         )
     )
+    # docs/data.md: the inputs, the Megatron-LM option each key stands for
     c.data = ml_collections.ConfigDict(
         dict(
-            input=default_corpus(),  # comma-separated text files/directories, or a prepared directory
-            tokenizer="byte",
+            # text files/directories (comma-separated; prepared into WORKDIR/data), or Megatron's
+            # --data-path: "W1 PREFIX1 W2 PREFIX2 ..." or "PREFIX" (indexed datasets PREFIX.bin/.idx)
+            input=default_corpus(),
+            file_list="",  # an ALCF data-file list ("weight prefix corpus" lines); when set, replaces input
+            tokenizer="byte",  # char, byte, gpt2, or a Hugging Face tokenizer.json (or a directory holding one)
             gpt2_dir="",  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
-            val_fraction=0.1,  # the last fraction of the token stream is the validation split
+            json_key="text",  # text inputs: the text's key in JSON Lines records / column in Parquet files
+            document_marker="",  # text inputs: a line starting with this begins a new document ("": one per file)
+            split="969,30,1",  # Megatron's --split: train, validation, test weights
+            sampling="megatron",  # megatron: GPTDataset/BlendedDataset order; uniform: nanoGPT's random windows
+            cache_dir="",  # sample indices (Megatron's --data-cache-path); "": index-cache/ beside the data
+            reset_position_ids=False,  # positions restart after each end-of-document token
+            reset_attention_mask=False,  # attention stays within documents (segment ids)
+            eod_mask_loss=False,  # no loss where the input is the end-of-document token
         )
     )
     # mesh.AXIS: devices along AXIS within a node (-1 on one axis: fill with what is left);
@@ -344,14 +355,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
         raise ConfigError("train.global_batch_size", t.global_batch_size,
                           f"must be divisible by train.micro_batch_size={t.micro_batch_size}")
 
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)")
-    paths = [p for p in cfg.data.input.split(",") if p]
-    if not paths:
-        raise ConfigError("data.input", cfg.data.input, "name text files or directories, comma-separated")
-    for p in paths:
-        if not os.path.exists(p):
-            raise ConfigError("data.input", p, "no such file or directory")
+    if not (cfg.data.input.strip() or cfg.data.file_list):
+        raise ConfigError("data.input", cfg.data.input, "name text files or directories (comma-separated), or "
+                          "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
+    if cfg.data.tokenizer not in ("char", "byte", "gpt2") and not os.path.exists(cfg.data.tokenizer):
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, "choose char, byte, gpt2, or the path of a Hugging "
+                          "Face tokenizer.json (or of a local directory holding one)")
     if cfg.data.tokenizer == "gpt2":
         for name in ("encoder.json", "vocab.bpe"):
             if not os.path.isfile(os.path.join(cfg.data.gpt2_dir, name)):

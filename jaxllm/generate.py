@@ -10,8 +10,8 @@ import sys
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, model, train
-from jaxllm.data import TokenData
+from jaxllm import checkpoint, model
+from jaxllm.data import Data
 from jaxllm.sampling import Sampler
 
 def main(argv):
@@ -26,8 +26,7 @@ def main(argv):
     if F.temperature <= 0:
         print(f"error: --temperature={F.temperature}: must be > 0", file=sys.stderr)
         sys.exit(2)
-    data = TokenData(train.data_dir(cfg, F.workdir))
-    tokenizer = data.tokenizer
+    tokenizer = Data(cfg, F.workdir, splits=()).tokenizer
     params = checkpoint.restore_params(cfg, F.workdir)  # on this host, whatever mesh the run used
     graphdef, _ = model.abstract(cfg)
     prompt = tokenizer.encode(F.prompt or "\n")

@@ -26,7 +26,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxllm import attention, checkpoint, config, distributed, metrics, model, optim, pipeline, sharding, step
-from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
+from jaxllm.data import Batches, Data, DataError, unigram_entropy
 from jaxllm.sampling import Sampler
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
@@ -45,22 +45,16 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient norm was non-finite for ``train.max_nonfinite_steps`` steps in a row."""
 
 
-def data_dir(cfg, workdir: str) -> str:
-    """The prepared token directory of a run (prepared into ``WORKDIR/data`` if needed)."""
-    return ensure_prepared(cfg.data, os.path.join(workdir, "data"))
-
-
 def setup(cfg, workdir: str):
-    """Checks config and data before anything compiles; returns ``(resolved cfg, TokenData)``.
+    """Checks config and data before anything compiles; returns ``(resolved cfg, Data)``.
 
     Raises:
       ConfigError, DataError: with the key or file, the value and the fix.
     """
     config.validate(cfg, num_devices=jax.device_count())
     attention.check_config(cfg)
-    data = TokenData(data_dir(cfg, workdir))
+    data = Data(cfg, workdir, splits=("train", "valid") if cfg.train.eval_interval else ("train",))
     cfg = config.resolved(cfg, vocab_size=data.vocab_size, num_devices=jax.device_count())
-    data.check_vocab(cfg.model.vocab_size)
     return cfg, data
 
 
@@ -174,20 +168,19 @@ def train(cfg, workdir: str) -> dict:
     cfg, data = setup(cfg, workdir)
     t = cfg.train
     run = Run(cfg)
-    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                    rows=run.process_rows())
+    loader = Batches(data, rows=run.process_rows())
     checkpointer = checkpoint.Checkpointer(workdir, cfg)
     state = run.initial_state(checkpointer)
     start = int(jax.device_get(state["step"]))
     n_params = model.num_params(state["params"])
     primary = jax.process_index() == 0
-    unigram = data.unigram_entropy("val")  # logged with every evaluation: the best context-free model's loss
+    # logged with every evaluation: the loss of the best context-free model of the validation batches
+    unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
+                               data.vocab_size) if t.eval_interval else float("nan"))
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"{config.grad_accum_steps(cfg)} microbatch(es)/step{pipeline_note(cfg)}, "
-              f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
-              f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.vocab_size}; unigram entropy "
-              f"{data.unigram_entropy('all'):.3f} nats/token, validation split {unigram:.3f})"
+              f"{config.grad_accum_steps(cfg)} microbatch(es)/step{pipeline_note(cfg)}, {data.describe()}, "
+              f"model vocab {cfg.model.vocab_size}; unigram entropy of the validation batches {unigram:.3f} nats/token"
               + (f", resuming at step {start}" if start else ""))
         print(run.describe(state["params"]))
 
@@ -200,7 +193,7 @@ def train(cfg, workdir: str) -> dict:
         print(f"compiled the train step in {compile_s:.1f} s; {flops_per_step / 1e12:.4f} TFLOP/step; "
               f"peak {peak / 1e12:.2f} TFLOP/s/device ({peak_source})")
 
-    bpb_scale = data.meta["num_tokens"] / max(1, sum(s["bytes"] for s in data.meta["sources"])) / math.log(2)
+    bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
     logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
                                    progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
     last, last_eval = {}, {}
@@ -237,7 +230,9 @@ def train(cfg, workdir: str) -> dict:
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
                 t_eval = time.perf_counter()
                 loss = run.evaluate(state["params"], loader)
-                last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale, "unigram_entropy": unigram}
+                last_eval = {"eval_loss": loss, "unigram_entropy": unigram}
+                if bpb_scale:
+                    last_eval["eval_bpb"] = loss * bpb_scale
                 logger.log(done, last_eval, kind="eval")
                 tick += time.perf_counter() - t_eval  # throughput counts training steps only
             stop = preemption.reached(done)
@@ -250,7 +245,8 @@ def train(cfg, workdir: str) -> dict:
         logger.close()
 
     if primary and cfg.log.samples:
-        print_samples(cfg, run.graphdef, state["params"], data.tokenizer, np.asarray(data.val[:8]), workdir)
+        split = "valid" if t.eval_interval else "train"
+        print_samples(cfg, run.graphdef, state["params"], data.tokenizer, Batches(data).batch(split, 0)[0, :8], workdir)
     return {**last, **last_eval, "compile_s": compile_s}
 
 
