@@ -227,7 +227,7 @@ class Data:
 
     def sample_source(self, split: str, j: np.ndarray) -> np.ndarray:
         """The dataset (index into ``datasets``) of each sample number in ``j``."""
-        ix = self._index[split]
+        ix = self._index.get(split, {})
         return np.asarray(ix["blend"][j], np.int64) if "blend" in ix else np.zeros(len(j), np.int64)
 
     def sample(self, split: str, j: int) -> np.ndarray:
@@ -328,10 +328,12 @@ class Batches:
     Args:
       data: the run's Data.
       rows: the rows of the global batch this process reads (a slice).
+      check_vocab: raise DataError on a token id outside the tokenizer's vocabulary (a model
+        cannot embed it); ``jaxllm.data.inspect`` shows such data instead.
     """
 
-    def __init__(self, data: Data, rows: slice = slice(None)):
-        self.data = data
+    def __init__(self, data: Data, rows: slice = slice(None), check_vocab: bool = True):
+        self.data, self.check_vocab = data, check_vocab
         self.rows = np.arange(data.global_batch_size)[rows]
 
     def batch(self, split: str, i: int) -> np.ndarray:
@@ -349,7 +351,7 @@ class Batches:
             out = np.zeros((len(self.rows), d.seq_length + 1), np.int32)
             for r, row in enumerate(self.rows):
                 out[r] = d.sample(split, i * d.global_batch_size + int(row))
-        if out.size and (int(out.max()) >= d.vocab_size or int(out.min()) < 0):
+        if self.check_vocab and out.size and (int(out.max()) >= d.vocab_size or int(out.min()) < 0):
             bad = int(out.max()) if int(out.max()) >= d.vocab_size else int(out.min())
             raise DataError(f"{d.blend.key}: batch {i} of the {split} split holds token id {bad}, outside the "
                             f"{d.tokenizer.name} tokenizer's vocabulary of {d.vocab_size}; set data.tokenizer to the "

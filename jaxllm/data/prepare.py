@@ -253,7 +253,7 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
     writer = indexed.IndexedWriter(names[".bin"], names[".idx"], dtype)
     from tqdm import tqdm
 
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(os.path.getsize(f) for f in files if os.path.isfile(f))  # an unreadable one fails when read
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress else True,
                file=sys.stderr)
     pool = None
