@@ -122,7 +122,7 @@ def build_document_index(documents: np.ndarray, epochs: int, rng: np.random.Rand
 
 
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
-                       num_samples: int) -> np.ndarray:
+                       num_samples: int, chunk: int = 1 << 22) -> np.ndarray:
     """[num_samples + 1, 2]: row ``k`` = (position in ``document_index``, token offset) of token
     ``k x seq_length`` of the documents concatenated in ``document_index`` order (row 0 is (0, 0)).
     The values of Megatron's ``helpers.build_sample_idx`` (drop_last_partial_sequence,
@@ -132,10 +132,11 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     Args:
       sizes: int32 [num sequences] lengths; document_index: int32 [M] sequence ids.
       num_samples: ``(total tokens - 1) // seq_length``.
+      chunk: documents per binary search.
     """
     big = max(len(document_index), int(sizes.max())) > np.iinfo(np.int32).max
     out = np.zeros((num_samples + 1, 2), np.int64 if big else np.int32)
-    chunk, base, k = 1 << 22, 0, 1
+    base, k = 0, 1
     for start in range(0, len(document_index), chunk):
         if k > num_samples:
             break
