@@ -53,6 +53,9 @@ def setup(cfg, workdir: str):
     """
     config.validate(cfg, num_devices=jax.device_count())
     attention.check_config(cfg)
+    for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if cfg.data[key]:  # jaxllm.data computes them (Batches.masks); the model does not take them yet
+            raise config.ConfigError(f"data.{key}", True, "not supported by the model yet; set it to False")
     data = Data(cfg, workdir, splits=("train", "valid") if cfg.train.eval_interval else ("train",))
     cfg = config.resolved(cfg, vocab_size=data.vocab_size, num_devices=jax.device_count())
     return cfg, data

@@ -393,13 +393,13 @@ def test_uniform_windows_are_nanogpts(tmp_path):
     n = len(tokens)
     assert data.tokenizer.name == "char" and n == 1115394
     x, y = Batches(data).train_batch(3)
-    # the documented draw: offsets from default_rng([seed, 0, step]) over the first round(0.9 n) tokens
-    offsets = np.random.default_rng([7, 0, 3]).integers(0, round(0.9 * n) - 64, size=8)
+    # the documented draw: offsets from default_rng([seed, 0, step]) over nanoGPT's first int(0.9 n) tokens
+    offsets = np.random.default_rng([7, 0, 3]).integers(0, int(0.9 * n) - 64, size=8)
     for r, o in enumerate(offsets):
         np.testing.assert_array_equal(x[r], tokens[o:o + 64])
         np.testing.assert_array_equal(y[r], tokens[o + 1:o + 65])
     v = Batches(data).batch("valid", 0)
-    offsets = round(0.9 * n) + np.random.default_rng([7, 1, 0]).integers(0, n - round(0.9 * n) - 64, size=8)
+    offsets = int(0.9 * n) + np.random.default_rng([7, 1, 0]).integers(0, n - int(0.9 * n) - 64, size=8)
     np.testing.assert_array_equal(v, np.stack([tokens[o:o + 65] for o in offsets]))
     np.testing.assert_array_equal(Batches(data, rows=slice(2, 5)).batch("train", 3), Batches(data).batch("train", 3)[2:5])
 
@@ -488,7 +488,7 @@ def test_bad_inputs_are_one_data_error(peps_byte, tmp_path):
         (run_cfg(peps_byte, file_list=str(tmp_path / "missing.txt")), r"data.file_list=.*missing.txt: cannot read"),
         (run_cfg(peps_byte, cache_dir="/proc/no"), r"data.cache_dir='/proc/no': cannot write"),
         (run_cfg(SHAKESPEARE, tokenizer="char", sampling="uniform", split="99999,1", seq=64),
-         r"the valid split of .* has 11 tokens, but train.seq_length=64 needs at least 65"),
+         r"the valid split of .* has 12 tokens, but train.seq_length=64 needs at least 65"),
     ]
     (tmp_path / "list.txt").write_text(f"0.5 {peps_byte} corpus extra\n")
     cases.append((run_cfg(peps_byte, file_list=str(tmp_path / "list.txt")), r"list.txt:1: .*expected \"weight prefix corpus\""))

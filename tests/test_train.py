@@ -138,7 +138,7 @@ def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
 def test_default_job_trains_on_the_standard_library(tmp_path):
     """`python -m jaxllm.train` with only a shorter schedule: the default corpus and model."""
     r = cli("jaxllm.train", f"--workdir={tmp_path}", "--config.train.train_iters=20",
-            "--config.train.warmup_iters=5", "--config.train.log_interval=10", "--config.train.eval_interval=20",
+            "--config.train.warmup_iters=5", "--config.train.log_interval=5", "--config.train.eval_interval=20",
             "--config.log.sample_tokens=20", env=optimized_env(ENV))  # bfloat16: -O0 would double its time
     assert r.returncode == 0, r.stderr[-3000:]
     assert "byte" in r.stdout and "--- sample ---" in r.stdout

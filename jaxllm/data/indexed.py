@@ -105,18 +105,16 @@ class IndexedDataset:
         if size < want:
             raise DataError(f"{ipath}: truncated: {size} bytes, but its header says {n_seq:,} sequences and "
                             f"{max(n_doc - 1, 0):,} documents = {want:,} bytes; {redo}")
-        self.dtype = np.dtype(DTYPES[code])
-        self.sequence_lengths = np.memmap(ipath, np.int32, "r", HEADER_BYTES, (n_seq,)) if n_seq else np.zeros(0, np.int32)
-        self.sequence_pointers = (np.memmap(ipath, np.int64, "r", HEADER_BYTES + 4 * n_seq, (n_seq,)) if n_seq
-                                  else np.zeros(0, np.int64))
-        self.document_indices = (np.memmap(ipath, np.int64, "r", HEADER_BYTES + 12 * n_seq, (n_doc,)) if n_doc
-                                 else np.zeros(0, np.int64))
-        if n_seq == 0:
+        if n_seq == 0 or n_doc == 0:
             raise DataError(f"{ipath}: holds no sequences (an empty dataset); {redo} from non-empty text, or leave it "
                             f"out of {key}")
-        if n_doc == 0 or self.document_indices[-1] != n_seq:
-            raise DataError(f"{ipath}: document indices end at {self.document_indices[-1] if n_doc else None}, not at "
-                            f"the {n_seq:,} sequences; the index is corrupt: {redo}")
+        self.dtype = np.dtype(DTYPES[code])
+        self.sequence_lengths = np.memmap(ipath, np.int32, "r", HEADER_BYTES, (n_seq,))
+        self.sequence_pointers = np.memmap(ipath, np.int64, "r", HEADER_BYTES + 4 * n_seq, (n_seq,))
+        self.document_indices = np.memmap(ipath, np.int64, "r", HEADER_BYTES + 12 * n_seq, (n_doc,))
+        if self.document_indices[-1] != n_seq:
+            raise DataError(f"{ipath}: document indices end at {self.document_indices[-1]}, not at the {n_seq:,} "
+                            f"sequences; the index is corrupt: {redo}")
         itemsize = self.dtype.itemsize
         last = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize
         self.num_tokens = last // itemsize

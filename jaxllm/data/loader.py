@@ -243,9 +243,11 @@ class Data:
     # --- nanoGPT's uniform windows ----------------------------------------------------------------
 
     def _uniform_range(self, split: str) -> tuple[int, int]:
-        """Tokens ``[beg, end)`` of the split: data.split cuts the token stream (nanoGPT's first 90%)."""
+        """Tokens ``[beg, end)`` of the split: data.split cuts the token stream where nanoGPT does
+        (``int(0.9 * n)`` for "9,1": floor, where Megatron's document split rounds)."""
         ds = self.datasets[0]
-        beg, end = samples.split_range(self.matrix[samples.SPLITS.index(split)], ds.num_tokens)
+        lo, hi = self.matrix[samples.SPLITS.index(split)]
+        beg, end = int(lo * ds.num_tokens), int(hi * ds.num_tokens)
         if end - beg < self.seq_length + 1:
             raise DataError(f"data.split={self.split!r}: the {split} split of {ds.prefix} has {end - beg:,} tokens, "
                             f"but train.seq_length={self.seq_length} needs at least {self.seq_length + 1}; use a "

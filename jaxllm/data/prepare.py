@@ -93,7 +93,8 @@ def collect_files(inputs: list[str]) -> list[str]:
             found = []
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
-                found += [os.path.join(root, n) for n in sorted(names) if n.endswith(suffixes) and not n.startswith(".")]
+                found += [os.path.join(root, n) for n in sorted(names)
+                          if n.endswith(suffixes) and not n.startswith(".")]
         elif os.path.exists(path):
             found = [path]
         else:
@@ -139,7 +140,8 @@ def iter_documents(path: str, json_key: str = "text", document_marker: str = "")
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise DataError(f"{path}:{n}: not JSON ({e}); a JSON Lines file holds one JSON object per line") from None
+                raise DataError(f"{path}:{n}: not JSON ({e}); a JSON Lines file holds one JSON object per "
+                                f"line") from None
             text = record.get(json_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = list(record) if isinstance(record, dict) else type(record).__name__
