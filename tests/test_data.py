@@ -480,6 +480,7 @@ def test_bad_inputs_are_one_data_error(peps_byte, tmp_path):
     cases = [
         (run_cfg(f"0.5 {peps_byte} 0.5 {tmp_path / 'nothing'}"), r"nothing: no .*nothing.bin or .*nothing.idx"),
         (run_cfg(f"0.5 {peps_byte} -1 {peps_byte}"), r"weight -1.0 of .*: weights must be > 0"),
+        (run_cfg(f"{peps_byte}.bin"), r"peps_byte.bin: name the indexed dataset by its prefix, .*peps_byte \(without"),
         (run_cfg(peps_byte, split="1,2,3,4"), r"data.split='1,2,3,4': give up to three"),
         (run_cfg(peps_byte, split="100,0,0"), r"leaves the valid split empty.*train.eval_interval=0"),
         (run_cfg(peps_byte, split="999999,1"), r"the valid split of .* is sequences \[703, 703\) of 703, only 0 tokens"),

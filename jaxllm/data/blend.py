@@ -56,6 +56,9 @@ def parse_data_path(text: str, key: str = "data.input") -> Blend | None:
     words = text.split()
     if not words:
         return None
+    for w in words:
+        if w.endswith((".bin", ".idx")) and indexed.exists(w[:-4]):
+            raise DataError(f"{key}: {w}: name the indexed dataset by its prefix, {w[:-4]} (without .bin/.idx)")
     weights = None
     prefixes = words
     if len(words) % 2 == 0:

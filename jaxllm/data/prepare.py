@@ -31,6 +31,7 @@ first), so PREFIX is at every moment the old complete dataset, absent, or the ne
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import multiprocessing
@@ -264,7 +265,7 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
         batches = _batches(files, json_key, document_marker)
         if workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_meta,))
-            pairs = []
+            pairs = collections.deque()  # the batches in flight, in order
 
             def texts_of(batch):
                 pairs.append(batch)
@@ -275,7 +276,7 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
             pairs = None
             encoded = ((b, _encode([t for t, _ in b], tok)) for b in batches)
         for item in encoded:
-            batch, ids_list = (pairs.pop(0), item) if workers > 1 else item
+            batch, ids_list = (pairs.popleft(), item) if workers > 1 else item
             for (text, consumed), ids in zip(batch, ids_list):
                 if not text:
                     continue  # an empty document (Megatron's tool writes no sequence for one either)
