@@ -136,13 +136,25 @@ def default_corpus() -> str:
 
 @dataclasses.dataclass
 class Data(Section):
-    """Where the tokens come from (see :mod:`jaxllm.data`)."""
+    """Where the tokens come from and how batches are drawn (see :mod:`jaxllm.data` and docs/data.md:
+    the Megatron-LM option each key stands for)."""
 
     name: ClassVar[str] = "data"
-    input: str = dataclasses.field(default_factory=default_corpus)  # text files/directories (comma-separated) or a prepared directory
-    tokenizer: str = _key("byte", choices=("char", "byte", "gpt2"))
+    # text files/directories (comma-separated; prepared into WORKDIR/data), or Megatron's
+    # --data-path: "W1 PREFIX1 W2 PREFIX2 ..." or "PREFIX" (indexed datasets PREFIX.bin/.idx)
+    input: str = dataclasses.field(default_factory=default_corpus)
+    file_list: str = ""  # an ALCF data-file list ("weight prefix corpus" lines); when set, replaces input
+    tokenizer: str = "byte"  # char, byte, gpt2, or a Hugging Face tokenizer.json (or a directory holding one)
     gpt2_dir: str = ""  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
-    val_fraction: float = 0.1  # the last fraction of the token stream is the validation split
+    json_key: str = "text"  # text inputs: the text's key in JSON Lines records / column in Parquet files
+    document_marker: str = ""  # text inputs: a line starting with this begins a new document ("": one per file)
+    split: str = "969,30,1"  # Megatron's --split: train, validation, test weights
+    # megatron: GPTDataset/BlendedDataset order; uniform: nanoGPT's random windows
+    sampling: str = _key("megatron", choices=("megatron", "uniform"))
+    cache_dir: str = ""  # sample indices (Megatron's --data-cache-path); "": index-cache/ beside the data
+    reset_position_ids: bool = False  # positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # attention stays within documents (segment ids)
+    eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
 
 
 @dataclasses.dataclass
@@ -265,6 +277,9 @@ MEGATRON_NAMES = {
     "clip_grad": "train.grad_clip", "weight_decay": "train.weight_decay", "seed": "train.seed",
     "eval_interval": "train.eval_interval", "eval_iters": "train.eval_iters", "log_interval": "train.log_interval",
     "save_interval": "checkpoint.interval", "data_path": "data.input", "tokenizer_type": "data.tokenizer",
+    "data_file_list": "data.file_list", "split": "data.split", "data_cache_path": "data.cache_dir",
+    "json_keys": "data.json_key", "reset_position_ids": "data.reset_position_ids",
+    "reset_attention_mask": "data.reset_attention_mask", "eod_mask_loss": "data.eod_mask_loss",
     "tensor_model_parallel_size": "mesh.tensor", "pipeline_model_parallel_size": "mesh.pipeline",
     "context_parallel_size": "mesh.sequence", "ds_sequence_parallel_size": "mesh.sequence",
     "sequence_parallel": "parallel.megatron_sp", "zero_stage": "parallel.zero_stage",
@@ -435,14 +450,12 @@ def _check_values(cfg: Config) -> None:
     if len(fill) > 1:
         raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
     d = cfg.data
-    if not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 1)")
-    paths = [path for path in d.input.split(",") if path]
-    if not paths:
-        raise ConfigError("data.input", d.input, "name text files or directories, comma-separated")
-    for path in paths:
-        if not os.path.exists(path):
-            raise ConfigError("data.input", path, "no such file or directory")
+    if not (d.input.strip() or d.file_list):
+        raise ConfigError("data.input", d.input, "name text files or directories (comma-separated), or "
+                          "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
+    if d.tokenizer not in ("char", "byte", "gpt2") and not os.path.exists(d.tokenizer):
+        raise ConfigError("data.tokenizer", d.tokenizer, "choose char, byte, gpt2, or the path of a Hugging "
+                          "Face tokenizer.json (or of a local directory holding one)")
     if d.tokenizer == "gpt2":
         for name in ("encoder.json", "vocab.bpe"):
             if not os.path.isfile(os.path.join(d.gpt2_dir, name)):
@@ -499,12 +512,14 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     return m
 
 
-def resolve(spec: Config, *, num_devices: int, vocab_size: int | None = None, backend: str | None = None) -> Resolved:
+def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
+            backend: str | None = None) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
 
     Args:
       spec: the config as files and flags wrote it (not changed).
-      num_devices: devices the mesh must cover (``jax.device_count()``).
+      num_devices: devices the mesh must cover (``jax.device_count()``); None: the mesh as written
+        (a -1 axis counted as 1), for tools that need no devices.
       vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
         known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
       backend: the JAX backend (kind) the attention implementation must run on; None: the default.
@@ -514,6 +529,8 @@ def resolve(spec: Config, *, num_devices: int, vocab_size: int | None = None, ba
     cfg = from_dict(spec.to_dict())  # a copy that may be written, also of a resolved config
     _check_values(cfg)
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    if num_devices is None:
+        num_devices = math.prod(abs(n) for n in mesh.to_dict().values())
     shape = mesh_shape(mesh, num_devices)
     if math.prod(shape.values()) != num_devices:
         raise ConfigError("mesh", {a: getattr(mesh, a) for a in MESH_AXES},

@@ -52,6 +52,7 @@ SHORTER = [
     (r"benchmarks/sequence_memory\.py", ["--sizes=1", "--start=256", "--budget=1.4", "--", "--config.model.num_layers=2"]),
     (r"benchmarks/attention\.py", ["--seqs=128", "--iters=1", "--warmup=0", "--impls=xla"]),
     (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
+    (r"benchmarks/data_startup\.py", ["--datasets=5"]),
 ]
 CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "ruff check",
       "python -m pytest")
