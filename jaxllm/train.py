@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxllm import attention, checkpoint, config, distributed, metrics, model, optim, pipeline, sharding, step
+from jaxllm import attention, checkpoint, config, distributed, gpu_env, metrics, model, optim, pipeline, sharding, step
 from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
 from jaxllm.sampling import Sampler
 
@@ -273,7 +273,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
-        distributed.initialize()  # first: joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
+        distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
         train(flags.FLAGS.config, flags.FLAGS.workdir)
     except config.ConfigError as e:
         print(e, file=sys.stderr)
