@@ -30,6 +30,9 @@ Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -39,15 +42,51 @@ from jaxllm_kernels import pallas_attention, reference, triton_attention
 
 AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
 _KINDS = ("cpu", "cuda", "rocm", "tpu")
+# Pallas tiles when lowering for a GPU that is not here: Pallas itself then lowers for compute
+# capability 9.0 (its fallback without a GPU), so Hopper's; CDNA's for ROCm.
+TARGET_FAMILY = {"cuda": "hopper", "rocm": "cdna"}
+_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("jaxllm_attention_target",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def lowering_target(kind: str, family: str | None = None):
+    """Trace attention for the GPU backend ``kind`` (``"cuda"`` or ``"rocm"``) instead of the default backend.
+
+    For lowering ahead of time for a GPU this machine lacks (``jax.export`` with
+    ``platforms=[kind]``): inside the block :func:`backend_kind` answers ``kind``, so ``auto``
+    and the availability checks follow it, and the Pallas kernel is traced for Triton (not
+    interpret mode) with the tiles of ``family`` (a key of
+    :data:`jaxllm_kernels.pallas_attention.DEFAULT_BLOCK_SIZES`; default :data:`TARGET_FAMILY`
+    of ``kind``).  A program traced inside runs only on ``kind``.  JAX's tracing caches do not know this setting, so they are cleared on entry
+    and exit (``jax.clear_caches``): nothing traced inside is reused outside, or the reverse.
+
+    Raises:
+      ValueError: ``kind`` is not ``"cuda"`` or ``"rocm"``, or ``family`` is unknown.
+    """
+    family = family or TARGET_FAMILY.get(kind)
+    if kind not in TARGET_FAMILY or family not in pallas_attention.DEFAULT_BLOCK_SIZES:
+        raise ValueError(f"lowering_target({kind!r}, {family!r}): choose a kind of {', '.join(TARGET_FAMILY)} and a "
+                         f"family of {', '.join(pallas_attention.DEFAULT_BLOCK_SIZES)}")
+    jax.clear_caches()
+    token = _TARGET.set((kind, family))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+        jax.clear_caches()
 
 
 def backend_kind(backend=None) -> str:
     """``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"`` (or another platform name) for a JAX backend.
 
     Args:
-      backend: None (the default backend), a JAX backend name (``"gpu"``, ``"cpu"``, ...),
-        or one of the kinds themselves, returned unchanged (to ask about another machine).
+      backend: None (the default backend, or the kind of an enclosing :func:`lowering_target`),
+        a JAX backend name (``"gpu"``, ``"cpu"``, ...), or one of the kinds themselves, returned
+        unchanged (to ask about another machine).
     """
+    if backend is None and _TARGET.get() is not None:
+        return _TARGET.get()[0]
     if backend in _KINDS:
         return backend
     client = jax.extend.backend.get_backend(backend)
@@ -141,6 +180,9 @@ def _xla(q, k, v, **kw):
 
 
 def _pallas(q, k, v, **kw):
+    target = _TARGET.get()
+    if target is not None:  # lowering for a GPU that is not here: Triton, that GPU family's tiles
+        kw.update(interpret=False, block_sizes=pallas_attention.DEFAULT_BLOCK_SIZES[target[1]])
     return pallas_attention.flash_attention(q, k, v, **kw)
 
 
