@@ -148,12 +148,15 @@ def compile_source(src, target: str, num_warps: int, num_stages: int) -> dict:
     backend, arch, warp, _, _, limit = TARGETS[target]
     opts = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)  # Triton's and jax_triton's default
     log = io.StringIO()
+    knobs = triton.knobs
     with contextlib.redirect_stdout(log):
-        triton.knobs.nvidia.dump_ptxas_log = backend == "cuda"  # ptxas -v: registers and spills
+        knobs.nvidia.dump_ptxas_log = backend == "cuda"  # ptxas -v: registers and spills
+        knobs.compilation.always_compile = True  # a cached kernel would skip ptxas and its log
         try:
             compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=opts)
         finally:
-            triton.knobs.nvidia.dump_ptxas_log = False
+            knobs.nvidia.dump_ptxas_log = False
+            knobs.compilation.always_compile = False
     res = {"smem": int(compiled.metadata.shared), "smem_limit": limit, "sgprs": None, "scratch": None,
            "occupancy": None}
     if backend == "cuda":

@@ -36,6 +36,22 @@ def test_every_setting_has_a_source_and_a_reason():
     assert len(names) == len(set(names)), "a setting given twice for one vendor"
 
 
+def test_performance_md_lists_every_setting():
+    with open(os.path.join(ROOT, "docs", "performance.md"), encoding="utf-8") as f:
+        doc = f.read()
+    table = doc[doc.index("### GPU settings: XLA flags and runtime variables"):]
+    for s in gpu_env.SETTINGS:
+        row = next(ln for ln in table.splitlines() if ln.startswith(f"| `{s.name}` |"))
+        cells = row.split(" | ")
+        value = f"`{s.value}`" if s.value else "(empty)"
+        for vendor, cell in (("cuda", cells[1]), ("rocm", cells[2])):
+            if vendor in s.vendors:
+                assert cell == value, (s, row)
+            elif not any(o.name == s.name and vendor in o.vendors for o in gpu_env.SETTINGS):
+                assert cell == "-", (s, row)
+        assert s.source.split(";")[0].strip() in row and row.endswith(" | no |"), row
+
+
 def test_apply_cuda_and_rocm():
     env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
     applied = gpu_env.apply(env, "cuda")

@@ -65,6 +65,7 @@ VARIANTS = [
     Variant("fp16-causal-window-segments-d128", dtype=jnp.float16, head_dim=128, window=100, segments=True),
     Variant("bf16-uneven-200x328-window-gqa", heads=4, kv_heads=2, sq=200, sk=328, window=77),
     Variant("f32-positions-window-d64", dtype=jnp.float32, positions=True, window=64),
+    Variant("bf16-full-d80-padded", heads=3, kv_heads=1, head_dim=80, causal=False),  # head_dim padded to 128
 ]
 
 
