@@ -26,10 +26,14 @@ import os
 import sys
 
 
-if __name__ == "__main__":  # the CPU device count must be fixed before jax starts a backend
+if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
+    from jaxllm import gpu_env
     from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
+    _gpu = gpu_env.apply()  # the same GPU settings as training
+    if _gpu.line():
+        print(_gpu.line(), flush=True)
 
 import copy  # noqa: E402
 import datetime  # noqa: E402

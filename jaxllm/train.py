@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, cli, config, distributed, flops, hardware, metrics, model, pipeline
+from jaxllm import checkpoint, cli, config, distributed, flops, gpu_env, hardware, metrics, model, pipeline
 from jaxllm.data import Batches, Data, DataError, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.run import Run
@@ -231,7 +231,9 @@ def main(argv):
         if flags.FLAGS.check_devices:
             print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
             return
-        distributed.initialize()  # first: joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
+        distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
         train(flags.FLAGS.config, flags.FLAGS.workdir)
     except KeyboardInterrupt:
         cli.fail("jaxllm: interrupted; nothing saved since the last checkpoint", code=EXIT_INTERRUPTED)
