@@ -155,6 +155,9 @@ class Data(Section):
     reset_position_ids: bool = False  # positions restart after each end-of-document token
     reset_attention_mask: bool = False  # attention stays within documents (segment ids)
     eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
+    # text inputs: the largest fraction of an input's characters that may fail to decode as UTF-8
+    # (or be NUL): a binary file given by mistake stops the run; 1.0 keeps anything
+    max_undecodable: float = _key(0.01, ">=0")
 
 
 @dataclasses.dataclass

@@ -42,6 +42,7 @@ import uuid
 
 import numpy as np
 
+from jaxllm.config import Data
 from jaxllm.data import cache, indexed
 from jaxllm.data.tokenizers import (TOKENIZER_NAMES, CharTokenizer, DataError, GPT2_FILES, make_tokenizer,
                                     sha256_file, tokenizer_from_meta)
@@ -53,6 +54,12 @@ RECORD_SUFFIXES = (".jsonl", ".parquet")
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Characters handed to the tokenizer at once: bounds memory, keeps the workers (or Rust threads) busy.
 _BATCH_CHARS = 4 << 20
+
+
+# The largest fraction of an input's characters that may fail to decode as UTF-8 (or be NUL), as
+# data.max_undecodable: the standard library's sources hold a few test files in other encodings
+# (0.01% of the corpus); an executable is about 27%.
+MAX_UNDECODABLE = Data.__dataclass_fields__["max_undecodable"].default
 
 
 def meta_path(prefix: str) -> str:
@@ -191,16 +198,43 @@ def iter_documents(path: str, json_key: str = "text", document_marker: str = "")
         yield raw.decode("utf-8", errors="replace"), len(raw)
 
 
-def _batches(files, json_key, document_marker):
-    """Lists of (text, source_bytes) of about _BATCH_CHARS characters, in corpus order."""
-    batch, size = [], 0
+def _inputs_of(inputs: list[str]) -> dict[str, str]:
+    """Each file of ``inputs`` -> the input (file or directory) that names it."""
+    return {f: item for item in reversed(inputs) for f in collect_files([item])}
+
+
+def _check_decodable(item: str, bad: int, chars: int, limit: float) -> None:
+    if chars and bad / chars > limit:
+        raise DataError(f"data input {item}: {bad / chars:.1%} of its {chars:,} characters are not UTF-8 text "
+                        f"(bytes that do not decode, or NUL): is it a binary file? Leave it out of data.input "
+                        f"(--input), or set data.max_undecodable (--max-undecodable) to {bad / chars:.2g} or more "
+                        f"to keep it")
+
+
+def _batches(files, json_key, document_marker, inputs_of=None, max_undecodable=1.0):
+    """Lists of (text, source_bytes) of about _BATCH_CHARS characters, in corpus order.
+
+    Checks on the way that at most ``max_undecodable`` of the characters of each input (a file,
+    or all the files of a directory; ``inputs_of`` maps a file to its input) failed to decode as
+    UTF-8 or are NUL: a binary file (an executable, an archive) would otherwise train silently.
+    """
+    batch, size, counts, current = [], 0, [0, 0], None
     for path in files:
+        item = (inputs_of or {}).get(path, path)
+        if item != current:
+            if current is not None:
+                _check_decodable(current, *counts, max_undecodable)
+            counts, current = [0, 0], item
         for text, consumed in iter_documents(path, json_key, document_marker):
+            counts[0] += text.count("\ufffd") + text.count("\0")
+            counts[1] += len(text)
             batch.append((text, consumed))
             size += len(text)
             if size >= _BATCH_CHARS:
                 yield batch
                 batch, size = [], 0
+    if current is not None:
+        _check_decodable(current, *counts, max_undecodable)
     if batch:
         yield batch
 
@@ -238,7 +272,8 @@ def _replaceable(prefix: str) -> bool:
 
 
 def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "", json_key: str = "text",
-             document_marker: str = "", workers: int = 1, progress: bool = True) -> dict:
+             document_marker: str = "", workers: int = 1, progress: bool = True, inputs_of=None,
+             max_undecodable: float = 1.0) -> dict:
     t0 = time.perf_counter()
     prefix = os.path.abspath(prefix)
     if not _replaceable(prefix):
@@ -262,7 +297,7 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
     pool = None
     try:
         num_tokens = text_bytes = 0
-        batches = _batches(files, json_key, document_marker)
+        batches = _batches(files, json_key, document_marker, inputs_of, max_undecodable)
         if workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_meta,))
             pairs = collections.deque()  # the batches in flight, in order
@@ -339,7 +374,8 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
 
 
 def prepare(inputs: list[str], tokenizer: str, output_prefix: str, *, gpt2_dir: str = "", json_key: str = "text",
-            document_marker: str = "", workers: int = 1, progress: bool = True) -> dict:
+            document_marker: str = "", workers: int = 1, progress: bool = True,
+            max_undecodable: float = MAX_UNDECODABLE) -> dict:
     """Tokenizes files/directories into the indexed dataset ``output_prefix`` (see the module doc).
 
     Args:
@@ -351,14 +387,18 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, *, gpt2_dir: 
       document_marker: in text files, a line starting with it begins a new document ("": one per file).
       workers: tokenizing processes (1: this process, with the tokenizer's own threads).
       progress: draw a progress bar on a terminal.
+      max_undecodable: the largest fraction of an input's characters that may fail to decode as
+        UTF-8 or be NUL (a binary file; 1.0 keeps anything).
     Returns:
       the metadata written to ``output_prefix.meta.json``.
     Raises:
-      DataError: a missing/unreadable/malformed input, no text, a bad tokenizer, or an existing
-        dataset at ``output_prefix`` that this tool did not write.
+      DataError: a missing/unreadable/malformed input, an input that is not text, no text, a bad
+        tokenizer, or an existing dataset at ``output_prefix`` that this tool did not write.
     """
-    return _prepare(collect_files(list(inputs)), tokenizer, output_prefix, gpt2_dir=gpt2_dir, json_key=json_key,
-                    document_marker=document_marker, workers=workers, progress=progress)
+    inputs = list(inputs)
+    return _prepare(collect_files(inputs), tokenizer, output_prefix, gpt2_dir=gpt2_dir, json_key=json_key,
+                    document_marker=document_marker, workers=workers, progress=progress,
+                    inputs_of=_inputs_of(inputs), max_undecodable=max_undecodable)
 
 
 def text_inputs(data_cfg) -> list[str]:
@@ -405,7 +445,8 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
 
     def build(tmp):
         _prepare(files, spec, os.path.join(tmp, "data"), gpt2_dir=data_cfg.gpt2_dir, json_key=data_cfg.json_key,
-                 document_marker=data_cfg.document_marker)
+                 document_marker=data_cfg.document_marker, inputs_of=_inputs_of(text_inputs(data_cfg)),
+                 max_undecodable=data_cfg.max_undecodable)
 
     if not cache.build_once(directory, build, what=f"the tokenized {', '.join(text_inputs(data_cfg))[:200]}"):
         meta = read_meta(prefix)
@@ -427,10 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--document-marker", default="", metavar="MARKER",
                    help="in text files, a line starting with MARKER begins a new document (and is dropped)")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--max-undecodable", type=float, default=MAX_UNDECODABLE, metavar="FRACTION",
+                   help="the largest fraction of an input's characters that may fail to decode as UTF-8 (binary "
+                        "files); 1 keeps anything")
     args = p.parse_args(argv)
     try:
         prepare(args.input, args.tokenizer, args.output_prefix, gpt2_dir=args.gpt2_dir, json_key=args.json_key,
-                document_marker=args.document_marker, workers=args.workers)
+                document_marker=args.document_marker, workers=args.workers, max_undecodable=args.max_undecodable)
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
