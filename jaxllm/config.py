@@ -127,6 +127,9 @@ class Train(Section):
     # consecutive steps with a non-finite loss or gradient norm (each skipped: no update) after which
     # the run stops with an error; a diverged run rarely recovers
     max_nonfinite_steps: int = _key(10, ">0")
+    # seconds a train step, an evaluation or a save may make no progress (a collective some devices
+    # never reach) before the run stops with one line and exit status 70; 0: never
+    stall_timeout_s: int = _key(600, ">=0")
 
 
 def default_corpus() -> str:
@@ -207,6 +210,9 @@ class Log(Section):
     name: ClassVar[str] = "log"
     tensorboard: bool = True
     progress_bar: bool = True  # only drawn when stdout is a terminal
+    # library chatter (Gloo connections, XLA warnings, other processes' logs) on the console too;
+    # otherwise it goes to WORKDIR/logs/
+    verbose: bool = False
     samples: int = _key(1, ">=0")  # text samples printed at the end of training
     sample_tokens: int = _key(256, ">=0")
     sample_prompt: str = ""  # "": the first tokens of the validation split

@@ -25,15 +25,16 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, cli, config, distributed, flops, gpu_env, hardware, metrics, model, pipeline
+from jaxllm import checkpoint, cli, config, console, distributed, flops, gpu_env, hardware, metrics, model, pipeline
 from jaxllm.data import Batches, Data, DataError, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.run import Run
 from jaxllm.sampling import Sampler
+from jaxllm.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130  # a second Ctrl-C (or one before training started): the shell's status for SIGINT
+EXIT_INTERRUPTED = 130  # Ctrl-C before training started: the shell's status for SIGINT
 
 
 class Preempted(Exception):
@@ -158,18 +159,20 @@ def train(cfg, workdir: str) -> dict:
     bubble = pipeline.schedule_bubble(cfg)
     tick, steps_since = time.perf_counter(), 0
     batch = run.global_batch(*loader.train_batch(start))
+    watchdog = Watchdog(t.stall_timeout_s)
     # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
     preemption = checkpoint.Preemption().install()
     try:
         for s in range(start, t.train_iters):
-            state, m = train_step(state, *batch)
             done = s + 1
-            if done < t.train_iters:  # prepared while the step runs
-                batch = run.global_batch(*loader.train_batch(done))
+            with watchdog.waiting(f"train step {done}"):
+                state, m = train_step(state, *batch)
+                if done < t.train_iters:  # prepared while the step runs
+                    batch = run.global_batch(*loader.train_batch(done))
+                # One scalar read per step (the batch above is already queued): stopping exactly after N needs it.
+                diverged = int(m["nonfinite_in_a_row"]) >= t.max_nonfinite_steps
             steps_since += 1
             logger.advance(1)
-            # One scalar read per step (the batch above is already queued): stopping exactly after N needs it.
-            diverged = int(m["nonfinite_in_a_row"]) >= t.max_nonfinite_steps
             if done % t.log_interval == 0 or done == t.train_iters or diverged:
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
                 elapsed = time.perf_counter() - tick
@@ -187,19 +190,22 @@ def train(cfg, workdir: str) -> dict:
                                      "lower train.lr, raise train.warmup_iters or check the data, then resume")
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
                 t_eval = time.perf_counter()
-                loss = run.evaluate(state["params"], loader)
+                with watchdog.waiting(f"the evaluation at step {done}"):
+                    loss = run.evaluate(state["params"], loader, progress=watchdog.alive)
                 last_eval = {"eval_loss": loss, "unigram_entropy": unigram}
                 if bpb_scale:
                     last_eval["eval_bpb"] = loss * bpb_scale
                 logger.log(done, last_eval, kind="eval")
                 tick += time.perf_counter() - t_eval  # throughput counts training steps only
-            stop = preemption.reached(done)
-            checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
+            with watchdog.waiting(f"the checkpoint at step {done}"):
+                stop = preemption.reached(done)
+                checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
             if stop:
                 raise Preempted(done)
-    finally:  # a pending asynchronous save completes before the process ends
+    finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
+        with watchdog.waiting("the last checkpoint's save"):
+            checkpointer.close()
         preemption.uninstall()
-        checkpointer.close()
         logger.close()
 
     if primary and cfg.log.samples:
@@ -233,10 +239,12 @@ def main(argv):
             return
         gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
         distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        check_workdir(flags.FLAGS.workdir)
+        console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
         gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
         train(flags.FLAGS.config, flags.FLAGS.workdir)
     except KeyboardInterrupt:
-        cli.fail("jaxllm: interrupted; nothing saved since the last checkpoint", code=EXIT_INTERRUPTED)
+        cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
     except config.ConfigError as e:
         cli.fail(e)
     except DataError as e:
