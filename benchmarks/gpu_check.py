@@ -228,7 +228,7 @@ def report(a, results, started, total_s) -> str:
 def main(argv=None) -> int:
     a = _parse(argv)
     env = _environment()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     t0 = time.perf_counter()
     first = run_step("devices", [sys.executable, "-c", _DEVICES], env, a.timeout)
     if not a.dry_run and first["rc"] == 0 and '"backend": "cpu"' in first["stdout"]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
     from jaxllm import gpu_env
     from jaxllm.cli import force_host_devices

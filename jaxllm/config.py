@@ -200,7 +200,7 @@ class Parallel(Section):
 @dataclasses.dataclass
 class Checkpoint(Section):
     name: ClassVar[str] = "checkpoint"
-    interval: int = _key(0, ">=0")  # steps between saves; 0: only at the end
+    interval: int = _key(100, ">=0")  # steps between saves (a crash loses at most this many); 0: only at the end
     keep: int = _key(2, ">0")  # most recent checkpoints kept
     keep_period: int = _key(0, ">=0")  # also keep every checkpoint whose step is a multiple of this; 0: off
 
@@ -305,7 +305,7 @@ def unknown_key_fix(holder, key: str) -> str:
     else:
         known = [f.name for f in dataclasses.fields(holder) if not f.metadata.get("derived")]
         derived = key in holder.__dataclass_fields__
-        what = (f"is derived (computed from the other keys), not set" if derived
+        what = ("is derived (computed from the other keys), not set" if derived
                 else f"no such key in section {holder.name}")
     hint = MEGATRON_NAMES.get(key.replace("-", "_"))
     if hint:

@@ -318,7 +318,7 @@ def test_checkpoint_config_errors(key, value):
 
 def test_resuming_with_another_model_is_a_clear_error(tmp_path):
     """A checkpoint of another model is not "damaged": the error names the keys that differ."""
-    from jaxllm.checkpoint import CheckpointError, Checkpointer
+    from jaxllm.checkpoint import Checkpointer, CheckpointError
 
     spec = config.get_config()
     spec.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32")

@@ -11,11 +11,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import PEPS_MARKER, peps_documents, shakespeare_documents
+
 from jaxllm.config import get_config
-from jaxllm.data import (Batches, ByteTokenizer, CharTokenizer, Data, DataError, GPT2Tokenizer, HFTokenizer,
-                         document_masks, tokenizer_from_meta, unigram_entropy)
+from jaxllm.data import (
+    Batches,
+    ByteTokenizer,
+    CharTokenizer,
+    Data,
+    DataError,
+    GPT2Tokenizer,
+    HFTokenizer,
+    document_masks,
+    tokenizer_from_meta,
+    unigram_entropy,
+)
 from jaxllm.data.cache import build_once
 from jaxllm.data.indexed import IndexedDataset
 from jaxllm.data.inspect import parse_steps
@@ -197,7 +207,7 @@ def test_prepare_cli_workers_and_formats(tmp_path):
                 "--tokenizer", "gpt2", "--gpt2-dir", str(GPT2_DIR), "--json-key", "body", "--output-prefix",
                 str(prefix), "--workers", str(workers))
         assert r.returncode == 0, r.stderr
-        assert f"prepare: 300 documents" in r.stderr and "tokens/s" in r.stderr and "Warning" not in r.stderr
+        assert "prepare: 300 documents" in r.stderr and "tokens/s" in r.stderr and "Warning" not in r.stderr
         outs.append([(prefix.with_suffix(s)).read_bytes() for s in (".bin", ".idx")])
     assert outs[0] == outs[1]  # the same bytes from 1 or 2 tokenizing processes
     ds = IndexedDataset(str(tmp_path / "w2"))

@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import optimized_env
-from jaxllm.plot import read_metrics
 from doc_commands import DOCS, documented, make_sandbox, python_blocks, shortened
+
+from jaxllm.plot import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import optimized_env
 
 from jaxllm import config, train
-
-from conftest import optimized_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

@@ -10,8 +10,14 @@ Batches), ``inspect`` (the CLI that shows a run's batches). See docs/data.md.
 """
 
 from jaxllm.data.loader import Batches, Data, document_masks, unigram_entropy
-from jaxllm.data.tokenizers import (ByteTokenizer, CharTokenizer, DataError, GPT2Tokenizer, HFTokenizer,
-                                    tokenizer_from_meta)
+from jaxllm.data.tokenizers import (
+                                    ByteTokenizer,
+                                    CharTokenizer,
+                                    DataError,
+                                    GPT2Tokenizer,
+                                    HFTokenizer,
+                                    tokenizer_from_meta,
+)
 
 __all__ = ["Batches", "ByteTokenizer", "CharTokenizer", "Data", "DataError", "GPT2Tokenizer", "HFTokenizer",
            "document_masks", "tokenizer_from_meta", "unigram_entropy"]

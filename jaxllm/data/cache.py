@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 HEARTBEAT_S = 5.0
 

@@ -44,8 +44,15 @@ import numpy as np
 
 from jaxllm.config import Data
 from jaxllm.data import cache, indexed
-from jaxllm.data.tokenizers import (TOKENIZER_NAMES, CharTokenizer, DataError, GPT2_FILES, make_tokenizer,
-                                    sha256_file, tokenizer_from_meta)
+from jaxllm.data.tokenizers import (
+    GPT2_FILES,
+    TOKENIZER_NAMES,
+    CharTokenizer,
+    DataError,
+    make_tokenizer,
+    sha256_file,
+    tokenizer_from_meta,
+)
 
 FORMAT_VERSION = 2
 META_SUFFIX = ".meta.json"

@@ -70,7 +70,7 @@ class CharTokenizer:
         self._decode_cps = np.append(cps, np.uint32(ord(REPLACEMENT)))
 
     @classmethod
-    def fit(cls, text: str) -> "CharTokenizer":
+    def fit(cls, text: str) -> CharTokenizer:
         """The tokenizer whose vocabulary is the sorted set of ``text``'s characters."""
         return cls("".join(sorted(set(text))))
 
