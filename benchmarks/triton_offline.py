@@ -85,7 +85,8 @@ def _tile_text(bs: pa.BlockSizes, kernel: str) -> str:
 
 
 def pallas_ttir(platform_: str, family: str, a, head_dim: int) -> dict[str, lowering.TritonKernel]:
-    """Forward + backward of the Pallas kernel lowered for ``platform_`` with ``family``'s tiles: ``{kernel: TritonKernel}``."""
+    """Forward + backward of the Pallas kernel lowered for ``platform_`` with ``family``'s tiles:
+    ``{kernel: TritonKernel}``."""
     dtype = jnp.dtype(a.dtype)
     kvh = a.kv_heads or a.heads
 

@@ -25,7 +25,8 @@ SIZES = {
     "GPT1T": (128, 25600, 160),
 }
 
-GPT2_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "shared", "data", "gpt2"))
+GPT2_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.realpath(__file__)),
+                                        "..", "..", "shared", "data", "gpt2"))
 
 
 def get_config(key="GPT125M"):

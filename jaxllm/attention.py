@@ -57,8 +57,9 @@ def lowering_target(kind: str, family: str | None = None):
     and the availability checks follow it, and the Pallas kernel is traced for Triton (not
     interpret mode) with the tiles of ``family`` (a key of
     :data:`jaxllm_kernels.pallas_attention.DEFAULT_BLOCK_SIZES`; default :data:`TARGET_FAMILY`
-    of ``kind``).  A program traced inside runs only on ``kind``.  JAX's tracing caches do not know this setting, so they are cleared on entry
-    and exit (``jax.clear_caches``): nothing traced inside is reused outside, or the reverse.
+    of ``kind``).  A program traced inside runs only on ``kind``.  JAX's tracing caches do not
+    know this setting, so they are cleared on entry and exit (``jax.clear_caches``): nothing
+    traced inside is reused outside, or the reverse.
 
     Raises:
       ValueError: ``kind`` is not ``"cuda"`` or ``"rocm"``, or ``family`` is unknown.

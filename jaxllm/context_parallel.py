@@ -166,7 +166,8 @@ class Attention:
             body = functools.partial(_ring, (axis, n, impl))
         else:
             raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring or ulysses")
-        run = jax.shard_map(body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, layout.spec(("batch", "length"))),
+        run = jax.shard_map(body, mesh=layout.mesh,
+                            in_specs=(q_spec, kv_spec, kv_spec, layout.spec(("batch", "length"))),
                             out_specs=q_spec, check_vma=False)
         return run(q, k, v, positions.astype(jnp.int32))
 

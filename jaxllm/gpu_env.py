@@ -200,7 +200,8 @@ def gpus_on_machine(dev: str = "/dev") -> str | None:
         return "NVIDIA"
     if os.path.exists(os.path.join(dev, "kfd")):
         return "AMD"
-    for vendor, cmd, marker in (("NVIDIA", ["nvidia-smi", "-L"], "GPU "), ("AMD", ["rocm-smi", "--showproductname"], "GPU[")):
+    for vendor, cmd, marker in (("NVIDIA", ["nvidia-smi", "-L"], "GPU "),
+                                ("AMD", ["rocm-smi", "--showproductname"], "GPU[")):
         if shutil.which(cmd[0]):
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout

@@ -118,7 +118,8 @@ class Norm(nnx.Module):
     def __init__(self, cfg):
         self.kind, self.eps = cfg.norm, cfg.norm_eps
         self.scale = _param(None, (cfg.hidden_size,), None, ("embed",))
-        self.bias = _param(None, (cfg.hidden_size,), 0, ("embed",)) if cfg.norm == "layernorm" and cfg.use_bias else None
+        with_bias = cfg.norm == "layernorm" and cfg.use_bias
+        self.bias = _param(None, (cfg.hidden_size,), 0, ("embed",)) if with_bias else None
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)

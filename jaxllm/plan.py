@@ -96,7 +96,8 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"  parameters            {gib(p['params'])}",
         f"  gradients             {gib(p['grads'])}",
         f"  optimizer state       {gib(p['opt_state'])}",
-        f"  model state (sum)     {gib(state)}   ({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
+        f"  model state (sum)     {gib(state)}   "
+        f"({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.flops.flops_per_step)",

@@ -46,7 +46,8 @@ class Run:
         self.eval_sharding = layout.sharding(("batch", "length"))
         train_fn = step.make_train_step(cfg, spec, self.optimizer, layout,
                                         sharding.grad_shardings(cfg, spec.axes, self.mesh))
-        self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+        self.train_step = jax.jit(train_fn,
+                                  in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
         eval_fn = step.make_eval_step(cfg, spec, layout)
         self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], self.eval_sharding,

@@ -51,7 +51,8 @@ class Sampler:
         logits, cache, pos = None, None, 0
         for _ in range(num_tokens):
             if cache is None or pos == self.max_length:
-                context = tokens[:, -max(1, self.max_length // 2):] if cache is not None else tokens[:, -self.max_length:]
+                keep = max(1, self.max_length // 2) if cache is not None else self.max_length
+                context = tokens[:, -keep:]
                 cache = model.init_cache(self.model_cfg, batch, self.max_length)
                 positions = np.broadcast_to(np.arange(context.shape[1], dtype=np.int32), context.shape)
                 logits, cache = self._run(self.params, context, positions, cache)

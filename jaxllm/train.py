@@ -93,7 +93,8 @@ def check(spec: config.Config, num_devices: int) -> str:
     cfg = config.resolve(spec, num_devices=num_devices, vocab_size=KNOWN_VOCAB_SIZES.get(spec.data.tokenizer),
                          backend=backend)
     mesh = " x ".join(f"{a} {n}" for a, n in cfg.mesh_shape.items() if n > 1) or "one device"
-    return f"config ok for {num_devices} {backend} devices: {mesh}, {cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}"
+    return (f"config ok for {num_devices} {backend} devices: {mesh}, "
+            f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}")
 
 
 def pipeline_note(cfg) -> str:
@@ -259,7 +260,8 @@ def main(argv):
 
 if __name__ == "__main__":
     cli.define_config_flag()
-    flags.DEFINE_string("workdir", "runs/default", "run directory: data cache, checkpoints, metrics.jsonl, tensorboard/")
+    flags.DEFINE_string("workdir", "runs/default",
+                        "run directory: data cache, checkpoints, metrics.jsonl, tensorboard/")
     flags.DEFINE_integer("check_devices", 0, "only check the config for this many devices (a launcher's dry run): "
                          "nothing is started, read or written")
     app.run(main, flags_parser=cli.parse_flags)

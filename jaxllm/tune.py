@@ -16,14 +16,14 @@ Search space: every ordered factorization of N devices over the mesh axes in ``-
    per-device total exceeds the target memory (``--device_memory=4GiB``,
    ``--device=H100``; default on GPU the device's ``bytes_limit``, on CPU none) is pruned
    without running.
-3. Measurement: :func:`jaxllm.bench.benchmark` with ``--steps`` timed steps after
-   ``--warmup`` (the CLI keeps XLA's persistent compilation cache in a temporary directory,
-   so the plan's compilation of a candidate serves its measurement too).  The config as given (the baseline) is measured first.  When the
-   budget (``--budget=N`` measured candidates or ``--budget=10m`` minutes) covers the
-   whole space the candidates are enumerated; otherwise Optuna's TPE sampler picks them
-   (constrained: rejected and pruned trials are infeasible).  The ``--confirm`` best
-   and the baseline are measured once more at the end, interleaved, and ranked by the
-   mean of their two measurements (the machine's load moves single measurements).
+3. Measurement: :func:`jaxllm.bench.benchmark` with ``--steps`` timed steps after ``--warmup``
+   (the CLI keeps XLA's persistent compilation cache in a temporary directory, so the plan's
+   compilation of a candidate serves its measurement too).  The config as given (the baseline)
+   is measured first.  When the budget (``--budget=N`` measured candidates or ``--budget=10m``
+   minutes) covers the whole space the candidates are enumerated; otherwise Optuna's TPE sampler
+   picks them (constrained: rejected and pruned trials are infeasible).  The ``--confirm`` best
+   and the baseline are measured once more at the end, interleaved, and ranked by the mean of
+   their two measurements (the machine's load moves single measurements).
 
 Output (in ``--output_dir``): ``tune.md`` (summary and ranked table), ``tune.csv``,
 ``tune.png`` (tokens/s per measured candidate) and the chosen config as a ready
@@ -539,7 +539,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("axes", ",".join(AXES), "mesh axes to factorize the devices over")
     flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)")
     flags.DEFINE_string("remat", "none,full,save_dots", "remat policies")
-    flags.DEFINE_string("attention", "auto", "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
+    flags.DEFINE_string("attention", "auto",
+                        "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
     flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
     flags.DEFINE_string("sequence_impls", ",".join(config.choices("parallel.sequence_impl")),
                         "sequence_impl values tried when mesh.sequence > 1")

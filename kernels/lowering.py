@@ -97,10 +97,12 @@ def triton_kernels(exported: export.Exported) -> list[TritonKernel]:
                         if (child.name == "stablehlo.custom_call"
                                 and ir.StringAttr(child.attributes["call_target_name"]).value == TRITON_CALL):
                             cfg = ir.DictAttr(child.attributes["mhlo.backend_config"])
-                            num = lambda key: ir.IntegerAttr(cfg[key]).value  # noqa: E731
-                            out.append(TritonKernel(ir.StringAttr(cfg["name"]).value, ir.StringAttr(cfg["ir"]).value_bytes,
-                                                    num("num_warps"), num("num_stages"),
-                                                    (num("grid_x"), num("grid_y"), num("grid_z"))))
+                            num = {k: ir.IntegerAttr(cfg[k]).value
+                                   for k in ("num_warps", "num_stages", "grid_x", "grid_y", "grid_z")}
+                            out.append(TritonKernel(ir.StringAttr(cfg["name"]).value,
+                                                    ir.StringAttr(cfg["ir"]).value_bytes,
+                                                    num["num_warps"], num["num_stages"],
+                                                    (num["grid_x"], num["grid_y"], num["grid_z"])))
                         walk(child)
 
         walk(module.operation)

@@ -67,8 +67,9 @@ def run_layout(layout, batches):
     declared = sharding.param_specs(run.spec.axes, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
     mismatched = [
         jax.tree_util.keystr(path)
-        for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(state["params"])[0],
-                                      jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+        for (path, leaf), spec in zip(
+            jax.tree_util.tree_flatten_with_path(state["params"])[0],
+            jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
         if not leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(run.mesh, spec), leaf.ndim)
     ]
     flat = {jax.tree_util.keystr(p): np.asarray(v).tolist()

@@ -212,7 +212,8 @@ def test_damaged_checkpoints_fall_back_to_the_previous_step(data_dir, reference,
     for step in (10, 15, 20):
         for f in data_files(step):
             f.write_bytes(b"")
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .* can be restored: step 20: .*step 15: .*step 10: "):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="no checkpoint in .* can be restored: step 20: .*step 15: .*step 10: "):
         checkpoint.Checkpointer(str(workdir), cfg).restore(abstract)
 
 
@@ -293,7 +294,8 @@ def test_nonfinite_step_is_skipped_and_counted(data_dir, tmp_path):
     state, m = run.train_step(state, *run.global_batch(*loader.train_batch(2)))
     assert np.isfinite(float(m["grad_norm"])) and int(m["nonfinite_in_a_row"]) == 0 and int(m["nonfinite_steps"]) == 2
     # (its learning rate is the schedule's first, 0: skipped steps do not advance the optimizer's count)
-    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(opt0), jax.tree.leaves(jax.device_get(state["opt_state"])))]
+    after = jax.tree.leaves(jax.device_get(state["opt_state"]))
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(opt0), after)]
     assert sum(changed) > len(changed) // 2
 
 

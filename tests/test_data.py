@@ -148,7 +148,8 @@ def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, peps_passage, tmp_path):
         tok = HFTokenizer(str(spec))
         assert tok.vocab_size == 50257 and tok.eot_id == 50256
         np.testing.assert_array_equal(tok.encode(peps_passage), gpt2.encode(peps_passage))
-        assert tok.decode(tok.encode(peps_passage)) == peps_passage and tok.decode([50256, 99999]) == "<|endoftext|>\ufffd"
+        assert tok.decode(tok.encode(peps_passage)) == peps_passage
+        assert tok.decode([50256, 99999]) == "<|endoftext|>\ufffd"
     # a bare tokenizer.json: the end of document is the one special token named like it
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
@@ -234,7 +235,8 @@ def test_parquet_without_pyarrow_says_so(tmp_path):
 
 def test_directory_walk_one_document_per_file(tmp_path):
     root = tmp_path / "corpus"
-    files = {"b.py": "print('b')\n", "a.txt": "alpha", "sub/c.md": "# c", "sub/d.rst": "d", "sub/e.jsonl": '{"text": "e"}\n',
+    files = {"b.py": "print('b')\n", "a.txt": "alpha", "sub/c.md": "# c", "sub/d.rst": "d",
+             "sub/e.jsonl": '{"text": "e"}\n',
              "skip.bin": "no", "skip.json": "{}", ".hidden/h.py": "no", "site-packages/s.py": "no",
              "dist-packages/s.py": "no", "__pycache__/p.py": "no", "sub/.h.py": "no", "empty.txt": ""}
     for name, text in files.items():
@@ -242,7 +244,8 @@ def test_directory_walk_one_document_per_file(tmp_path):
         (root / name).write_text(text)
     (root / "latin1.txt").write_bytes("café".encode("latin-1"))
     found = [os.path.relpath(p, root) for p in collect_files([str(root)])]
-    assert found == ["a.txt", "b.py", "empty.txt", "latin1.txt", *(os.path.join("sub", n) for n in ("c.md", "d.rst", "e.jsonl"))]
+    assert found == ["a.txt", "b.py", "empty.txt", "latin1.txt",
+                     *(os.path.join("sub", n) for n in ("c.md", "d.rst", "e.jsonl"))]
     meta = prepare([str(root), str(root / "a.txt")], "byte", str(tmp_path / "out"), progress=False)
     ds = IndexedDataset(str(tmp_path / "out"))
     assert len(meta["sources"]) == 7 and ds.num_documents == 6  # a file named twice is read once; empty: no document
@@ -267,7 +270,8 @@ def test_prepare_is_atomic_and_keeps_foreign_data(tmp_path):
         prepare([str(src / "a.txt")], "byte", str(out / "m"), progress=False)
     prepare([str(src / "a.txt")], "byte", str(out / "data"), progress=False)
     prepare([str(SHAKESPEARE)], "char", str(out / "data"), progress=False)
-    assert read_meta(str(out / "data"))["tokenizer"] == "char" and IndexedDataset(str(out / "data")).num_tokens == 1115394
+    assert read_meta(str(out / "data"))["tokenizer"] == "char"
+    assert IndexedDataset(str(out / "data")).num_tokens == 1115394
     assert sorted(os.listdir(out)) == ["data.bin", "data.idx", "data.meta.json", "m.bin", "m.idx"]
 
 
@@ -376,11 +380,13 @@ def test_blend_proportions_follow_the_weights(peps_byte, shakespeare_byte, tmp_p
 def test_unweighted_blend_and_file_list(peps_byte, shakespeare_byte, tmp_path):
     (tmp_path / "list.txt").write_text(f"# weight prefix corpus\n0.25 {peps_byte} code\n\n"
                                        f"0.75 {shakespeare_byte} plays  # the speeches\n")
-    cfg = run_cfg("ignored when file_list is set", cache_dir=tmp_path, gb=8, iters=100, file_list=str(tmp_path / "list.txt"))
+    cfg = run_cfg("ignored when file_list is set", cache_dir=tmp_path, gb=8, iters=100,
+                  file_list=str(tmp_path / "list.txt"))
     data = Data(cfg, str(tmp_path), splits=("train",))
     assert data.blend.corpora == ("code", "plays") and data.weights == [0.25, 0.75]
     out = tmp_path / "b.npy"
-    r = cli("jaxllm.data.inspect", f"--config.data.file_list={tmp_path / 'list.txt'}", f"--config.data.cache_dir={tmp_path}",
+    r = cli("jaxllm.data.inspect", f"--config.data.file_list={tmp_path / 'list.txt'}",
+            f"--config.data.cache_dir={tmp_path}",
             "--config.train.global_batch_size=8", "--config.train.micro_batch_size=8", "--config.train.train_iters=100",
             "--config.train.seq_length=64", f"--workdir={tmp_path}", "--steps=10:20", f"--output={out}")
     assert r.returncode == 0, r.stderr
@@ -411,7 +417,8 @@ def test_uniform_windows_are_nanogpts(tmp_path):
     v = Batches(data).batch("valid", 0)
     offsets = int(0.9 * n) + np.random.default_rng([7, 1, 0]).integers(0, n - int(0.9 * n) - 64, size=8)
     np.testing.assert_array_equal(v, np.stack([tokens[o:o + 65] for o in offsets]))
-    np.testing.assert_array_equal(Batches(data, rows=slice(2, 5)).batch("train", 3), Batches(data).batch("train", 3)[2:5])
+    np.testing.assert_array_equal(Batches(data, rows=slice(2, 5)).batch("train", 3),
+                                  Batches(data).batch("train", 3)[2:5])
 
 
 def test_document_masks_reset_at_each_eod():
@@ -438,7 +445,8 @@ def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, peps_byte, 
     for r in range(8):  # positions count from each document's start; segments change after each EOD
         starts = np.r_[0, np.nonzero(x[r] == 50256)[0] + 1]
         starts = starts[starts < 128]
-        np.testing.assert_array_equal(pos[r], np.arange(128) - starts[np.searchsorted(starts, np.arange(128), "right") - 1])
+        doc_start = starts[np.searchsorted(starts, np.arange(128), "right") - 1]
+        np.testing.assert_array_equal(pos[r], np.arange(128) - doc_start)
         np.testing.assert_array_equal(seg[r], np.searchsorted(starts, np.arange(128), "right") - 1)
         np.testing.assert_array_equal(loss[r], (x[r] != 50256).astype(np.float32))
     with pytest.raises(DataError, match="need an end-of-document token, and the byte tokenizer has none"):
@@ -450,7 +458,8 @@ def test_index_cache_is_keyed_and_built_once_across_processes(peps_byte, tmp_pat
     cfg = run_cfg(f"0.5 {peps_byte} 0.5 {peps_byte}", cache_dir=cache, iters=20)
     code = ("import sys, numpy as np; sys.path.insert(0, 'tests')\n"
             "from test_data import run_cfg; from jaxllm.data import Data, Batches\n"
-            f"d = Data(run_cfg({f'0.5 {peps_byte} 0.5 {peps_byte}'!r}, cache_dir={str(cache)!r}, iters=20), {str(tmp_path)!r})\n"
+            f"d = Data(run_cfg({f'0.5 {peps_byte} 0.5 {peps_byte}'!r}, cache_dir={str(cache)!r}, iters=20), "
+            f"{str(tmp_path)!r})\n"
             "print('BUILT' if d.index_built else 'READ', Batches(d).batch('train', 19).sum())")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}) for _ in range(3)]
@@ -493,7 +502,8 @@ def test_bad_inputs_are_one_data_error(peps_byte, tmp_path):
         (run_cfg(f"{peps_byte}.bin"), r"peps_byte.bin: name the indexed dataset by its prefix, .*peps_byte \(without"),
         (run_cfg(peps_byte, split="1,2,3,4"), r"data.split='1,2,3,4': give up to three"),
         (run_cfg(peps_byte, split="100,0,0"), r"leaves the valid split empty.*train.eval_interval=0"),
-        (run_cfg(peps_byte, split="999999,1"), r"the valid split of .* is sequences \[703, 703\) of 703, only 0 tokens"),
+        (run_cfg(peps_byte, split="999999,1"),
+         r"the valid split of .* is sequences \[703, 703\) of 703, only 0 tokens"),
         (run_cfg(f"1 {peps_byte} 1 {peps_byte}", sampling="uniform"), r"uniform reads one dataset"),
         (run_cfg(peps_byte, sampling="random"), r"data.sampling='random': choose megatron or uniform"),
         (run_cfg(peps_byte, file_list=str(tmp_path / "missing.txt")), r"data.file_list=.*missing.txt: cannot read"),
@@ -502,7 +512,8 @@ def test_bad_inputs_are_one_data_error(peps_byte, tmp_path):
          r"the valid split of .* has 12 tokens, but train.seq_length=64 needs at least 65"),
     ]
     (tmp_path / "list.txt").write_text(f"0.5 {peps_byte} corpus extra\n")
-    cases.append((run_cfg(peps_byte, file_list=str(tmp_path / "list.txt")), r"list.txt:1: .*expected \"weight prefix corpus\""))
+    cases.append((run_cfg(peps_byte, file_list=str(tmp_path / "list.txt")),
+                  r"list.txt:1: .*expected \"weight prefix corpus\""))
     for cfg, pattern in cases:
         with pytest.raises(DataError, match=pattern):
             Data(cfg, str(tmp_path))

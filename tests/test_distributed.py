@@ -144,7 +144,8 @@ def dry_run(script, *args, **env):
     lines = r.stdout.splitlines()
     exports = dict(shlex.split(ln[len("export "):])[0].split("=", 1) for ln in lines if ln.startswith("export "))
     commands = [shlex.split(ln) for ln in lines if ln and not ln.startswith(("export ", "#"))]
-    summary = dict(kv.split("=") for kv in next((ln for ln in lines if ln.startswith("# jaxllm launch:")), "x").split()[3:])
+    launch_line = next((ln for ln in lines if ln.startswith("# jaxllm launch:")), "x")
+    summary = dict(kv.split("=") for kv in launch_line.split()[3:])
     return r, exports, commands, summary
 
 
@@ -260,8 +261,8 @@ def test_local_dry_run_and_bad_knobs():
                                             ("ds", "--config.parallel.sequence_impl=ulysses"),
                                             ("ring", "--config.parallel.sequence_impl=ring")])
 def test_sp_type_takes_alcf_values(sp_type, flag):
-    r, _, commands, _ = dry_run("local.sh", "2", "--dry-run", "--config.mesh.data=-1", "--config.train.micro_batch_size=2",
-                                PORT="23999", SP_TYPE=sp_type)
+    r, _, commands, _ = dry_run("local.sh", "2", "--dry-run", "--config.mesh.data=-1",
+                                "--config.train.micro_batch_size=2", PORT="23999", SP_TYPE=sp_type)
     assert r.returncode == 0, r.stderr
     assert train_args(commands[0])[1][0] == flag
 

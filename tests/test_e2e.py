@@ -115,7 +115,8 @@ def test_readme_end_to_end_shortened(tmp_path):
     sep = "\n" + "-" * 40
     ours = sh(f'python -m jaxllm.generate --workdir=runs/peps --prompt="{PROMPT}" --num_tokens=12 --top_k=1', box)
     greedy = (transformers_snippet.replace("do_sample=True", "do_sample=False")
-              .replace("max_new_tokens=100", "max_new_tokens=12").replace("num_return_sequences=2", "num_return_sequences=1"))
+              .replace("max_new_tokens=100", "max_new_tokens=12")
+              .replace("num_return_sequences=2", "num_return_sequences=1"))
     assert greedy.count("=12") == 1 and "do_sample=False" in greedy
     theirs = sh(f"python - <<'EOF'\n{greedy}\nEOF", box)
     ours, theirs = ours.stdout.split(sep)[0], theirs.stdout.split(sep)[0]

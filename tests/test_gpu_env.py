@@ -73,7 +73,8 @@ def test_apply_cuda_and_rocm():
 
 
 def test_the_users_values_win():
-    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false --xla_gpu_all_gather_combine_threshold_bytes=1",
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false "
+                        "--xla_gpu_all_gather_combine_threshold_bytes=1",
            "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     applied = gpu_env.apply(env, "cuda")
     words = env["XLA_FLAGS"].split()
@@ -95,7 +96,8 @@ def test_vendor_from_the_environment_nothing_without_gpus():
     assert gpu_env.apply(env).vendor == "rocm" and env["GPU_MAX_HW_QUEUES"] == "2"
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_dump_to=x"}
     applied = gpu_env.apply(env)
-    assert applied.vendor is None and applied.line() == "" and env == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_dump_to=x"}
+    assert applied.vendor is None and applied.line() == ""
+    assert env == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_dump_to=x"}
 
 
 def _fake_tool(directory, name, output):
@@ -140,5 +142,6 @@ def test_train_warns_when_gpus_are_here_but_jax_runs_on_cpu(tmp_path):
                        timeout=300)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr[-2000:]
-    warnings = [ln for ln in lines if ln.startswith("jaxllm: warning: this machine has NVIDIA GPUs but JAX runs on the CPU")]
+    warning = "jaxllm: warning: this machine has NVIDIA GPUs but JAX runs on the CPU"
+    warnings = [ln for ln in lines if ln.startswith(warning)]
     assert len(warnings) == 1 and "model.attention_impl='flash'" in lines[-1]

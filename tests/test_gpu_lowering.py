@@ -178,7 +178,8 @@ def test_train_step_lowers_on_one_device(steps):
         s = steps[f"{platform}-{impl}-1"]
         assert s["nr_devices"] == 1 and s["platforms"] == [platform]
         if impl == "pallas":
-            assert s["calls"] == {lowering.TRITON_CALL: 3}, s  # one layer scan: fwd in it, dk/dv and dq in its transpose
+            # one layer scan: fwd in it, dk/dv and dq in its transpose
+            assert s["calls"] == {lowering.TRITON_CALL: 3}, s
             assert s["kernels"] == sorted(NAMES)
         else:
             assert s["calls"] == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}, s
@@ -203,7 +204,8 @@ def test_train_step_lowers_on_a_mesh(steps):
 
 
 def _offline():
-    spec = importlib.util.spec_from_file_location("triton_offline", os.path.join(ROOT, "benchmarks", "triton_offline.py"))
+    path = os.path.join(ROOT, "benchmarks", "triton_offline.py")
+    spec = importlib.util.spec_from_file_location("triton_offline", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

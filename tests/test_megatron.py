@@ -24,7 +24,8 @@ def mcore():
     from megatron.core.datasets import helpers, indexed_dataset
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    return {"gpt": gpt_dataset, "helpers": helpers, "indexed": indexed_dataset, "builder": BlendedMegatronDatasetBuilder}
+    return {"gpt": gpt_dataset, "helpers": helpers, "indexed": indexed_dataset,
+            "builder": BlendedMegatronDatasetBuilder}
 
 
 class Tokenizer:

@@ -24,6 +24,12 @@ def small_cfg(train=None, **model_overrides):
     return config.resolve(c, num_devices=1)
 
 
+def loss_and_grads(graphdef, params, tokens):
+    """Mean next-token loss of ``tokens`` [batch, seq] and its gradients."""
+    loss_fn = lambda p: step.cross_entropy(model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, 1)).mean()  # noqa: E731
+    return jax.value_and_grad(loss_fn)(params)
+
+
 def reference_logits(cfg, p, tokens):
     """GPT forward written out with jax.numpy, layer by layer, sharing no code with jaxllm.model;
     logits over the ``vocab_size`` real tokens (the tables' padded rows left out)."""
@@ -51,7 +57,7 @@ def reference_logits(cfg, p, tokens):
         x = x + p["wpe"][:s]
     causal = np.tril(np.ones((s, s), bool))
     for i in range(m.num_layers):
-        L = jax.tree.map(lambda a: a[i], p["layers"])
+        L = jax.tree.map(lambda a, i=i: a[i], p["layers"])
         a, y = L["attn"], norm(x, L["ln1"])
         q = jnp.einsum("bse,ehd->bshd", y, a["wq"]) + a.get("bq", 0)
         k = jnp.einsum("bse,ehd->bshd", y, a["wk"]) + a.get("bk", 0)
@@ -102,8 +108,7 @@ def test_vocabulary_padding_does_not_change_the_model(overrides):
         cfg = small_cfg(make_vocab_size_divisible_by=divisible_by, **overrides)
         graphdef, params = model.describe(cfg.model).graphdef, model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
-        loss, grads = jax.value_and_grad(lambda p: step.cross_entropy(  # noqa: B023
-            model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, axis=1)).mean())(params)
+        loss, grads = loss_and_grads(graphdef, params, tokens)
         for table, axis in (("wte", 0), ("lm_head", 1)):
             if table in params:
                 assert params[table].shape[axis] == cfg.model.padded_vocab_size
@@ -212,7 +217,6 @@ def test_pallas_attention_gives_the_xla_loss():
         graphdef = model.describe(cfg.model).graphdef
         params = model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
-        loss_fn = lambda p: step.cross_entropy(model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, 1)).mean()  # noqa: E731
-        losses.append(jax.value_and_grad(loss_fn)(params))
+        losses.append(loss_and_grads(graphdef, params, tokens))
     np.testing.assert_allclose(losses[1][0], losses[0][0], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), losses[1][1], losses[0][1])

@@ -68,7 +68,8 @@ def test_rules_table_specs():
     cfg = config.get_config()
     table = sharding.rules(cfg)
     P = sharding.PartitionSpec
-    assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), table) == P("pipeline", "fsdp", "tensor", None)
+    qkv = ("layers", "embed", "heads", "head_dim")
+    assert sharding.logical_to_spec(qkv, table) == P("pipeline", "fsdp", "tensor", None)
     assert sharding.logical_to_spec(("vocab", "embed"), table) == P("tensor", "fsdp")
     # an activation's act_embed is never split (its batch is over data and fsdp); a weight's embed is
     assert sharding.logical_to_spec(("batch", "length", "act_embed"), table) == P(("data", "fsdp"), "sequence", None)

@@ -319,7 +319,7 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
             encoded = ((b, _encode([t for t, _ in b], tok)) for b in batches)
         for item in encoded:
             batch, ids_list = (pairs.popleft(), item) if workers > 1 else item
-            for (text, consumed), ids in zip(batch, ids_list):
+            for (text, _), ids in zip(batch, ids_list):
                 if not text:
                     continue  # an empty document (Megatron's tool writes no sequence for one either)
                 if len(ids) and int(ids.max()) >= tok.vocab_size:

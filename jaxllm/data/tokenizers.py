@@ -162,8 +162,9 @@ class GPT2Tokenizer:
         self.vocab_size = tok.get_vocab_size()
         self.eot_id = tok.token_to_id("<|endoftext|>")
         if self.vocab_size != GPT2_VOCAB_SIZE or self.eot_id != GPT2_EOT_ID:
-            raise DataError(f"gpt2 tokenizer: {paths[0]} has {self.vocab_size} tokens and <|endoftext|> = "
-                            f"{self.eot_id}, expected {GPT2_VOCAB_SIZE} and {GPT2_EOT_ID}; use the original GPT-2 files")
+            raise DataError(f"gpt2 tokenizer: {paths[0]} has {self.vocab_size} tokens and "
+                            f"<|endoftext|> = {self.eot_id}, expected {GPT2_VOCAB_SIZE} and {GPT2_EOT_ID}; "
+                            "use the original GPT-2 files")
 
     def encode(self, text: str) -> np.ndarray:
         """int32 [num_tokens] GPT-2 ids of ``text`` (no end-of-text token added)."""
