@@ -12,7 +12,7 @@ the one layer whose tokens talk to each other; :func:`attention` runs it under
     DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns the sequence-split
     q, k, v into head-split ones over the full sequence, attention runs locally,
     and a second all-to-all turns the output back.  Needs the heads (and key/value
-    heads) of each tensor shard divisible by n (:func:`jaxllm.config.validate`).
+    heads) of each tensor shard divisible by n (:func:`jaxllm.config.resolve`).
 ``ring``
     Ring attention / context parallelism (Liu et al. 2023, "Ring Attention with
     Blockwise Transformers"; Megatron-LM CP): key/value blocks travel around the

@@ -5,7 +5,7 @@ Search space: every ordered factorization of N devices over the mesh axes in ``-
 ``--attention`` x pipeline virtual stages (``--virtual_stages``, only with pipeline > 1;
 > 1 means the interleaved schedule) x ``--sequence_impls`` (only with sequence > 1).
 
-1. Constraints: each candidate goes through :func:`jaxllm.config.validate` (heads,
+1. Constraints: each candidate goes through :func:`jaxllm.config.resolve` (heads,
    FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
    global batch by micro batch x data-parallel size; pipeline: layers divisible by stages
    x virtual stages, microbatches a multiple of the stages; ulysses: heads and key/value
@@ -341,7 +341,7 @@ class Tuner:
         measured = sum(r.status == "measured" for r in self.results.values())
         limit = f"{self.memory_limit / GiB:.3f} GiB/device" if self.memory_limit else "none"
         lines = [f"- search space: {self.space_size} candidates on {self.n} device(s); sampler {self.sampler}",
-                 f"- rejected by the constraints (config.validate + tune.constraint), never compiled: {rejected}"]
+                 f"- rejected by the constraints (config.resolve + tune.constraint), never compiled: {rejected}"]
         lines += [f"  - {key}: {count}" for key, count in sorted(self.rejected.items(), key=lambda kv: -kv[1])]
         lines += [f"- planned (ahead-of-time memory plan): {len(self.results)} of {len(self.valid)} valid",
                   f"- pruned by the memory plan (> {limit}), not run: {pruned}",

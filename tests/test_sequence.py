@@ -32,7 +32,7 @@ LAYOUTS = {
                                             "model": {"num_kv_heads": 4}},
     "sequence2_pipeline2_data2_ring": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ring"), "eval": True},
     "sequence2_pipeline2_data2_ulysses": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ulysses")},
-    # config errors, raised by config.validate before anything compiles
+    # config errors, raised by config.resolve before anything compiles
     "error_ulysses_kv_heads": {"mesh": {"sequence": 8}, **SP("ulysses"), "model": {"num_kv_heads": 4}},
     "error_ulysses_heads": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ulysses"),
                             "model": {"num_attention_heads": 4, "num_kv_heads": 4}},
