@@ -87,9 +87,11 @@ def test_loss_matches_plain_jax_reference(overrides):
     assert params["wte"].shape[0] == cfg.model.padded_vocab_size == 128  # 97 padded: the padding is masked
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
     targets = jnp.roll(tokens, -1, axis=1)
-    ours = step.cross_entropy(model.forward(graphdef, params, tokens), targets).mean()
-    ref = optax.softmax_cross_entropy_with_integer_labels(reference_logits(cfg, params, tokens), targets).mean()
+    ours, grads = jax.value_and_grad(lambda p: model.loss(graphdef, p, tokens, targets) / targets.size)(params)
+    ref, ref_grads = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        reference_logits(cfg, p, tokens), targets).mean())(params)
     np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
     assert ours > 4.0  # near ln(97) = 4.57 at init: the comparison is not between two constants
 
 
@@ -102,8 +104,8 @@ def test_vocabulary_padding_does_not_change_the_model(overrides):
         cfg = small_cfg(make_vocab_size_divisible_by=divisible_by, **overrides)
         graphdef, params = model.describe(cfg.model).graphdef, model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
-        loss, grads = jax.value_and_grad(lambda p: step.cross_entropy(  # noqa: B023
-            model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, axis=1)).mean())(params)
+        loss, grads = jax.value_and_grad(lambda p: model.loss(  # noqa: B023
+            graphdef, p, tokens, jnp.roll(tokens, -1, axis=1)) / tokens.size)(params)
         for table, axis in (("wte", 0), ("lm_head", 1)):
             if table in params:
                 assert params[table].shape[axis] == cfg.model.padded_vocab_size
@@ -212,7 +214,7 @@ def test_pallas_attention_gives_the_xla_loss():
         graphdef = model.describe(cfg.model).graphdef
         params = model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
-        loss_fn = lambda p: step.cross_entropy(model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, 1)).mean()  # noqa: E731
+        loss_fn = lambda p: model.loss(graphdef, p, tokens, jnp.roll(tokens, -1, 1)) / tokens.size  # noqa: E731
         losses.append(jax.value_and_grad(loss_fn)(params))
     np.testing.assert_allclose(losses[1][0], losses[0][0], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), losses[1][1], losses[0][1])
