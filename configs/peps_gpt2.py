@@ -1,7 +1,8 @@
 """A small GPT on the Python Enhancement Proposals, GPT-2 BPE: the end-to-end run of README.
 
 ``../shared/data/peps.txt`` (703 public-domain/CC0 PEPs, 13.9 MB of English technical prose
-with reST markup, 3.97M GPT-2 tokens; first 90% train, last 10% validation), tokenized with
+with reST markup, 3.96M GPT-2 tokens; one document per PEP, the first 90% of them train, the
+last 10% validation, sampled in Megatron-LM's order), tokenized with
 GPT-2's BPE from ``../shared/data/gpt2/``.  4 layers, 4 heads, hidden 128, context 128, tied
 embeddings (the 50k-entry vocabulary is most of the parameters and of the FLOPs), float32.
 
@@ -22,7 +23,7 @@ def get_config():
     c.train.update(seq_length=128, micro_batch_size=2, global_batch_size=16, train_iters=800, lr=2e-3,
                    min_lr=2e-4, warmup_iters=50, eval_interval=100, eval_iters=20, log_interval=20)
     c.data.update(input=os.path.join(SHARED_DATA, "peps.txt"), tokenizer="gpt2",
-                  gpt2_dir=os.path.join(SHARED_DATA, "gpt2"))
+                  gpt2_dir=os.path.join(SHARED_DATA, "gpt2"), document_marker="<|file|>", split="9,1,0")
     c.checkpoint.interval = 100
     c.log.sample_prompt = "This PEP proposes"
     return c

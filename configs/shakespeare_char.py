@@ -23,7 +23,8 @@ def get_config():
     c.train.update(seq_length=64, micro_batch_size=12, global_batch_size=12, train_iters=2000, lr=1e-3,
                    min_lr=1e-4, warmup_iters=100, lr_decay_iters=2000, beta2=0.99, weight_decay=0.1,
                    grad_clip=1.0, eval_interval=250, eval_iters=200, log_interval=100)
+    # nanoGPT's random windows over the first 90% of the characters, validation on the last 10%
     c.data.update(input=os.path.normpath(os.path.join(SHARED_DATA, "tinyshakespeare.txt")), tokenizer="char",
-                  val_fraction=0.1)
+                  sampling="uniform", split="9,1")
     c.log.sample_tokens = 500
     return c

@@ -30,6 +30,9 @@ Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +41,46 @@ from jaxllm.hardware import backend_kind
 from jaxllm_kernels import pallas_attention, reference, triton_attention
 
 AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
+# Pallas tiles when lowering for a GPU that is not here: Pallas itself then lowers for compute
+# capability 9.0 (its fallback without a GPU), so Hopper's; CDNA's for ROCm.
+TARGET_FAMILY = {"cuda": "hopper", "rocm": "cdna"}
+_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("jaxllm_attention_target",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def lowering_target(kind: str, family: str | None = None):
+    """Trace attention for the GPU backend ``kind`` (``"cuda"`` or ``"rocm"``) instead of the default backend.
+
+    For lowering ahead of time for a GPU this machine lacks (``jax.export`` with
+    ``platforms=[kind]``): inside the block the dispatch's backend kind is ``kind``, so ``auto``
+    and the availability checks follow it, and the Pallas kernel is traced for Triton (not
+    interpret mode) with the tiles of ``family`` (a key of
+    :data:`jaxllm_kernels.pallas_attention.DEFAULT_BLOCK_SIZES`; default :data:`TARGET_FAMILY`
+    of ``kind``).  A program traced inside runs only on ``kind``.  JAX's tracing caches do not know this setting, so they are cleared on entry
+    and exit (``jax.clear_caches``): nothing traced inside is reused outside, or the reverse.
+
+    Raises:
+      ValueError: ``kind`` is not ``"cuda"`` or ``"rocm"``, or ``family`` is unknown.
+    """
+    family = family or TARGET_FAMILY.get(kind)
+    if kind not in TARGET_FAMILY or family not in pallas_attention.DEFAULT_BLOCK_SIZES:
+        raise ValueError(f"lowering_target({kind!r}, {family!r}): choose a kind of {', '.join(TARGET_FAMILY)} and a "
+                         f"family of {', '.join(pallas_attention.DEFAULT_BLOCK_SIZES)}")
+    jax.clear_caches()
+    token = _TARGET.set((kind, family))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+        jax.clear_caches()
+
+
+
+def _backend_kind(backend=None) -> str:
+    """:func:`jaxllm.hardware.backend_kind`, or the kind of an enclosing :func:`lowering_target`."""
+    target = _TARGET.get()
+    return target[0] if backend is None and target is not None else backend_kind(backend)
 
 
 def _why_not(impl, kind):
@@ -64,7 +107,7 @@ def available_impls(backend=None) -> list[str]:
 
     ``"auto"`` is always accepted as well and resolves to one of these.
     """
-    kind = backend_kind(backend)
+    kind = _backend_kind(backend)
     return [name for name in ("xla", "cudnn", "pallas", "triton") if _why_not(name, kind) is None]
 
 
@@ -77,7 +120,7 @@ def resolve_impl(impl, backend=None) -> str:
     """
     if impl not in IMPLS:
         raise ValueError(f"model.attention_impl={impl!r} is unknown; choose one of {', '.join(IMPLS)}")
-    kind = backend_kind(backend)
+    kind = _backend_kind(backend)
     if impl == "auto":
         return AUTO.get(kind, "xla")
     why = _why_not(impl, kind)
@@ -124,6 +167,9 @@ def _xla(q, k, v, **kw):
 
 
 def _pallas(q, k, v, **kw):
+    target = _TARGET.get()
+    if target is not None:  # lowering for a GPU that is not here: Triton, that GPU family's tiles
+        kw.update(interpret=False, block_sizes=pallas_attention.DEFAULT_BLOCK_SIZES[target[1]])
     return pallas_attention.flash_attention(q, k, v, **kw)
 
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 import os
 import sys
 
-
-if __name__ == "__main__":  # the CPU device count must be fixed before jax starts a backend
+if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
+    from jaxllm import gpu_env
     from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
+    _gpu = gpu_env.apply()  # the same GPU settings as training
+    if _gpu.line():
+        print(_gpu.line(), flush=True)
 
 import copy  # noqa: E402
 import datetime  # noqa: E402
@@ -40,7 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import cli, config, flops, hardware, model, plan  # noqa: E402
-from jaxllm.data import DataError, Loader, TokenData, ensure_prepared  # noqa: E402
+from jaxllm.data import Batches, Data, DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.run import Run  # noqa: E402
 
@@ -64,7 +67,7 @@ def with_overrides(spec: config.Config, overrides: str) -> config.Config:
 
 
 def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", workdir: str = "runs/bench"):
-    """Resolves ``spec`` for ``num_devices``; returns ``(resolved config, TokenData or None)``.
+    """Resolves ``spec`` for ``num_devices``; returns ``(resolved config, Data or None)``.
 
     The data are read (tokenized into ``WORKDIR/data`` once) when ``data="real"`` or when
     the vocabulary cannot be known otherwise (``model.vocab_size=0`` with the char tokenizer).
@@ -80,7 +83,7 @@ def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", w
     tokens = None
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
     if data == "real" or (not spec.model.vocab_size and vocab is None):
-        tokens = TokenData(ensure_prepared(spec.data, os.path.join(workdir, "data")))
+        tokens = Data(spec, workdir, splits=("train",))
         vocab = tokens.vocab_size
     cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab)
     return cfg, (tokens if data == "real" else None)
@@ -94,7 +97,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       cfg: a config resolved by :func:`prepare`.
       num_devices: the first N of ``jax.devices()`` (default: all).
       steps: timed steps (>= 1); warmup: untimed steps before them (>= 0).
-      data: a :class:`jaxllm.data.TokenData` to feed real batches, or None for synthetic ones.
+      data: a :class:`jaxllm.data.Data` to feed real batches, or None for synthetic ones.
       name: a label stored in the record.
     Returns:
       A dict; times in seconds, throughput in tokens/s (all devices), ``tflops_per_device``
@@ -116,8 +119,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     state = run.initial_state()
     rows = run.process_rows()
     if data is not None:
-        loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                        rows=rows)
+        loader = Batches(data, rows=rows)
         next_batch = lambda i: run.global_batch(*loader.train_batch(i))  # noqa: E731
     else:
         rng = np.random.default_rng(t.seed)

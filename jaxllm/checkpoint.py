@@ -27,9 +27,9 @@ process then reads only the shards its devices need.
 
 from __future__ import annotations
 
+import logging as python_logging
 import os
 import signal
-import sys
 import threading
 
 import jax
@@ -37,6 +37,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from jaxllm import config, model
+
+# Library detail (full Orbax/TensorStore errors): a log file, not the console (see jaxllm.console).
+library = python_logging.getLogger("jaxllm.library")
 
 # The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
@@ -98,10 +101,12 @@ class Checkpointer:
         ``jax.ShapeDtypeStruct`` with shardings, on any mesh); None if there is no checkpoint.
 
         With ``step=None`` it tries the newest step first; when a step cannot be read (a
-        file deleted or truncated, a shape that does not match) it logs a one-line warning
-        naming the step and the reason and tries the one before.  In a multi-process run
-        every process must see the same files (a shared filesystem), so that all of them
-        fall back alike.
+        file deleted or truncated, a shape that does not match) it tries the one before, and
+        once one restores it logs one warning line per damaged step (the full error goes to
+        the ``jaxllm.library`` logger, a file in ``WORKDIR/logs``) and moves the damaged steps
+        to ``checkpoints/damaged/`` (see :meth:`_quarantine`).  In a multi-process run every
+        process must see the same files (a shared filesystem), so that all of them fall back
+        alike.
 
         Raises:
           CheckpointError: ``step`` was given and cannot be restored, or no step can; the
@@ -116,16 +121,47 @@ class Checkpointer:
                 strict = _same_padding(self.manager, s, self.config["model"])
                 restored = self.manager.restore(s, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state, strict=strict)))
-                return restored["state"]
             except Exception as e:  # noqa: BLE001  Orbax/TensorStore raise many types for damaged files
-                failures.append(f"step {s}: {_reason(e)}")
+                failures.append((s, _reason(e)))
                 self.invalid.add(s)
-                logging.warning("checkpoint step %d in %s cannot be restored (%s)%s", s, self.directory, _reason(e),
-                                "; trying the previous one" if s != steps[-1] else "")
+                library.info("checkpoint step %d in %s cannot be restored", s, self.directory, exc_info=True)
+                continue
+            moved = self._quarantine([f for f, _ in failures]) if step is None else {}
+            for f, why in failures:  # one line per damaged step
+                logging.warning("checkpoint step %d in %s cannot be restored (%s)%s; restored step %d instead", f,
+                                self.directory, why, f", moved to {moved[f]}" if f in moved else "", s)
+            return restored["state"]
         if failures:
-            raise CheckpointError(f"no checkpoint in {self.directory} can be restored: " + "; ".join(failures)
+            raise CheckpointError(f"no checkpoint in {self.directory} can be restored: "
+                                  + "; ".join(f"step {f}: {why}" for f, why in failures)
                                   + ". Delete the damaged step directories, or the whole directory to start over.")
         return None
+
+    def _quarantine(self, steps: list[int]) -> dict[int, str]:
+        """Moves damaged ``steps`` (newer than the one restored) to ``checkpoints/damaged/STEP``:
+        kept for inspection, but out of Orbax's step list, so that ``checkpoint.keep`` counts
+        good checkpoints only (Orbax's LatestN keeps the newest ``keep`` steps it lists,
+        damaged or not) and a later save of the same step needs no special case.  Process 0
+        moves them; every process then waits for it and re-reads the step list.  Returns
+        ``{step: new directory}``."""
+        if not steps:
+            return {}
+        moved = {}
+        for s in steps:
+            target = os.path.join(self.directory, "damaged", str(s))
+            while os.path.exists(target):  # damaged before, at the same step
+                target += "+"
+            moved[s] = target
+        if jax.process_index() == 0:
+            os.makedirs(os.path.join(self.directory, "damaged"), exist_ok=True)
+            for s, target in moved.items():
+                os.rename(os.path.join(self.directory, str(s)), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            multihost_utils.sync_global_devices("jaxllm checkpoint quarantine")
+        self.manager.reload()
+        return moved
 
     def _check_model_matches(self, step: int) -> None:
         """A checkpoint of another model would fail to restore on shapes and look damaged: say what differs."""
@@ -166,21 +202,29 @@ class Preemption:
 
     Call :meth:`reached` with the number of completed steps at every step boundary; once
     it returns True, save and stop.  Single process: a Python handler for the three signals
-    sets a flag; a second Ctrl-C aborts at once (``KeyboardInterrupt``).  Several processes
-    must all stop after the same step, or the collective save hangs: JAX's preemption sync
-    manager (started by ``jax.distributed.initialize``) catches SIGTERM in every process and
-    agrees on a step through the coordination service, and :meth:`reached` is
-    ``multihost_utils.reached_preemption_sync_point``; so SIGTERM is left to it (a Python
-    handler would replace it) and SIGUSR1 and SIGINT are forwarded to it as SIGTERM.
-    Handlers are installed only from the main thread (Python's rule); :meth:`uninstall` (or
-    leaving the ``with`` block) puts the previous ones back.
+    sets a flag.  Several processes must all stop after the same step, or the collective
+    save hangs: JAX's preemption sync manager (started by ``jax.distributed.initialize``)
+    catches SIGTERM in every process and agrees on a step through the coordination service,
+    and :meth:`reached` is ``multihost_utils.reached_preemption_sync_point``; so SIGTERM is
+    left to it (a Python handler would replace it) and SIGUSR1 and SIGINT are forwarded to
+    it as SIGTERM.  Handlers are installed only from the main thread (Python's rule);
+    :meth:`uninstall` (or leaving the ``with`` block) puts the previous ones back.
+
+    Ctrl-C: the first SIGINT prints one line and stops like SIGTERM; its handler then gives
+    SIGINT back to the operating system's default, so a second Ctrl-C ends the process at
+    once (status 130 in a shell), even inside a long XLA call or while an asynchronous save
+    completes: Orbax writes into a temporary directory renamed only when complete, so the
+    previous checkpoints stay intact.  An inherited ignored SIGINT (a background job of a
+    launcher script, ``nohup``) stays ignored.
     """
 
     def install(self) -> Preemption:
         """Installs the signal handlers; returns self."""
         self.multi = jax.process_count() > 1
         self.signum = None
-        signals = (signal.SIGUSR1, signal.SIGINT) if self.multi else (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        signals = (signal.SIGUSR1,) if self.multi else (signal.SIGTERM, signal.SIGUSR1)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signals += (signal.SIGINT,)
         in_main = threading.current_thread() is threading.main_thread()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals} if in_main else {}
         return self
@@ -194,14 +238,13 @@ class Preemption:
     __enter__ = install
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # the second Ctrl-C ends the process at once
+            os.write(2, b"\njaxllm: Ctrl-C: saving a checkpoint at the end of this step, then stopping "
+                        b"(Ctrl-C again: stop now, unsaved)\n")
         if self.multi:
             os.kill(os.getpid(), signal.SIGTERM)
-        elif signum == signal.SIGINT and self.signum is not None:
-            raise KeyboardInterrupt  # a second Ctrl-C: abort now
         else:
-            if signum == signal.SIGINT:
-                print("\njaxllm: Ctrl-C: saving a checkpoint at the end of this step, then stopping "
-                      "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
             self.signum = signum
 
     def reached(self, step: int) -> bool:

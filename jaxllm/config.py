@@ -128,6 +128,9 @@ class Train(Section):
     # consecutive steps with a non-finite loss or gradient norm (each skipped: no update) after which
     # the run stops with an error; a diverged run rarely recovers
     max_nonfinite_steps: int = _key(10, ">0")
+    # seconds a train step, an evaluation or a save may make no progress (a collective some devices
+    # never reach) before the run stops with one line and exit status 70; 0: never
+    stall_timeout_s: int = _key(600, ">=0")
 
 
 def default_corpus() -> str:
@@ -137,13 +140,28 @@ def default_corpus() -> str:
 
 @dataclasses.dataclass
 class Data(Section):
-    """Where the tokens come from (see :mod:`jaxllm.data`)."""
+    """Where the tokens come from and how batches are drawn (see :mod:`jaxllm.data` and docs/data.md:
+    the Megatron-LM option each key stands for)."""
 
     name: ClassVar[str] = "data"
-    input: str = dataclasses.field(default_factory=default_corpus)  # text files/directories (comma-separated) or a prepared directory
-    tokenizer: str = _key("byte", choices=("char", "byte", "gpt2"))
+    # text files/directories (comma-separated; prepared into WORKDIR/data), or Megatron's
+    # --data-path: "W1 PREFIX1 W2 PREFIX2 ..." or "PREFIX" (indexed datasets PREFIX.bin/.idx)
+    input: str = dataclasses.field(default_factory=default_corpus)
+    file_list: str = ""  # an ALCF data-file list ("weight prefix corpus" lines); when set, replaces input
+    tokenizer: str = "byte"  # char, byte, gpt2, or a Hugging Face tokenizer.json (or a directory holding one)
     gpt2_dir: str = ""  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
-    val_fraction: float = 0.1  # the last fraction of the token stream is the validation split
+    json_key: str = "text"  # text inputs: the text's key in JSON Lines records / column in Parquet files
+    document_marker: str = ""  # text inputs: a line starting with this begins a new document ("": one per file)
+    split: str = "969,30,1"  # Megatron's --split: train, validation, test weights
+    # megatron: GPTDataset/BlendedDataset order; uniform: nanoGPT's random windows
+    sampling: str = _key("megatron", choices=("megatron", "uniform"))
+    cache_dir: str = ""  # sample indices (Megatron's --data-cache-path); "": index-cache/ beside the data
+    reset_position_ids: bool = False  # positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # attention stays within documents (segment ids)
+    eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
+    # text inputs: the largest fraction of an input's characters that may fail to decode as UTF-8
+    # (or be NUL): a binary file given by mistake stops the run; 1.0 keeps anything
+    max_undecodable: float = _key(0.01, ">=0")
 
 
 @dataclasses.dataclass
@@ -183,7 +201,7 @@ class Parallel(Section):
 @dataclasses.dataclass
 class Checkpoint(Section):
     name: ClassVar[str] = "checkpoint"
-    interval: int = _key(0, ">=0")  # steps between saves; 0: only at the end
+    interval: int = _key(100, ">=0")  # steps between saves (a crash loses at most this many); 0: only at the end
     keep: int = _key(2, ">0")  # most recent checkpoints kept
     keep_period: int = _key(0, ">=0")  # also keep every checkpoint whose step is a multiple of this; 0: off
 
@@ -193,6 +211,9 @@ class Log(Section):
     name: ClassVar[str] = "log"
     tensorboard: bool = True
     progress_bar: bool = True  # only drawn when stdout is a terminal
+    # library chatter (Gloo connections, XLA warnings, other processes' logs) on the console too;
+    # otherwise it goes to WORKDIR/logs/
+    verbose: bool = False
     samples: int = _key(1, ">=0")  # text samples printed at the end of training
     sample_tokens: int = _key(256, ">=0")
     sample_prompt: str = ""  # "": the first tokens of the validation split
@@ -266,6 +287,9 @@ MEGATRON_NAMES = {
     "clip_grad": "train.grad_clip", "weight_decay": "train.weight_decay", "seed": "train.seed",
     "eval_interval": "train.eval_interval", "eval_iters": "train.eval_iters", "log_interval": "train.log_interval",
     "save_interval": "checkpoint.interval", "data_path": "data.input", "tokenizer_type": "data.tokenizer",
+    "data_file_list": "data.file_list", "split": "data.split", "data_cache_path": "data.cache_dir",
+    "json_keys": "data.json_key", "reset_position_ids": "data.reset_position_ids",
+    "reset_attention_mask": "data.reset_attention_mask", "eod_mask_loss": "data.eod_mask_loss",
     "tensor_model_parallel_size": "mesh.tensor", "pipeline_model_parallel_size": "mesh.pipeline",
     "context_parallel_size": "mesh.sequence", "ds_sequence_parallel_size": "mesh.sequence",
     "sequence_parallel": "parallel.megatron_sp", "zero_stage": "parallel.zero_stage",
@@ -282,7 +306,7 @@ def unknown_key_fix(holder, key: str) -> str:
     else:
         known = [f.name for f in dataclasses.fields(holder) if not f.metadata.get("derived")]
         derived = key in holder.__dataclass_fields__
-        what = (f"is derived (computed from the other keys), not set" if derived
+        what = ("is derived (computed from the other keys), not set" if derived
                 else f"no such key in section {holder.name}")
     hint = MEGATRON_NAMES.get(key.replace("-", "_"))
     if hint:
@@ -436,14 +460,12 @@ def _check_values(cfg: Config) -> None:
     if len(fill) > 1:
         raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
     d = cfg.data
-    if not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 1)")
-    paths = [path for path in d.input.split(",") if path]
-    if not paths:
-        raise ConfigError("data.input", d.input, "name text files or directories, comma-separated")
-    for path in paths:
-        if not os.path.exists(path):
-            raise ConfigError("data.input", path, "no such file or directory")
+    if not (d.input.strip() or d.file_list):
+        raise ConfigError("data.input", d.input, "name text files or directories (comma-separated), or "
+                          "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
+    if d.tokenizer not in ("char", "byte", "gpt2") and not os.path.exists(d.tokenizer):
+        raise ConfigError("data.tokenizer", d.tokenizer, "choose char, byte, gpt2, or the path of a Hugging "
+                          "Face tokenizer.json (or of a local directory holding one)")
     if d.tokenizer == "gpt2":
         for name in ("encoder.json", "vocab.bpe"):
             if not os.path.isfile(os.path.join(d.gpt2_dir, name)):
@@ -514,12 +536,14 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     return m
 
 
-def resolve(spec: Config, *, num_devices: int, vocab_size: int | None = None, backend: str | None = None) -> Resolved:
+def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
+            backend: str | None = None) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
 
     Args:
       spec: the config as files and flags wrote it (not changed).
-      num_devices: devices the mesh must cover (``jax.device_count()``).
+      num_devices: devices the mesh must cover (``jax.device_count()``); None: the mesh as written
+        (a -1 axis counted as 1), for tools that need no devices.
       vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
         known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
       backend: the JAX backend (kind) the run is for: the attention implementation must run on it, and
@@ -530,6 +554,8 @@ def resolve(spec: Config, *, num_devices: int, vocab_size: int | None = None, ba
     cfg = from_dict(spec.to_dict())  # a copy that may be written, also of a resolved config
     _check_values(cfg)
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    if num_devices is None:
+        num_devices = math.prod(abs(n) for n in mesh.to_dict().values())
     shape = mesh_shape(mesh, num_devices)
     if math.prod(shape.values()) != num_devices:
         raise ConfigError("mesh", {a: getattr(mesh, a) for a in MESH_AXES},

@@ -6,13 +6,11 @@ host whatever mesh the run used.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from absl import app, flags, logging
 
 from jaxllm import checkpoint, cli, config, model
-from jaxllm.data import DataError, TokenData, ensure_prepared
+from jaxllm.data import Data, DataError
 from jaxllm.sampling import Sampler
 
 
@@ -24,19 +22,19 @@ def main(argv):
         cli.fail(f"error: --temperature={F.temperature}: must be > 0")
     try:
         saved = checkpoint.load_config(F.workdir)
-        data = TokenData(ensure_prepared(saved.data, os.path.join(F.workdir, "data")))
+        tokenizer = Data(saved, F.workdir, splits=()).tokenizer
     except FileNotFoundError as e:
         cli.fail(f"error: {e}")
     except DataError as e:
         cli.fail(f"data error: {e}")
     model_cfg = config.resolve_model(saved.model, seq_length=saved.train.seq_length)
     params = checkpoint.restore_params(model_cfg, F.workdir)
-    prompt = data.tokenizer.encode(F.prompt or "\n")
+    prompt = tokenizer.encode(F.prompt or "\n")
     sampler = Sampler(model_cfg, model.describe(model_cfg).graphdef, params, saved.train.seq_length)
     new = sampler(np.tile(np.asarray(prompt)[None], (F.num_samples, 1)), F.num_tokens,
                   temperature=F.temperature, top_k=F.top_k, seed=F.seed)
     for row in new:
-        print(F.prompt + data.tokenizer.decode(row.tolist()))
+        print(F.prompt + tokenizer.decode(row.tolist()))
         print("-" * 40)
 
 

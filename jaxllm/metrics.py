@@ -167,7 +167,7 @@ class MetricsLogger:
         self._file = self._writer = self._bar = None
         self.enabled = False
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:

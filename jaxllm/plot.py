@@ -84,8 +84,14 @@ def plot(runs, output: str, title: str = "") -> None:
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output)
-    plt.close(fig)
+    tmp = f"{output}.tmp-{os.getpid()}.png"  # a complete file or none: written aside, then renamed
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, output)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     output = args.output or os.path.join(args.workdir, "loss.png")
-    plot(runs, output, args.workdir if args.title is None else args.title)
+    try:
+        plot(runs, output, args.workdir if args.title is None else args.title)
+    except OSError as e:
+        print(f"error: cannot write {output} ({e.strerror}); give --output=FILE in a directory you can write",
+              file=sys.stderr)
+        return 2
     print(summary(runs))
     print(f"wrote {output}")
     return 0

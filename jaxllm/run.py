@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxllm import context_parallel, model, optim, sharding, step, vocab_parallel
+from jaxllm import context_parallel, evaluation, model, optim, sharding, step, vocab_parallel
 from jaxllm.config import Resolved
 
 
@@ -49,8 +49,12 @@ class Run:
                                         sharding.grad_shardings(cfg, spec.axes, self.mesh))
         self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
-        self.eval_step = jax.jit(step.make_eval_step(cfg, spec, layout),
-                                 in_shardings=(self.state_sharding["params"], self.eval_sharding, self.eval_sharding))
+        eval_fn = step.make_eval_step(cfg, spec, layout)
+        self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], self.eval_sharding,
+                                                        self.eval_sharding))
+        # [chunk, batch, seq] stacks of validation batches -> [chunk] losses (see jaxllm.evaluation)
+        self.eval_losses = jax.jit(evaluation.batched(eval_fn), in_shardings=(
+            self.state_sharding["params"], self.batch_sharding, self.batch_sharding), out_shardings=layout.sharding(()))
 
     def initial_state(self, checkpointer=None) -> dict:
         """The latest checkpoint's state, or a fresh one created directly in its sharding."""
@@ -79,13 +83,12 @@ class Run:
             self.batch_sharding, np.ascontiguousarray(x.reshape(-1, m, x.shape[-1]).swapaxes(0, 1)))
             for x in (inputs, targets)]
 
-    def evaluate(self, params, loader) -> float:
-        """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches."""
-        losses = []
-        for i in range(self.cfg.train.eval_iters):
-            x, y = (jax.make_array_from_process_local_data(self.eval_sharding, a) for a in loader.eval_batch(i))
-            losses.append(self.eval_step(params, x, y))
-        return float(np.mean(jax.device_get(losses)))
+    def evaluate(self, params, loader, progress=None) -> float:
+        """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches, as few
+        compiled programs over stacks of batches (:func:`jaxllm.evaluation.mean_loss`; ``progress``
+        is called after each)."""
+        return evaluation.mean_loss(self.eval_losses, params, loader.eval_batch, self.cfg.train.eval_iters,
+                                    self.batch_sharding, progress=progress)
 
     def describe(self, params) -> str:
         """The mesh and a table of every parameter: shape, partition spec, bytes per device."""

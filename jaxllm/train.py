@@ -16,7 +16,6 @@ command to continue.
 from __future__ import annotations
 
 import collections
-import copy
 import math
 import os
 import sys
@@ -27,15 +26,16 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, cli, config, distributed, flops, hardware, metrics, model, pipeline
-from jaxllm.data import DataError, Loader, TokenData, ensure_prepared
+from jaxllm import checkpoint, cli, config, console, distributed, flops, gpu_env, hardware, metrics, model, pipeline
+from jaxllm.data import Batches, Data, DataError, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.run import Run
 from jaxllm.sampling import Sampler
+from jaxllm.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130  # a second Ctrl-C (or one before training started): the shell's status for SIGINT
+EXIT_INTERRUPTED = 130  # Ctrl-C before training started: the shell's status for SIGINT
 
 
 class Preempted(Exception):
@@ -100,19 +100,17 @@ def check_workdir(workdir: str) -> None:
                                  "write, or copy the run there to resume it") from None
 
 
-def data_dir(cfg, workdir: str) -> str:
-    """The prepared token directory of a run (prepared into ``WORKDIR/data`` if needed)."""
-    return ensure_prepared(cfg.data, os.path.join(workdir, "data"))
-
-
-def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, TokenData]:
-    """Checks config and data before anything compiles; returns ``(resolved config, TokenData)``.
+def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
+    """Checks config and data before anything compiles; returns ``(resolved config, Data)``.
 
     Raises:
       ConfigError, DataError: with the key or file, the value and the fix.
     """
     config.resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
-    data = TokenData(data_dir(spec, workdir))
+    for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(spec.data, key):  # jaxllm.data computes them (Batches.masks); the model does not take them yet
+            raise config.ConfigError(f"data.{key}", True, "not supported by the model yet; set it to False")
+    data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",))
     return config.resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
 
@@ -121,22 +119,15 @@ def check(spec: config.Config, num_devices: int) -> str:
     or reading data (a launcher's dry run, on a login node); returns a one-line summary.
 
     The attention implementation is checked against the backend ``JAX_PLATFORMS`` or the
-    machine names (CPU if none); data inputs missing on this machine are named in the summary
-    and checked when the job starts.
+    machine names (CPU if none); the data are read when the job starts.
     Raises:
       ConfigError: as :func:`jaxllm.config.resolve`.
     """
-    spec = copy.deepcopy(spec)
-    missing = [p for p in spec.data.input.split(",") if p and not os.path.exists(p)]
-    if missing:
-        spec.data.input = config.default_corpus()
     backend = distributed.gpu_vendor(os.environ) or "cpu"
     cfg = config.resolve(spec, num_devices=num_devices, vocab_size=KNOWN_VOCAB_SIZES.get(spec.data.tokenizer),
                          backend=backend)
     mesh = " x ".join(f"{a} {n}" for a, n in cfg.mesh_shape.items() if n > 1) or "one device"
-    note = f"; data.input {', '.join(missing)} is not on this machine (read when the job starts)" if missing else ""
-    return (f"config ok for {num_devices} {backend} devices: {mesh}, {cfg.microbatches} microbatch(es)/step"
-            f"{pipeline_note(cfg)}{note}")
+    return f"config ok for {num_devices} {backend} devices: {mesh}, {cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}"
 
 
 def pipeline_note(cfg) -> str:
@@ -172,17 +163,17 @@ def train(cfg, workdir: str) -> dict:
             print(f"jaxllm: the run in {workdir} is finished: its checkpoint is at step {start} of "
                   f"train.train_iters={t.train_iters}; to train on, raise --config.train.train_iters")
         return {}
-    loader = Loader(data, seed=t.seed, global_batch_size=t.global_batch_size, seq_length=t.seq_length,
-                    rows=run.process_rows())
+    loader = Batches(data, rows=run.process_rows())
     n_params = model.num_params(state["params"])
     primary = jax.process_index() == 0
-    unigram = data.unigram_entropy("val")  # logged with every evaluation: the best context-free model's loss
+    # logged with every evaluation: the loss of the best context-free model of the validation batches
+    unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
+                               data.vocab_size) if t.eval_interval else float("nan"))
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, "
-              f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens "
-              f"({data.meta['tokenizer']}, vocab {data.vocab_size} -> {cfg.model.padded_vocab_size}; unigram entropy "
-              f"{data.unigram_entropy('all'):.3f} nats/token, validation split {unigram:.3f})"
+              f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, {data.describe()}, model vocabulary "
+              f"{cfg.model.vocab_size} (tables padded to {cfg.model.padded_vocab_size}); unigram entropy of the "
+              f"validation batches {unigram:.3f} nats/token"
               + (f", resuming at step {start}" if start else ""))
         print(run.describe(state["params"]))
 
@@ -195,7 +186,7 @@ def train(cfg, workdir: str) -> dict:
         print(f"compiled the train step in {compile_s:.1f} s; {flops_per_step / 1e12:.4f} TFLOP/step; "
               f"peak {peak / 1e12:.2f} TFLOP/s/device ({peak_source})")
 
-    bpb_scale = data.meta["num_tokens"] / max(1, sum(s["bytes"] for s in data.meta["sources"])) / math.log(2)
+    bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
     logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
                                    progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
     last, last_eval = {}, {}
@@ -203,23 +194,27 @@ def train(cfg, workdir: str) -> dict:
     tick, steps_since = time.perf_counter(), 0
     batch = run.global_batch(*loader.train_batch(start))
     nonfinite = NonFiniteStop(t.max_nonfinite_steps)
+    watchdog = Watchdog(t.stall_timeout_s)
     # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
     preemption = checkpoint.Preemption().install()
     try:
         for s in range(start, t.train_iters):
-            state, m = train_step(state, *batch)
             done = s + 1
-            if done < t.train_iters:  # prepared while the step runs
-                batch = run.global_batch(*loader.train_batch(done))
+            with watchdog.waiting(f"train step {done}"):
+                state, m = train_step(state, *batch)
+                if done < t.train_iters:  # prepared while the step runs
+                    batch = run.global_batch(*loader.train_batch(done))
             steps_since += 1
             logger.advance(1)
             log = done % t.log_interval == 0 or done == t.train_iters
             evaluate = t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters)
-            stop = preemption.reached(done)
+            with watchdog.waiting(f"the checkpoint at step {done}"):
+                stop = preemption.reached(done)
             save = stop or done == t.train_iters or (checkpointer.interval and done % checkpointer.interval == 0)
             # The host reads the device only where it must: the non-finite stop from steps a few back
             # (all pending ones before logging, evaluation and saving), the metrics at log steps.
-            diverged = nonfinite.add(done, m, settle=log or evaluate or save)
+            with watchdog.waiting(f"train step {max(done - nonfinite.lag, start + 1)}"):
+                diverged = nonfinite.add(done, m, settle=log or evaluate or save)
             if log or diverged:
                 step, m = diverged or (done, m)
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
@@ -238,20 +233,27 @@ def train(cfg, workdir: str) -> dict:
                                      "lower train.lr, raise train.warmup_iters or check the data, then resume")
             if evaluate:
                 t_eval = time.perf_counter()
-                loss = run.evaluate(state["params"], loader)
-                last_eval = {"eval_loss": loss, "eval_bpb": loss * bpb_scale, "unigram_entropy": unigram}
+                with watchdog.waiting(f"the evaluation at step {done}"):
+                    loss = run.evaluate(state["params"], loader, progress=watchdog.alive)
+                last_eval = {"eval_loss": loss, "unigram_entropy": unigram}
+                if bpb_scale:
+                    last_eval["eval_bpb"] = loss * bpb_scale
                 logger.log(done, last_eval, kind="eval")
                 tick += time.perf_counter() - t_eval  # throughput counts training steps only
-            checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
+            with watchdog.waiting(f"the checkpoint at step {done}"):
+                checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
             if stop:
                 raise Preempted(done)
-    finally:  # a pending asynchronous save completes before the process ends
+    finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
+        with watchdog.waiting("the last checkpoint's save"):
+            checkpointer.close()
         preemption.uninstall()
-        checkpointer.close()
         logger.close()
 
     if primary and cfg.log.samples:
-        print_samples(cfg, run.spec.graphdef, state["params"], data.tokenizer, np.asarray(data.val[:8]), workdir)
+        split = "valid" if t.eval_interval else "train"
+        print_samples(cfg, run.spec.graphdef, state["params"], data.tokenizer, Batches(data).batch(split, 0)[0, :8],
+                      workdir)
     return {**last, **last_eval, "compile_s": compile_s}
 
 
@@ -277,10 +279,14 @@ def main(argv):
         if flags.FLAGS.check_devices:
             print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
             return
-        distributed.initialize()  # first: joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
+        distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        check_workdir(flags.FLAGS.workdir)
+        console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
+        gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
         train(flags.FLAGS.config, flags.FLAGS.workdir)
     except KeyboardInterrupt:
-        cli.fail("jaxllm: interrupted; nothing saved since the last checkpoint", code=EXIT_INTERRUPTED)
+        cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
     except config.ConfigError as e:
         cli.fail(e)
     except DataError as e:

@@ -100,11 +100,13 @@ class BlockSizes:
 # Defaults per GPU family.  UNTUNED: sensible starting points taken from the
 # shapes FlashAttention-2 and the Triton fused-attention tutorial use (large
 # query tile forward; small iterated tile, large owned tile backward), not
-# measured on this code.  Tune them on the hardware before trusting them.  What was
-# checked without a GPU: with these tiles the Triton IR of all three kernels compiles
-# (triton 3.9) for sm_90, sm_80 and gfx942 within the shared-memory limits and, for
-# bfloat16/float16, without register spills on sm_90.  Float32 inputs use IEEE dots
-# (no tensor cores) and spill with the same tiles: float32 is for checks, not speed.
+# measured on this code.  Tune them on the hardware before trusting them.  What is
+# checked without a GPU (tests/test_gpu_lowering.py, benchmarks/triton_offline.py; the
+# table is in docs/performance.md): with these tiles the Triton IR of all three kernels
+# compiles (triton 3.9) for sm_80, sm_90 and gfx90a within the shared-memory limits and,
+# for bfloat16 at head_dim 64 and 128, without register spills on sm_80/sm_90; on gfx90a
+# the head_dim-128 forward and dK/dV kernels spill.  Float32 inputs use IEEE dots (no
+# tensor cores) and spill with the same tiles: float32 is for checks, not speed.
 DEFAULT_BLOCK_SIZES = {
     "hopper": BlockSizes(128, 64, 32, 64, 128, 32, num_stages=3, num_warps_bwd=8, num_stages_bwd=3),  # sm_90+
     "ampere": BlockSizes(64, 64, 32, 64, 64, 32, num_stages=2, num_warps_bwd=8, num_stages_bwd=2),  # sm_80/86/89

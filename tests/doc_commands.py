@@ -51,7 +51,9 @@ SHORTER = [
     (r"benchmarks/pipeline\.py", ["--microbatches=4", "--steps=1", "--hidden=64", "--seq=32"]),
     (r"benchmarks/sequence_memory\.py", ["--sizes=1", "--start=256", "--budget=1.4", "--", "--config.model.num_layers=2"]),
     (r"benchmarks/attention\.py", ["--seqs=128", "--iters=1", "--warmup=0", "--impls=xla"]),
+    (r"benchmarks/triton_offline\.py", ["--targets=sm_90", "--head-dims=64", "--impls=pallas", "--seq=256", "--heads=2"]),
     (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
+    (r"benchmarks/data_startup\.py", ["--datasets=5"]),
 ]
 CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "ruff check",
       "python -m pytest")

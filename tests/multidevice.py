@@ -4,7 +4,9 @@ Used by tests/test_sharding.py in a subprocess, because the device count must be
 set before jax is imported:  python tests/multidevice.py '<json list of layouts>'
 
 Each layout is ``{"mesh": {...}, "parallel": {...}, "model": {...}}`` overrides
-of :func:`base_config` (``"eval": True`` adds the eval step's loss after training); the result holds the three losses, the parameters after
+of :func:`base_config` (``"eval": True`` adds the validation loss of 200 batches after training, as
+the training loop evaluates: one compiled program over the stacked batches, the case that deadlocked
+XLA:CPU when each batch was its own execution); the result holds the three losses, the parameters after
 three steps (compared by the caller against the single-device run), whether
 every parameter's sharding is the one the rules table declares, and the bytes
 per device of parameters and optimizer state.
@@ -24,20 +26,32 @@ from jaxllm import config, sharding  # noqa: E402
 from jaxllm.run import Run  # noqa: E402
 
 STEPS = 3
+EVAL_BATCHES = 200
+
+
+class ValidationBatches:
+    """``eval_batch(i)``: this process's rows of validation batch ``i`` (random tokens, seeded by ``i``)."""
+
+    def __init__(self, cfg, rows):
+        self.shape, self.rows = (cfg.train.global_batch_size, cfg.train.seq_length + 1), rows
+
+    def eval_batch(self, i):
+        tokens = np.random.default_rng([1, i]).integers(0, 128, self.shape).astype(np.int32)[self.rows]
+        return tokens[:, :-1], tokens[:, 1:]
 
 
 def base_config():
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=128, num_attention_heads=8, vocab_size=128, dtype="float32")
     c.train.update(seq_length=16, micro_batch_size=2, global_batch_size=16, warmup_iters=1, lr=1e-3, min_lr=1e-4,
-                   train_iters=10)
+                   train_iters=10, eval_iters=EVAL_BATCHES)
     return c
 
 
 def run_layout(layout, batches):
     cfg = base_config()
     layout = dict(layout)
-    evaluate = layout.pop("eval", False)  # also the eval step's loss on the first batch, after training
+    evaluate = layout.pop("eval", False)  # also the validation loss of EVAL_BATCHES batches, after training
     for section, values in layout.items():
         getattr(cfg, section).update(**values)
     sizes = list(cfg.mesh.to_dict().values())
@@ -61,8 +75,7 @@ def run_layout(layout, batches):
             for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]}
     eval_loss = None
     if evaluate:
-        x, y = (jax.make_array_from_process_local_data(run.eval_sharding, a[rows]) for a in batches[0])
-        eval_loss = float(run.eval_step(state["params"], x, y))
+        eval_loss = run.evaluate(state["params"], ValidationBatches(cfg, rows))
     return {"losses": losses, "params": flat, "sharding_mismatches": mismatched, "eval_loss": eval_loss,
             "param_bytes": sharding.per_device_bytes(state["params"]),
             "opt_bytes": sharding.per_device_bytes(state["opt_state"])}

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jaxllm import checkpoint, config, train
-from jaxllm.data import Loader, ensure_prepared
+from jaxllm.data import Batches
+from jaxllm.data.prepare import ensure_prepared
 from jaxllm.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,8 @@ def overrides(data_dir, **extra):
          "model.make_vocab_size_divisible_by": 1, "train.seq_length": 32, "train.micro_batch_size": 2,
          "train.global_batch_size": 8, "train.train_iters": ITERS, "train.warmup_iters": 5, "train.lr": 3e-3,
          "train.min_lr": 3e-4, "train.lr_decay_iters": ITERS, "train.eval_interval": 0, "train.log_interval": 1,
-         "data.input": data_dir, "data.tokenizer": "char", "checkpoint.interval": 5, "checkpoint.keep": 2,
+         "data.input": data_dir, "data.tokenizer": "char", "data.sampling": "uniform", "data.split": "9,1",
+         "checkpoint.interval": 5, "checkpoint.keep": 2,
          "checkpoint.keep_period": 10, "log.samples": 0, "log.tensorboard": False, "log.progress_bar": False}
     o.update({k.replace("__", "."): v for k, v in extra.items()})
     return o
@@ -270,7 +272,7 @@ HUGE_INIT = {"model.init_std": 1e30}  # gradients overflow float32: every step's
 def test_nonfinite_step_is_skipped_and_counted(data_dir, tmp_path):
     cfg, data = train.setup(make_config(overrides(data_dir, **{"model__init_std": 1e30})), str(tmp_path))
     run = Run(cfg)
-    loader = Loader(data, seed=cfg.train.seed, global_batch_size=8, seq_length=32, rows=run.process_rows())
+    loader = Batches(data, rows=run.process_rows())
     state = run.initial_state()
     before = jax.device_get(state)
     for s in range(2):
@@ -316,7 +318,7 @@ def test_checkpoint_config_errors(key, value):
 
 def test_resuming_with_another_model_is_a_clear_error(tmp_path):
     """A checkpoint of another model is not "damaged": the error names the keys that differ."""
-    from jaxllm.checkpoint import CheckpointError, Checkpointer
+    from jaxllm.checkpoint import Checkpointer, CheckpointError
 
     spec = config.get_config()
     spec.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32")

@@ -350,7 +350,7 @@ def test_import_options_are_checked(hf_dir, tmp_path):
     assert params["wpe"].shape[0] == SEQ if "gpt2" in name else "wpe" not in params
     with pytest.raises(config.ConfigError, match="data.nope.*no such key"):
         convert.from_hf(d, {"data.nope": "1"})
-    with pytest.raises(config.ConfigError, match="train.train_iters.*must be a int"):
+    with pytest.raises(config.ConfigError, match="train.train_iters.*must be an integer"):
         convert.from_hf(d, {"train.train_iters": "many"})
     with pytest.raises(config.ConfigError, match="data.input"):
         convert.from_hf(d, {"data.input": str(tmp_path / "missing.txt")})

@@ -1,18 +1,35 @@
-"""jaxllm.data on the real corpora in ../shared/data: tokenizers, prepare, TokenData, Loader."""
+"""jaxllm.data on the real corpora in ../shared/data: tokenizers, prepare (indexed datasets), the
+reader, blends, Megatron-order and uniform batches, masks, the index cache, inspect, bad inputs.
+(Equality with Megatron-LM itself: tests/test_megatron.py.)"""
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import PEPS_MARKER, peps_documents, shakespeare_documents
 
 from jaxllm.config import get_config
-from jaxllm.data import ByteTokenizer, CharTokenizer, DataError, GPT2Tokenizer, Loader, TokenData, tokenizer_from_meta
-from jaxllm.data.prepare import collect_files, ensure_prepared, prepare
+from jaxllm.data import (
+    Batches,
+    ByteTokenizer,
+    CharTokenizer,
+    Data,
+    DataError,
+    GPT2Tokenizer,
+    HFTokenizer,
+    document_masks,
+    tokenizer_from_meta,
+    unigram_entropy,
+)
+from jaxllm.data.cache import build_once
+from jaxllm.data.indexed import IndexedDataset
+from jaxllm.data.inspect import parse_steps
+from jaxllm.data.prepare import collect_files, ensure_prepared, iter_documents, prepare, read_meta
 from jaxllm.data.tokenizers import split_for_bpe
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -40,18 +57,25 @@ def peps_passage():
         return f.read(60_000)
 
 
-@pytest.fixture(scope="module")
-def char_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared") / "shakespeare_char"
-    prepare([str(SHAKESPEARE)], "char", str(out))
-    return out
-
-
-def data_cfg(inputs, tokenizer="byte", val_fraction=0.1, gpt2_dir=""):
-    cfg = get_config().data
-    cfg.input = ",".join(map(str, inputs))
-    cfg.tokenizer, cfg.val_fraction, cfg.gpt2_dir = tokenizer, val_fraction, str(gpt2_dir)
+def run_cfg(inp, *, tokenizer="byte", split="969,30,1", seq=64, gb=8, iters=50, eval_interval=10, eval_iters=2,
+            seed=1234, sampling="megatron", cache_dir="", **data):
+    cfg = get_config()
+    cfg.data.update(input=str(inp), tokenizer=tokenizer, split=split, sampling=sampling, cache_dir=str(cache_dir),
+                    gpt2_dir=str(GPT2_DIR), **data)
+    cfg.train.update(seq_length=seq, global_batch_size=gb, micro_batch_size=gb, train_iters=iters,
+                     eval_interval=eval_interval, eval_iters=eval_iters, seed=seed)
     return cfg
+
+
+def cli(module, *args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def one_error_line(r, start="data error: "):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), r.stderr
+    return lines[0]
 
 
 # --- tokenizers ---------------------------------------------------------------------------------
@@ -109,194 +133,430 @@ def test_gpt2_chunked_encoding_is_exact(gpt2, peps_passage):
         assert check(text, 1) > 20
 
 
-# --- prepare ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """GPT-2's tokenizer as a Hugging Face repository has it: tokenizer.json + tokenizer_config.json."""
+    from transformers import GPT2TokenizerFast
 
-def test_prepare_shakespeare_char(char_dir, shakespeare):
-    meta = json.loads((char_dir / "meta.json").read_text())
-    n = 1_115_394
-    assert meta["tokenizer"] == "char" and meta["vocab_size"] == 65 and meta["dtype"] == "uint16"
-    assert meta["num_tokens"] == n and meta["train_tokens"] == int(n * 0.9) == 1_003_854
-    assert meta["val_tokens"] == n - int(n * 0.9)
-    src = meta["sources"]
-    assert src == [{"path": str(SHAKESPEARE), "bytes": n, "sha256": hashlib.sha256(SHAKESPEARE.read_bytes()).hexdigest()}]
-    tokens = np.fromfile(char_dir / "tokens.bin", dtype=np.uint16)
-    tok = tokenizer_from_meta(meta)
-    np.testing.assert_array_equal(tokens, tok.encode(shakespeare))
-    data = TokenData(str(char_dir))
-    assert data.vocab_size == 65 and len(data.train) == int(n * 0.9) and len(data.val) == n - int(n * 0.9)
-    assert data.tokenizer.decode(data.train) + data.tokenizer.decode(data.val) == shakespeare
-    assert not (set(os.listdir(char_dir.parent)) - {"shakespeare_char"})  # no temp dirs left beside it
+    d = tmp_path_factory.mktemp("hf_gpt2")
+    GPT2TokenizerFast(vocab=str(GPT2_DIR / "encoder.json"), merges=str(GPT2_DIR / "vocab.bpe")).save_pretrained(d)
+    return d
 
 
-def test_prepare_cli(tmp_path):
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jaxllm.data.prepare", "--input", str(SHAKESPEARE), "--tokenizer", "byte",
-           "--output", str(out), "--val-fraction", "0.2"]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "1,115,394 byte tokens" in r.stderr and "Warning" not in r.stderr  # no runpy double-import warning
-    meta = json.loads((out / "meta.json").read_text())
-    assert meta["val_tokens"] == 1_115_394 - int(1_115_394 * 0.8)
-    r = subprocess.run(cmd[:-4] + ["--output", str(tmp_path / "x"), "--input", str(tmp_path / "nope")],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no such file or directory" in r.stderr and not (tmp_path / "x").exists()
+def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, peps_passage, tmp_path):
+    for spec in (hf_dir, hf_dir / "tokenizer.json"):
+        tok = HFTokenizer(str(spec))
+        assert tok.vocab_size == 50257 and tok.eot_id == 50256
+        np.testing.assert_array_equal(tok.encode(peps_passage), gpt2.encode(peps_passage))
+        assert tok.decode(tok.encode(peps_passage)) == peps_passage and tok.decode([50256, 99999]) == "<|endoftext|>\ufffd"
+    # a bare tokenizer.json: the end of document is the one special token named like it
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    assert HFTokenizer(str(tmp_path / "bare")).eot_id == 50256
+    # none named like one, and no tokenizer_config.json: say so
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE.from_file(str(GPT2_DIR / "encoder.json"), str(GPT2_DIR / "vocab.bpe"))).save(
+        str(tmp_path / "noeod.json"))
+    spec = json.loads((tmp_path / "noeod.json").read_text())
+    spec["model"]["vocab"].pop("<|endoftext|>")
+    (tmp_path / "noeod.json").write_text(json.dumps(spec))
+    with pytest.raises(DataError, match="cannot tell its end-of-document token.*tokenizer_config.json"):
+        HFTokenizer(str(tmp_path / "noeod.json"))
+    with pytest.raises(DataError, match="no tokenizer.json there"):
+        HFTokenizer(str(tmp_path))
 
 
-def test_directory_walk_and_join(tmp_path):
+# --- prepare: indexed datasets --------------------------------------------------------------------
+
+def test_prepare_peps_one_document_per_pep(peps_byte):
+    ds, meta = IndexedDataset(peps_byte), read_meta(peps_byte)
+    docs = peps_documents()
+    assert len(docs) == ds.num_documents == ds.num_sequences == meta["num_documents"] == 703
+    assert ds.dtype == np.uint16 and meta["eot_id"] is None  # byte: no end-of-document token
+    for i in (0, 1, 350, 702):
+        assert ByteTokenizer().decode(ds.sequence(i)) == docs[i]
+    assert docs[0].startswith("PEP: 1\n") and not any(PEPS_MARKER in d for d in docs)
+    raw = np.concatenate([np.frombuffer(d.encode(), np.uint8) for d in docs])
+    np.testing.assert_array_equal(ds.tokens, raw)  # the whole stream: the documents back to back
+    assert meta["text_bytes"] == meta["num_tokens"] == len(raw) == ds.num_tokens
+    assert not [n for n in os.listdir(os.path.dirname(peps_byte)) if n.startswith(".")]  # no temporary files
+
+
+def test_prepare_shakespeare_jsonl_gpt2_appends_eod(shakespeare_gpt2, gpt2):
+    ds, meta = IndexedDataset(shakespeare_gpt2), read_meta(shakespeare_gpt2)
+    docs = shakespeare_documents()
+    assert ds.num_documents == len(docs) == 7222 and meta["eot_id"] == 50256 and meta["tokenizer"] == "gpt2"
+    for i in (0, 1, 4000, 7221):
+        assert ds.sequence(i).tolist() == gpt2.encode(docs[i]).tolist() + [50256]
+    assert ds.num_tokens == sum(len(gpt2.encode(d)) + 1 for d in docs[:100]) + int(ds.sequence_lengths[100:].sum())
+    assert tokenizer_from_meta(meta).decode(ds.sequence(0)).startswith("First Citizen:\nBefore we proceed")
+
+
+def test_prepare_cli_workers_and_formats(tmp_path):
+    docs = shakespeare_documents()[:300]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(docs[:200])))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": docs[200:]}), tmp_path / "b.parquet", row_group_size=30)
+    outs = []
+    for workers in (1, 2):
+        prefix = tmp_path / f"w{workers}"
+        r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"),
+                "--tokenizer", "gpt2", "--gpt2-dir", str(GPT2_DIR), "--json-key", "body", "--output-prefix",
+                str(prefix), "--workers", str(workers))
+        assert r.returncode == 0, r.stderr
+        assert "prepare: 300 documents" in r.stderr and "tokens/s" in r.stderr and "Warning" not in r.stderr
+        outs.append([(prefix.with_suffix(s)).read_bytes() for s in (".bin", ".idx")])
+    assert outs[0] == outs[1]  # the same bytes from 1 or 2 tokenizing processes
+    ds = IndexedDataset(str(tmp_path / "w2"))
+    assert GPT2Tokenizer(str(GPT2_DIR)).decode(ds.sequence(250)) == docs[250] + "<|endoftext|>"
+    # bad inputs: one line, exit 2, nothing written
+    (tmp_path / "bad.jsonl").write_text('{"body": "fine"}\n{"text": "no body"}\n')
+    r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "byte", "--json-key", "body",
+            "--output-prefix", str(tmp_path / "x"))
+    assert "bad.jsonl:2: no string at key 'body'" in one_error_line(r)
+    r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "nope"), "--tokenizer", "byte", "--output-prefix",
+            str(tmp_path / "x"))
+    assert "no such file or directory" in one_error_line(r)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("x", ".x"))]
+
+
+def test_parquet_without_pyarrow_says_so(tmp_path):
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    code = ("import sys; sys.modules['pyarrow'] = None\n"
+            "from jaxllm.data.prepare import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "--input", str(tmp_path / "t.parquet"), "--tokenizer", "byte",
+                        "--output-prefix", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "reading Parquet needs pyarrow, which is not installed: pip install pyarrow" in one_error_line(r)
+
+
+def test_directory_walk_one_document_per_file(tmp_path):
     root = tmp_path / "corpus"
-    files = {"b.py": "print('b')\n", "a.txt": "alpha", "sub/c.md": "# c", "sub/d.rst": "d",
-             "skip.bin": "no", ".hidden/h.py": "no", "site-packages/s.py": "no", "dist-packages/s.py": "no",
-             "__pycache__/p.py": "no", "sub/.h.py": "no"}
+    files = {"b.py": "print('b')\n", "a.txt": "alpha", "sub/c.md": "# c", "sub/d.rst": "d", "sub/e.jsonl": '{"text": "e"}\n',
+             "skip.bin": "no", "skip.json": "{}", ".hidden/h.py": "no", "site-packages/s.py": "no",
+             "dist-packages/s.py": "no", "__pycache__/p.py": "no", "sub/.h.py": "no", "empty.txt": ""}
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "latin1.txt").write_bytes("café".encode("latin-1"))
     found = [os.path.relpath(p, root) for p in collect_files([str(root)])]
-    assert found == ["a.txt", "b.py", "latin1.txt", os.path.join("sub", "c.md"), os.path.join("sub", "d.rst")]
-    meta = prepare([str(root), str(root / "a.txt")], "byte", str(tmp_path / "out"), val_fraction=0.5)
-    assert len(meta["sources"]) == 5  # a file named twice is read once
-    text = ByteTokenizer().decode(np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16))
-    assert text == "alpha\nprint('b')\n\ncaf\ufffd\n# c\nd"  # joined by "\n"; invalid UTF-8 replaced
+    assert found == ["a.txt", "b.py", "empty.txt", "latin1.txt", *(os.path.join("sub", n) for n in ("c.md", "d.rst", "e.jsonl"))]
+    meta = prepare([str(root), str(root / "a.txt")], "byte", str(tmp_path / "out"), progress=False)
+    ds = IndexedDataset(str(tmp_path / "out"))
+    assert len(meta["sources"]) == 7 and ds.num_documents == 6  # a file named twice is read once; empty: no document
+    texts = [ByteTokenizer().decode(ds.sequence(i)) for i in range(6)]
+    assert texts == ["alpha", "print('b')\n", "caf\ufffd", "# c", "d", "e"]
 
 
-def test_prepare_gpt2_appends_eot(tmp_path, gpt2):
-    for name, text in (("a.txt", "Hello world"), ("b.txt", " the")):
-        (tmp_path / name).write_text(text)
-    meta = prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], "gpt2", str(tmp_path / "out"),
-                   gpt2_dir=str(GPT2_DIR), val_fraction=0.4)
-    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16)
-    assert tokens.tolist() == [15496, 995, 50256, 262, 50256]
-    assert meta["eot_id"] == 50256 and meta["train_tokens"] == 3 and meta["val_tokens"] == 2
-    assert meta["gpt2_sha256"]["vocab.bpe"] == hashlib.sha256((GPT2_DIR / "vocab.bpe").read_bytes()).hexdigest()
-
-
-def test_prepare_is_atomic(tmp_path):
+def test_prepare_is_atomic_and_keeps_foreign_data(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("good text " * 1000)
-    (src / "zz.txt").symlink_to(tmp_path / "missing")  # fails when read, after a.txt was written
-    out = tmp_path / "out" / "data"
+    (src / "zz.txt").symlink_to(tmp_path / "missing")  # fails when read, after a.txt was tokenized
+    out = tmp_path / "out"
+    out.mkdir()
     with pytest.raises(DataError, match="zz.txt: cannot read"):
-        prepare([str(src)], "byte", str(out))
-    assert not out.exists() and os.listdir(tmp_path / "out") == []  # not even a temp dir
-    # A directory with other files in it is never replaced.
-    (tmp_path / "keep").mkdir()
-    (tmp_path / "keep" / "notes.txt").write_text("mine")
-    with pytest.raises(DataError, match="not a prepared directory"):
-        prepare([str(src / "a.txt")], "byte", str(tmp_path / "keep"))
-    # A prepared one is, completely.
-    prepare([str(src / "a.txt")], "byte", str(out))
-    prepare([str(SHAKESPEARE)], "char", str(out))
-    assert TokenData(str(out)).meta["tokenizer"] == "char" and os.listdir(tmp_path / "out") == ["data"]
+        prepare([str(src)], "byte", str(out / "data"), progress=False)
+    assert os.listdir(out) == []  # not even a temporary file
+    # Megatron's own data (no .meta.json) is never overwritten; what prepare wrote is, completely
+    (out / "m.bin").write_bytes(b"\0\0")
+    (out / "m.idx").write_bytes(b"x")
+    with pytest.raises(DataError, match="not written by jaxllm.data.prepare"):
+        prepare([str(src / "a.txt")], "byte", str(out / "m"), progress=False)
+    prepare([str(src / "a.txt")], "byte", str(out / "data"), progress=False)
+    prepare([str(SHAKESPEARE)], "char", str(out / "data"), progress=False)
+    assert read_meta(str(out / "data"))["tokenizer"] == "char" and IndexedDataset(str(out / "data")).num_tokens == 1115394
+    assert sorted(os.listdir(out)) == ["data.bin", "data.idx", "data.meta.json", "m.bin", "m.idx"]
 
 
-# --- loader -------------------------------------------------------------------------------------
+# --- the reader's errors ----------------------------------------------------------------------------
 
-def test_loader_deterministic(char_dir):
-    data = TokenData(str(char_dir))
-    kw = dict(seed=7, global_batch_size=8, seq_length=64)
-    x, y = Loader(data, **kw).train_batch(3)
-    assert x.shape == y.shape == (8, 64) and x.dtype == y.dtype == np.int32
-    x2, y2 = Loader(TokenData(str(char_dir)), **kw).train_batch(3)
-    np.testing.assert_array_equal(x, x2)
-    np.testing.assert_array_equal(y, y2)
-    assert not np.array_equal(x, Loader(data, **kw).train_batch(4)[0])
-    assert not np.array_equal(x, Loader(data, **{**kw, "seed": 8}).train_batch(3)[0])
-    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
-    # the documented draw: all offsets from default_rng([seed, 0, step]) over [0, len - seq_length - 1]
-    offsets = np.random.default_rng([7, 0, 3]).integers(0, len(data.train) - 64, size=8)
+def test_reader_errors_are_one_clear_line(shakespeare_gpt2, tmp_path):
+    def copy(name):
+        for s in (".bin", ".idx"):
+            (tmp_path / (name + s)).write_bytes(Path(shakespeare_gpt2 + s).read_bytes())
+        return str(tmp_path / name)
+
+    def idx_with(name, offset, data):
+        p = copy(name)
+        with open(p + ".idx", "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+        return p
+
+    cases = [
+        (str(tmp_path / "absent"), r"absent.idx, .*absent.bin not found.*PREFIX.bin \+ PREFIX.idx"),
+        (idx_with("magic", 0, b"NOTMEGA"), r"not a Megatron index \(magic"),
+        (idx_with("version", 9, (2).to_bytes(8, "little")), r"index version 2, this reader knows version 1"),
+        (idx_with("dtype", 17, bytes([9])), r"token dtype code 9 is not one Megatron defines"),
+    ]
+    p = copy("short_bin")
+    with open(p + ".bin", "r+b") as f:
+        f.truncate(1000)
+    cases.append((p, r"short_bin.bin: truncated: 1,000 bytes, but .* places its last sequence's end at byte"))
+    p = copy("short_idx")
+    with open(p + ".idx", "r+b") as f:
+        f.truncate(5000)
+    cases.append((p, r"short_idx.idx: truncated: 5000 bytes, but its header says 7,222 sequences"))
+    p = copy("half")
+    os.unlink(p + ".bin")
+    cases.append((p, r"half.bin not found"))
+    for prefix, pattern in cases:
+        with pytest.raises(DataError, match=pattern):
+            IndexedDataset(prefix)
+    # through the CLIs: one line, exit 2, no traceback, nothing written
+    r = cli("jaxllm.data.inspect", f"--config.data.input={tmp_path / 'magic'}", f"--workdir={tmp_path / 'w'}",
+            "--steps=0:1", f"--output={tmp_path / 'o.npy'}")
+    assert "not a Megatron index" in one_error_line(r) and not (tmp_path / "o.npy").exists()
+
+
+# --- batches ------------------------------------------------------------------------------------------
+
+def test_batches_are_the_documents_in_megatron_order(peps_byte, tmp_path):
+    """Each sample is seq_length + 1 tokens of the documents concatenated in the document index's order,
+    starting at (shuffled sample) x seq_length; the samples of a split use only its documents."""
+    data = Data(run_cfg(peps_byte, cache_dir=tmp_path, seq=256, gb=8, iters=30), str(tmp_path))
+    assert data.num_samples == {"train": 240, "valid": 4 * 2 * 8, "test": 16}
+    ix = data._index["train"]
+    stream = np.concatenate([data.datasets[0].sequence(int(d)) for d in ix["doc"]])
+    batches = Batches(data)
+    beg, end = 0, round(0.969 * 703)
+    for step in (0, 7, 29):
+        tokens = batches.batch("train", step)
+        assert tokens.shape == (8, 257) and tokens.dtype == np.int32
+        for r in range(8):
+            k = int(ix["shuffle"][step * 8 + r])
+            np.testing.assert_array_equal(tokens[r], stream[k * 256:k * 256 + 257])
+    assert set(np.unique(ix["doc"])) == set(range(beg, end))
+    valid = Data(run_cfg(peps_byte, cache_dir=tmp_path, seq=256, gb=8, iters=30), str(tmp_path))._index["valid"]["doc"]
+    assert set(np.unique(valid)) == set(range(end, round(0.999 * 703)))
+    x, y = batches.train_batch(3)
+    np.testing.assert_array_equal(x, batches.batch("train", 3)[:, :-1])
+    np.testing.assert_array_equal(y, batches.batch("train", 3)[:, 1:])
+
+
+def test_resume_on_another_data_parallel_size_reads_the_same_batches(peps_byte, tmp_path):
+    """Batch i is a function of the config and i: any rows, any process, fresh or cached, in any order."""
+    cfg = run_cfg(peps_byte, cache_dir=tmp_path, seq=64, gb=12, iters=40)
+    first = Data(cfg, str(tmp_path))
+    assert first.index_built
+    straight = np.stack([Batches(first).batch("train", s) for s in range(40)])
+    again = Data(cfg, str(tmp_path))  # a restarted run: the indices are read, not built
+    assert not again.index_built
+    for dp in (2, 3, 4):  # a resumed run at step 17 with dp processes, each reading only its rows
+        per = 12 // dp
+        for s in (17, 39, 18):
+            rows = [Batches(again, rows=slice(p * per, (p + 1) * per)).batch("train", s) for p in range(dp)]
+            np.testing.assert_array_equal(np.concatenate(rows), straight[s])
+    np.testing.assert_array_equal(Batches(again, rows=slice(1, None, 5)).batch("train", 5), straight[5][1::5])
+    n = again.split_length("train")  # whole epochs of samples, at least the run's 480
+    assert n >= 480 and n == (int(again.datasets[0].sequence_lengths[:round(0.969 * 703)].sum()) - 1) // 64
+    with pytest.raises(DataError, match=rf"sample {n} of the train split: it has {n:,}"):
+        Batches(again).batch("train", n // 12)
+
+
+def test_blend_proportions_follow_the_weights(peps_byte, shakespeare_byte, tmp_path):
+    cfg = run_cfg(f"0.3 {shakespeare_byte} 0.7 {peps_byte}", cache_dir=tmp_path, gb=16, iters=200)
+    data = Data(cfg, str(tmp_path), splits=("train",))
+    assert data.weights == [0.3, 0.7] and data.split_length("train") == 960 + 2240
+    src = data.sample_source("train", np.arange(3200))
+    for n in (1, 10, 333, 3200):  # Megatron's error-minimizing blend: every prefix within one sample of w x n
+        counts = np.bincount(src[:n], minlength=2)
+        assert np.all(np.abs(counts - np.array([0.3, 0.7]) * n) <= 1), (n, counts)
+    # and the samples are those of the datasets: sample j of the blend is sample c of dataset d
+    ix = data._index["train"]
+    for j in (0, 1, 2, 500, 3199):
+        d, c = int(ix["blend"][j]), int(ix["blend_sample"][j])
+        assert c == int(np.sum(src[:j] == d))
+        np.testing.assert_array_equal(data.sample("train", j), data._dataset_sample("train", d, c))
+
+
+def test_unweighted_blend_and_file_list(peps_byte, shakespeare_byte, tmp_path):
+    (tmp_path / "list.txt").write_text(f"# weight prefix corpus\n0.25 {peps_byte} code\n\n"
+                                       f"0.75 {shakespeare_byte} plays  # the speeches\n")
+    cfg = run_cfg("ignored when file_list is set", cache_dir=tmp_path, gb=8, iters=100, file_list=str(tmp_path / "list.txt"))
+    data = Data(cfg, str(tmp_path), splits=("train",))
+    assert data.blend.corpora == ("code", "plays") and data.weights == [0.25, 0.75]
+    out = tmp_path / "b.npy"
+    r = cli("jaxllm.data.inspect", f"--config.data.file_list={tmp_path / 'list.txt'}", f"--config.data.cache_dir={tmp_path}",
+            "--config.train.global_batch_size=8", "--config.train.micro_batch_size=8", "--config.train.train_iters=100",
+            "--config.train.seq_length=64", f"--workdir={tmp_path}", "--steps=10:20", f"--output={out}")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(out), np.stack([Batches(data).batch("train", s) for s in range(10, 20)]))
+    share = {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith(("code", "plays"))}
+    assert share == {"code": ["20", "0.2500", "0.2500"], "plays": ["60", "0.7500", "0.7500"]}, r.stdout
+    assert "first row, decoded" in r.stdout
+    # no weights: each dataset weighs its one epoch of samples (Megatron's blend of sizes)
+    both = Data(run_cfg(f"{shakespeare_byte} {peps_byte}", cache_dir=tmp_path, gb=8, iters=100), str(tmp_path))
+    lengths = [int(both._index["train"]["offsets"][i + 1, 2] - both._index["train"]["offsets"][i, 2]) for i in (0, 1)]
+    assert both.weights is None and both.split_length("train") == 800
+    counts = np.bincount(both.sample_source("train", np.arange(800)), minlength=2)
+    assert np.all(np.abs(counts - 800 * np.array(lengths) / sum(lengths)) <= 1)
+
+
+def test_uniform_windows_are_nanogpts(tmp_path):
+    cfg = run_cfg(SHAKESPEARE, tokenizer="char", sampling="uniform", split="9,1", seq=64, gb=8, seed=7)
+    data = Data(cfg, str(tmp_path))
+    tokens = data.datasets[0].tokens
+    n = len(tokens)
+    assert data.tokenizer.name == "char" and n == 1115394
+    x, y = Batches(data).train_batch(3)
+    # the documented draw: offsets from default_rng([seed, 0, step]) over nanoGPT's first int(0.9 n) tokens
+    offsets = np.random.default_rng([7, 0, 3]).integers(0, int(0.9 * n) - 64, size=8)
     for r, o in enumerate(offsets):
-        np.testing.assert_array_equal(x[r], data.train[o:o + 64])
-        np.testing.assert_array_equal(y[r], data.train[o + 1:o + 65])
+        np.testing.assert_array_equal(x[r], tokens[o:o + 64])
+        np.testing.assert_array_equal(y[r], tokens[o + 1:o + 65])
+    v = Batches(data).batch("valid", 0)
+    offsets = int(0.9 * n) + np.random.default_rng([7, 1, 0]).integers(0, n - int(0.9 * n) - 64, size=8)
+    np.testing.assert_array_equal(v, np.stack([tokens[o:o + 65] for o in offsets]))
+    np.testing.assert_array_equal(Batches(data, rows=slice(2, 5)).batch("train", 3), Batches(data).batch("train", 3)[2:5])
 
 
-def test_loader_rows_are_slices_of_global_batch(char_dir):
-    data = TokenData(str(char_dir))
-    kw = dict(seed=1, global_batch_size=8, seq_length=32)
-    full_x, full_y = Loader(data, **kw).train_batch(11)
-    for rows in (slice(0, 4), slice(4, 8), slice(2, 3), slice(1, None, 2)):
-        x, y = Loader(data, rows=rows, **kw).train_batch(11)
-        np.testing.assert_array_equal(x, full_x[rows])
-        np.testing.assert_array_equal(y, full_y[rows])
+def test_document_masks_reset_at_each_eod():
+    eod = 9
+    tokens = np.array([[1, 2, 9, 3, 4, 5, 9, 9, 6],
+                       [9, 1, 2, 3, 4, 5, 6, 7, 8]])
+    pos, seg, loss = document_masks(tokens, eod, True, True, True)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert seg.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1]]
+    assert loss.tolist() == [[1, 1, 0, 1, 1, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 1, 1, 1]] and loss.dtype == np.float32
+    pos, seg, loss = document_masks(tokens, eod, False, False, False)
+    assert (pos == np.arange(9)).all() and (seg == 0).all() and (loss == 1).all()
+    assert pos.dtype == seg.dtype == np.int32
 
 
-def test_eval_batches_fixed_and_from_val(char_dir):
-    data = TokenData(str(char_dir))
-    loader = Loader(data, seed=1, global_batch_size=4, seq_length=16)
-    a, b = loader.eval_batch(0), loader.eval_batch(0)
-    np.testing.assert_array_equal(a[0], b[0])
-    assert not np.array_equal(a[0], loader.eval_batch(1)[0])
-    val_text = data.tokenizer.decode(data.val)
-    for row in a[0]:
-        assert data.tokenizer.decode(row) in val_text
+def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, peps_byte, tmp_path):
+    data = Data(run_cfg(shakespeare_gpt2, cache_dir=tmp_path, seq=128, reset_position_ids=True,
+                        reset_attention_mask=True, eod_mask_loss=True), str(tmp_path))
+    tokens = Batches(data).batch("train", 0)
+    pos, seg, loss = Batches(data).masks(tokens)
+    assert pos.shape == seg.shape == loss.shape == (8, 128)
+    x = tokens[:, :-1]
+    assert (x == 50256).sum() > 8  # speeches are short: several documents per row
+    for r in range(8):  # positions count from each document's start; segments change after each EOD
+        starts = np.r_[0, np.nonzero(x[r] == 50256)[0] + 1]
+        starts = starts[starts < 128]
+        np.testing.assert_array_equal(pos[r], np.arange(128) - starts[np.searchsorted(starts, np.arange(128), "right") - 1])
+        np.testing.assert_array_equal(seg[r], np.searchsorted(starts, np.arange(128), "right") - 1)
+        np.testing.assert_array_equal(loss[r], (x[r] != 50256).astype(np.float32))
+    with pytest.raises(DataError, match="need an end-of-document token, and the byte tokenizer has none"):
+        Data(run_cfg(peps_byte, cache_dir=tmp_path, reset_attention_mask=True), str(tmp_path))
 
 
-# --- errors -------------------------------------------------------------------------------------
-
-def copy_prepared(src, dst):
-    dst.mkdir()
-    for name in ("meta.json", "tokens.bin"):
-        (dst / name).write_bytes((src / name).read_bytes())
-    return dst
-
-
-def test_missing_directory(tmp_path):
-    with pytest.raises(DataError, match="no such directory.*jaxllm.data.prepare"):
-        TokenData(str(tmp_path / "absent"))
-    with pytest.raises(DataError, match="meta.json: not found"):
-        TokenData(str(tmp_path))
-
-
-def test_broken_token_files(char_dir, tmp_path):
-    d = copy_prepared(char_dir, tmp_path / "d")
-    size = (d / "tokens.bin").stat().st_size
-    with open(d / "tokens.bin", "r+b") as f:
-        f.truncate(size - 10)
-    with pytest.raises(DataError, match=r"tokens.bin: truncated: .* bytes, but meta.json says .*prepare again"):
-        TokenData(str(d))
-    with open(d / "tokens.bin", "ab") as f:
-        f.write(b"\0" * 20)
-    with pytest.raises(DataError, match="tokens.bin: longer than meta.json says"):
-        TokenData(str(d))
-    (d / "tokens.bin").write_bytes(b"")
-    with pytest.raises(DataError, match="tokens.bin: empty"):
-        TokenData(str(d))
-    (d / "tokens.bin").unlink()
-    with pytest.raises(DataError, match="tokens.bin: not found"):
-        TokenData(str(d))
+def test_index_cache_is_keyed_and_built_once_across_processes(peps_byte, tmp_path):
+    cache = tmp_path / "cache"
+    cfg = run_cfg(f"0.5 {peps_byte} 0.5 {peps_byte}", cache_dir=cache, iters=20)
+    code = ("import sys, numpy as np; sys.path.insert(0, 'tests')\n"
+            "from test_data import run_cfg; from jaxllm.data import Data, Batches\n"
+            f"d = Data(run_cfg({f'0.5 {peps_byte} 0.5 {peps_byte}'!r}, cache_dir={str(cache)!r}, iters=20), {str(tmp_path)!r})\n"
+            "print('BUILT' if d.index_built else 'READ', Batches(d).batch('train', 19).sum())")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    words = sorted(o.split()[0] for o, _ in outs)
+    assert words == ["BUILT", "READ", "READ"] and len({o.split()[1] for o, _ in outs}) == 1, outs
+    assert sum("waiting for another process to build" in e for _, e in outs) >= 1
+    (key,) = [n for n in os.listdir(cache)]  # one directory, no lock or temporary left
+    stamp = os.stat(cache / key / "train_shuffle.npy").st_mtime_ns
+    assert not Data(cfg, str(tmp_path)).index_built and os.stat(cache / key / "train_shuffle.npy").st_mtime_ns == stamp
+    cfg.train.seed = 1
+    Data(cfg, str(tmp_path))
+    cfg.train.train_iters = 30
+    Data(cfg, str(tmp_path))
+    assert len(os.listdir(cache)) == 3  # seed and sample counts are part of the key
 
 
-def test_malformed_meta(char_dir, tmp_path):
-    d = copy_prepared(char_dir, tmp_path / "d")
-    meta = json.loads((d / "meta.json").read_text())
-    (d / "meta.json").write_text("{not json")
-    with pytest.raises(DataError, match="malformed meta.json"):
-        TokenData(str(d))
-    (d / "meta.json").write_text(json.dumps({**meta, "val_tokens": 5}))
-    with pytest.raises(DataError, match="malformed meta.json.*val_tokens"):
-        TokenData(str(d))
-    (d / "meta.json").write_text(json.dumps({**meta, "dtype": "float32"}))
-    with pytest.raises(DataError, match="malformed meta.json.*dtype"):
-        TokenData(str(d))
+def test_build_once_takes_over_a_dead_builders_lock(tmp_path):
+    final = tmp_path / "thing"
+    (tmp_path / "thing.lock").write_text("otherhost 4242\n")  # left by a process that died
+    t0 = time.monotonic()
+    assert build_once(str(final), lambda d: (Path(d) / "f").write_text("x"), what="a test", poll_s=0.05, stale_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 30 and (final / "f").read_text() == "x"
+    assert sorted(os.listdir(tmp_path)) == ["thing"]
+
+    def fail(d):
+        (Path(d) / "partial").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_once(str(tmp_path / "other"), fail, what="a test")
+    assert sorted(os.listdir(tmp_path)) == ["thing"]  # nothing half-written, no lock left
 
 
-def test_check_vocab(char_dir):
-    data = TokenData(str(char_dir))
-    data.check_vocab(65)
-    data.check_vocab(128)
-    with pytest.raises(DataError, match=r"model.vocab_size=64 .*\(65 char tokens\).*>= 65"):
-        data.check_vocab(64)
+def test_bad_inputs_are_one_data_error(peps_byte, tmp_path):
+    cases = [
+        (run_cfg(f"0.5 {peps_byte} 0.5 {tmp_path / 'nothing'}"), r"nothing: no .*nothing.bin or .*nothing.idx"),
+        (run_cfg(f"0.5 {peps_byte} -1 {peps_byte}"), r"weight -1.0 of .*: weights must be > 0"),
+        (run_cfg(f"{peps_byte}.bin"), r"peps_byte.bin: name the indexed dataset by its prefix, .*peps_byte \(without"),
+        (run_cfg(peps_byte, split="1,2,3,4"), r"data.split='1,2,3,4': give up to three"),
+        (run_cfg(peps_byte, split="100,0,0"), r"leaves the valid split empty.*train.eval_interval=0"),
+        (run_cfg(peps_byte, split="999999,1"), r"the valid split of .* is sequences \[703, 703\) of 703, only 0 tokens"),
+        (run_cfg(f"1 {peps_byte} 1 {peps_byte}", sampling="uniform"), r"uniform reads one dataset"),
+        (run_cfg(peps_byte, sampling="random"), r"data.sampling='random': choose megatron or uniform"),
+        (run_cfg(peps_byte, file_list=str(tmp_path / "missing.txt")), r"data.file_list=.*missing.txt: cannot read"),
+        (run_cfg(peps_byte, cache_dir="/proc/no"), r"data.cache_dir='/proc/no': cannot write"),
+        (run_cfg(SHAKESPEARE, tokenizer="char", sampling="uniform", split="99999,1", seq=64),
+         r"the valid split of .* has 12 tokens, but train.seq_length=64 needs at least 65"),
+    ]
+    (tmp_path / "list.txt").write_text(f"0.5 {peps_byte} corpus extra\n")
+    cases.append((run_cfg(peps_byte, file_list=str(tmp_path / "list.txt")), r"list.txt:1: .*expected \"weight prefix corpus\""))
+    for cfg, pattern in cases:
+        with pytest.raises(DataError, match=pattern):
+            Data(cfg, str(tmp_path))
+    data = Data(run_cfg(peps_byte, tokenizer="byte", cache_dir=tmp_path), str(tmp_path))
+    data.vocab_size = 100  # a tokenizer too small for the data
+    with pytest.raises(DataError, match=r"holds token id 1\d\d, outside the byte tokenizer's vocabulary of 100"):
+        Batches(data).batch("train", 0)
+    r = cli("jaxllm.data.inspect", f"--config.data.input=0.5 {peps_byte} 0.5 {tmp_path / 'nothing'}",
+            f"--workdir={tmp_path}", "--steps=0:2", f"--output={tmp_path / 'o.npy'}")
+    assert "nothing.bin or" in one_error_line(r) and not (tmp_path / "o.npy").exists()
+    r = cli("jaxllm.data.inspect", f"--workdir={tmp_path}", "--steps=2:2", f"--output={tmp_path / 'o.npy'}")
+    assert "--steps='2:2': give A:B with 0 <= A < B" in one_error_line(r)
+    with pytest.raises(DataError):
+        parse_steps("1-3")
 
 
-def test_split_too_short(tmp_path):
-    (tmp_path / "t.txt").write_text("x" * 1000)
-    prepare([str(tmp_path / "t.txt")], "byte", str(tmp_path / "out"), val_fraction=0.05)
-    data = TokenData(str(tmp_path / "out"))
-    Loader(data, seed=0, global_batch_size=2, seq_length=49)  # val has 50 tokens: just enough
-    with pytest.raises(DataError, match=r"val split .* 50 tokens.*seq_length=50 needs at least 51.*val_fraction"):
-        Loader(data, seed=0, global_batch_size=2, seq_length=50)
-    with pytest.raises(DataError, match=r"train split .* 950 tokens.*seq_length=2000"):
-        Loader(data, seed=0, global_batch_size=2, seq_length=2000)
+def test_megatron_data_without_meta_uses_data_tokenizer(shakespeare_gpt2, tmp_path):
+    for s in (".bin", ".idx"):  # as Megatron's preprocess_data.py leaves it: no .meta.json
+        (tmp_path / ("m" + s)).symlink_to(shakespeare_gpt2 + s)
+    data = Data(run_cfg(tmp_path / "m", tokenizer="gpt2", cache_dir=tmp_path), str(tmp_path))
+    assert data.tokenizer.name == "gpt2" and data.eod_id == 50256 and data.bytes_per_token is None
+    byte = Data(run_cfg(tmp_path / "m", tokenizer="byte", cache_dir=tmp_path), str(tmp_path))
+    with pytest.raises(DataError, match="outside the byte tokenizer's vocabulary of 256; set data.tokenizer"):
+        Batches(byte).batch("train", 0)
+    with pytest.raises(DataError, match="no .meta.json recording its characters"):
+        Data(run_cfg(tmp_path / "m", tokenizer="char", cache_dir=tmp_path), str(tmp_path))
+
+
+# --- ensure_prepared --------------------------------------------------------------------------------
+
+def test_ensure_prepared_reuses_cache(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("print('hello')\n" * 100)
+    (src / "b.txt").write_text("some text\n" * 100)
+    cache = tmp_path / "cache"
+    data_cfg = lambda **kw: run_cfg(src, **kw).data  # noqa: E731
+    p1 = ensure_prepared(data_cfg(), str(cache))
+    stamp = {s: os.stat(p1 + s).st_mtime_ns for s in (".bin", ".idx", ".meta.json")}
+    assert ensure_prepared(data_cfg(), str(cache)) == p1
+    assert stamp == {s: os.stat(p1 + s).st_mtime_ns for s in stamp}
+    assert IndexedDataset(p1).num_tokens == 1500 + 1000 and IndexedDataset(p1).num_documents == 2
+    # another tokenizer or marker, or changed sources -> another cache entry
+    p_char = ensure_prepared(data_cfg(tokenizer="char"), str(cache))
+    p_marker = ensure_prepared(data_cfg(document_marker="some"), str(cache))
+    assert len({p1, p_char, p_marker}) == 3 and IndexedDataset(p_marker).num_documents == 1  # b.txt: all marker lines
+    (src / "b.txt").write_text("changed\n")
+    p3 = ensure_prepared(data_cfg(), str(cache))
+    assert p3 != p1 and IndexedDataset(p3).num_tokens == 1500 + 8
+    assert sorted(os.listdir(cache)) == sorted(os.path.basename(os.path.dirname(p)) for p in (p1, p3, p_char, p_marker))
+    # a training config naming the text prepares it into WORKDIR/data
+    data = Data(run_cfg(src, seq=16, gb=2, iters=5, sampling="uniform", split="1,1"), str(tmp_path / "run"))
+    assert data.datasets[0].prefix.startswith(str(tmp_path / "run" / "data"))
+    assert data.bytes_per_token == 1.0
 
 
 def test_gpt2_files_changed_after_prepare(tmp_path):
@@ -305,51 +565,23 @@ def test_gpt2_files_changed_after_prepare(tmp_path):
     for name in ("encoder.json", "vocab.bpe"):
         (vocab / name).write_bytes((GPT2_DIR / name).read_bytes())
     (tmp_path / "t.txt").write_text("Hello world. " * 50)
-    prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out"), gpt2_dir=str(vocab))
-    assert TokenData(str(tmp_path / "out")).tokenizer.decode([15496]) == "Hello"
+    meta = prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out"), gpt2_dir=str(vocab), progress=False)
+    assert tokenizer_from_meta(meta).decode([15496]) == "Hello"
     with open(vocab / "vocab.bpe", "a") as f:
         f.write("x y\n")
     with pytest.raises(DataError, match=r"vocab.bpe changed since the data was prepared.*prepare the data again"):
-        TokenData(str(tmp_path / "out")).tokenizer
+        tokenizer_from_meta(read_meta(str(tmp_path / "out")))
     with pytest.raises(DataError, match="gpt2_dir"):
-        prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out2"))
+        prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out2"), progress=False)
 
 
-# --- ensure_prepared ----------------------------------------------------------------------------
-
-def test_ensure_prepared_reuses_cache(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.py").write_text("print('hello')\n" * 100)
-    (src / "b.txt").write_text("some text\n" * 100)
-    cache = tmp_path / "cache"
-    d1 = ensure_prepared(data_cfg([src]), str(cache))
-    stamp = {n: os.stat(os.path.join(d1, n)).st_mtime_ns for n in ("meta.json", "tokens.bin")}
-    d2 = ensure_prepared(data_cfg([src]), str(cache))
-    assert d1 == d2 and stamp == {n: os.stat(os.path.join(d1, n)).st_mtime_ns for n in stamp}
-    assert TokenData(d1).meta["num_tokens"] == 1500 + 1 + 1000
-    # other settings or changed sources -> another cache entry
-    assert ensure_prepared(data_cfg([src], val_fraction=0.2), str(cache)) != d1
-    (src / "b.txt").write_text("changed\n")
-    d3 = ensure_prepared(data_cfg([src]), str(cache))
-    assert d3 != d1 and TokenData(d3).meta["num_tokens"] == 1500 + 1 + 8
-    # a prepared directory as input is used as it is
-    assert ensure_prepared(data_cfg([d1]), str(tmp_path / "other")) == d1
-    assert not (tmp_path / "other").exists()
-    # a broken cache entry is prepared again
-    with open(os.path.join(d3, "tokens.bin"), "r+b") as f:
-        f.truncate(10)
-    assert ensure_prepared(data_cfg([src]), str(cache)) == d3 and TokenData(d3).meta["num_tokens"] == 1509
-
-
-def test_unigram_entropy(tmp_path):
-    (tmp_path / "a.txt").write_text("aab" * 30 + "abcd" * 10)  # train: "aab" x 30 (90 chars), val: "abcd" x 10 + ...
-    meta = prepare([str(tmp_path / "a.txt")], "byte", str(tmp_path / "out"), val_fraction=40 / 130)
-    data = TokenData(str(tmp_path / "out"))
-    assert meta["train_tokens"] == 90
+def test_unigram_entropy():
     h = lambda *p: -sum(q * np.log(q) for q in p)  # noqa: E731
-    assert data.unigram_entropy("train") == pytest.approx(h(2 / 3, 1 / 3), rel=1e-12)
-    assert data.unigram_entropy("val") == pytest.approx(h(1 / 4, 1 / 4, 1 / 4, 1 / 4), rel=1e-12)
-    assert data.unigram_entropy("all") == pytest.approx(h(70 / 130, 40 / 130, 10 / 130, 10 / 130), rel=1e-12)
-    with pytest.raises(ValueError, match="split='test'"):
-        data.unigram_entropy("test")
+    assert unigram_entropy(np.array([[0, 0, 1], [0, 0, 1]]), 5) == pytest.approx(h(2 / 3, 1 / 3), rel=1e-12)
+    assert unigram_entropy(np.arange(4), 4) == pytest.approx(np.log(4), rel=1e-12)
+
+
+def test_document_marker_splits_text(tmp_path):
+    (tmp_path / "t.txt").write_bytes(b"preamble\n== a\nA1\nA2\n== b\n== c\nC\n")
+    docs = [t for t, _ in iter_documents(str(tmp_path / "t.txt"), document_marker="==")]
+    assert docs == ["preamble\n", "A1\nA2\n", "C\n"]  # b: no line of its own, no document

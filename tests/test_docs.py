@@ -3,7 +3,6 @@
 import time
 
 import pytest
-
 from doc_commands import CI, DOCS, ROOT, check_launched_config, documented, make_sandbox, run, submission
 
 pytestmark = pytest.mark.slow

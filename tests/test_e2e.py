@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import optimized_env
-from jaxllm.plot import read_metrics
 from doc_commands import DOCS, documented, make_sandbox, python_blocks, shortened
+
+from jaxllm.plot import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,12 @@ def test_readme_end_to_end_shortened(tmp_path):
                                [ref["train"][s]["loss"] for s in range(1, 17)], rtol=2e-5)
     np.testing.assert_allclose([got["eval"][s]["eval_loss"] for s in (8, 16)],
                                [ref["eval"][s]["eval_loss"] for s in (8, 16)], rtol=2e-5)
-    assert got["eval"][16]["unigram_entropy"] == pytest.approx(6.398, abs=1e-3)  # of peps.txt's validation split
+    # the unigram entropy of the validation batches, recomputed from what jaxllm.data.inspect shows of them
+    sh(f"python -m jaxllm.data.inspect --config=configs/peps_gpt2.py --workdir={workdir} --split=valid --steps=0:2 "
+       f"--output={tmp_path / 'valid.npy'} " + " ".join(SMALL), box)
+    counts = np.bincount(np.load(tmp_path / "valid.npy")[:, :, 1:].reshape(-1))
+    p = counts[counts > 0] / counts.sum()
+    assert got["eval"][16]["unigram_entropy"] == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-9)
 
     # 3. the loss plot
     r = sh(plot, box)

@@ -5,10 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import assert_same_training, run_layouts
 
 from jaxllm import config, pipeline, train
-
-from harness import assert_same_training, run_layouts
 
 L4 = {"num_layers": 4}
 INTERLEAVED2 = {"pipeline_schedule": "interleaved", "pipeline_virtual_stages": 2}

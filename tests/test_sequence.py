@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from harness import assert_same_training, run_layouts
 
 IMPLS = ("allgather", "ring", "ulysses")

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import optimized_env
 
 from jaxllm import config, train
-
-from conftest import optimized_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -35,9 +34,9 @@ BAD = [
     ("train.beta2=1.0", None, "train.beta2"),
     ("mesh.tensor=2", None, "mesh"),
     ("mesh.data=0", None, "mesh.data"),
-    ("data.input=/no/such/file", None, "data.input"),
+    ("data.tokenizer=/no/such/tokenizer.json", None, "data.tokenizer"),
     ("data.tokenizer=gpt2", "data.gpt2_dir=/tmp", "data.gpt2_dir"),
-    ("data.val_fraction=0", None, "data.val_fraction"),
+    ("data.sampling=random", None, "data.sampling"),
     ("parallel.zero_stage=4", None, "parallel.zero_stage"),
 ]
 
@@ -84,7 +83,7 @@ def tiny_shakespeare(iters):
                      make_vocab_size_divisible_by=1)
     cfg.train.update(seq_length=32, micro_batch_size=4, global_batch_size=8, train_iters=iters, warmup_iters=5,
                      lr=3e-3, min_lr=3e-4, lr_decay_iters=60, eval_interval=20, eval_iters=2, log_interval=10)
-    cfg.data.update(input=str(SHAKESPEARE), tokenizer="char")
+    cfg.data.update(input=str(SHAKESPEARE), tokenizer="char", sampling="uniform", split="9,1")
     cfg.checkpoint.interval = 20
     cfg.log.update(samples=1, sample_tokens=40)
     return cfg
@@ -131,7 +130,7 @@ def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
 def test_default_job_trains_on_the_standard_library(tmp_path):
     """`python -m jaxllm.train` with only a shorter schedule: the default corpus and model."""
     r = cli("jaxllm.train", f"--workdir={tmp_path}", "--config.train.train_iters=20",
-            "--config.train.warmup_iters=5", "--config.train.log_interval=10", "--config.train.eval_interval=20",
+            "--config.train.warmup_iters=5", "--config.train.log_interval=5", "--config.train.eval_interval=20",
             "--config.log.sample_tokens=20", env=optimized_env(ENV))  # bfloat16: -O0 would double its time
     assert r.returncode == 0, r.stderr[-3000:]
     assert "byte" in r.stdout and "--- sample ---" in r.stdout

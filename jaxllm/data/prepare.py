@@ -1,340 +1,487 @@
-"""Text files -> a prepared directory: ``tokens.bin`` (flat token ids) + ``meta.json``.
+"""Text -> a Megatron indexed dataset: ``PREFIX.bin`` + ``PREFIX.idx`` (+ ``PREFIX.meta.json``).
 
-    python -m jaxllm.data.prepare --input PATH [PATH ...] --tokenizer {char,byte,gpt2} --output DIR \
-        [--gpt2-dir DIR] [--val-fraction 0.1]
+    python -m jaxllm.data.prepare --input PATH [PATH ...] --tokenizer {char,byte,gpt2,TOKENIZER.json,DIR} \\
+        --output-prefix PREFIX [--gpt2-dir DIR] [--json-key text] [--document-marker MARKER] [--workers N]
 
-Layout of a prepared directory:
-  tokens.bin  the whole token stream, native-endian uint16 (vocab <= 65536) or uint32, no header:
-              ``np.memmap(path, dtype=meta["dtype"], mode="r")``. The first ``train_tokens`` are
-              the train split, the last ``val_tokens`` the validation split.
-  meta.json   format_version, tokenizer, vocab_size, eot_id, dtype, num_tokens, train_tokens,
-              val_tokens, val_fraction, sources [{path, bytes, sha256}], and the tokenizer's own
-              fields (char: chars; gpt2: gpt2_dir, gpt2_sha256 {encoder.json, vocab.bpe}).
+The output is what Megatron-LM's ``tools/preprocess_data.py --append-eod`` writes (the format:
+:mod:`jaxllm.data.indexed`), so Megatron reads it too; unlike Megatron's tool, the files are
+exactly ``PREFIX.bin`` and ``PREFIX.idx`` (no ``_text_document`` is appended). One document per:
 
-Inputs: a file is taken as given; a directory is walked recursively in sorted order taking
-files ending in .py .txt .md .rst, skipping hidden files and directories, ``__pycache__``,
-``site-packages`` and ``dist-packages``. A file listed twice is read once. Bytes that are not
-valid UTF-8 are decoded with errors="replace" (U+FFFD), so such files are kept, not skipped
-(the stdlib has a few latin-1 test files).
+* text file (``.py .txt .md .rst``, or any file named explicitly) -- or, with
+  ``--document-marker M``, per part of it: a line starting with ``M`` begins a new document
+  and is itself dropped (``../shared/data/peps.txt``: ``--document-marker '<|file|>'``);
+* line of a JSON Lines file (``.jsonl``, or ``.json`` named explicitly: Megatron's "loose
+  json"), its text at ``--json-key`` (default ``text``);
+* row of a Parquet file (``.parquet``; needs ``pip install pyarrow``), column ``--json-key``.
 
-Documents (files) are joined with "\\n" for char/byte (a single file's tokens are exactly the
-file's) and with the end-of-text token after every document for gpt2.
+Directories are walked recursively in sorted order for those suffixes (``.json`` only when
+named), skipping hidden files and directories, ``__pycache__``, ``site-packages`` and
+``dist-packages``; a file listed twice is read once; bytes that are not UTF-8 become U+FFFD.
+The tokenizer's end-of-document token (gpt2: ``<|endoftext|>``; a Hugging Face tokenizer: its
+``eos_token``) is appended to every document; char and byte have none, so their documents
+follow one another directly. Empty documents are skipped.
+
+``PREFIX.meta.json`` records what jaxllm needs beyond Megatron's files: the tokenizer (to
+decode, and its vocabulary), the documents' UTF-8 bytes (bits per byte) and the sources.
+Writing is crash-safe: the three files are written under temporary names beside PREFIX,
+fsynced, and renamed into place with ``PREFIX.idx`` last (an old ``PREFIX.idx`` is removed
+first), so PREFIX is at every moment the old complete dataset, absent, or the new complete one.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
+import multiprocessing
 import os
-import shutil
 import sys
 import time
 import uuid
 
 import numpy as np
 
-from jaxllm.data.tokenizers import (ByteTokenizer, CharTokenizer, DataError, GPT2Tokenizer, GPT2_FILES,
-                                    sha256_file)
+from jaxllm.config import Data
+from jaxllm.data import cache, indexed
+from jaxllm.data.tokenizers import (
+    GPT2_FILES,
+    TOKENIZER_NAMES,
+    CharTokenizer,
+    DataError,
+    make_tokenizer,
+    sha256_file,
+    tokenizer_from_meta,
+)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+META_SUFFIX = ".meta.json"
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+RECORD_SUFFIXES = (".jsonl", ".parquet")
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-TOKENS, META = "tokens.bin", "meta.json"
-# Characters per encode_batch call for gpt2: bounds memory while keeping both cores busy.
-_GPT2_BATCH_CHARS = 8 << 20
+# Characters handed to the tokenizer at once: bounds memory, keeps the workers (or Rust threads) busy.
+_BATCH_CHARS = 4 << 20
+
+
+# The largest fraction of an input's characters that may fail to decode as UTF-8 (or be NUL), as
+# data.max_undecodable: the standard library's sources hold a few test files in other encodings
+# (0.01% of the corpus); an executable is about 27%.
+MAX_UNDECODABLE = Data.__dataclass_fields__["max_undecodable"].default
+
+
+def meta_path(prefix: str) -> str:
+    return prefix + META_SUFFIX
+
+
+def read_meta(prefix: str) -> dict | None:
+    """The parsed ``PREFIX.meta.json``, or None when there is none (e.g. data from Megatron's tool).
+
+    Raises:
+      DataError: it exists but is not a JSON object of this format.
+    """
+    path = meta_path(prefix)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (ValueError, OSError) as e:
+        raise DataError(f"{path}: unreadable ({e}); prepare the data again (python -m jaxllm.data.prepare)") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise DataError(f"{path}: format_version {version!r}, this version reads {FORMAT_VERSION}; prepare the data "
+                        f"again (python -m jaxllm.data.prepare)")
+    return meta
 
 
 def collect_files(inputs: list[str]) -> list[str]:
-    """Absolute paths of the text files ``inputs`` name, in corpus order (see the module doc).
+    """Absolute paths of the files ``inputs`` name, in corpus order (see the module doc).
 
     Raises:
-      DataError: an input does not exist, or no text file was found.
+      DataError: an input does not exist, or no file was found.
     """
     files, seen = [], set()
-
-    def add(path):
-        if path not in seen:
-            seen.add(path)
-            files.append(path)
-
+    suffixes = TEXT_SUFFIXES + RECORD_SUFFIXES
     for inp in inputs:
         path = os.path.abspath(inp)
         if os.path.isdir(path):
+            found = []
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
-                for n in sorted(names):
-                    if n.endswith(TEXT_SUFFIXES) and not n.startswith("."):
-                        add(os.path.join(root, n))
+                found += [os.path.join(root, n) for n in sorted(names)
+                          if n.endswith(suffixes) and not n.startswith(".")]
         elif os.path.exists(path):
-            add(path)
+            found = [path]
         else:
-            raise DataError(f"data input {inp}: no such file or directory; set data.input (--input) to text "
-                            f"files or directories")
+            raise DataError(f"data input {inp}: no such file or directory; set data.input (--input) to text, JSON "
+                            f"Lines or Parquet files or directories")
+        for f in found:
+            if f not in seen:
+                seen.add(f)
+                files.append(f)
     if not files:
-        raise DataError(f"data input {', '.join(inputs)}: no text files ({' '.join(TEXT_SUFFIXES)}) found; "
-                        f"point data.input (--input) at text files or directories holding them")
+        raise DataError(f"data input {', '.join(inputs)}: no files ({' '.join(suffixes)}) found; point data.input "
+                        f"(--input) at text files or directories holding them")
     return files
 
 
-def _read(path: str) -> bytes:
+def _cannot_read(path, e):
+    return DataError(f"data input {path}: cannot read it ({getattr(e, 'strerror', None) or e}); fix or remove the "
+                     f"file, or leave it out of data.input (--input)")
+
+
+def _lines(path: str):
     try:
         with open(path, "rb") as f:
-            return f.read()
+            yield from f
     except OSError as e:
-        raise DataError(f"data input {path}: cannot read it ({e.strerror or e}); fix or remove the file, "
-                        f"or leave it out of data.input (--input)") from None
+        raise _cannot_read(path, e) from None
 
 
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace")
+def iter_documents(path: str, json_key: str = "text", document_marker: str = ""):
+    """Yields ``(text, source_bytes)`` for each document of one file (see the module doc);
+    ``source_bytes`` are the file's bytes consumed since the previous document (progress).
 
-
-def _make_tokenizer(name: str, files: list[str], gpt2_dir: str):
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        if not gpt2_dir:
-            raise DataError("tokenizer gpt2 needs data.gpt2_dir (--gpt2-dir): the directory holding GPT-2's "
-                            "encoder.json and vocab.bpe")
-        return GPT2Tokenizer(gpt2_dir)
-    if name == "char":
-        # A first pass over the corpus: the vocabulary must exist before any id is written.
-        chars = set("\n") if len(files) > 1 else set()
-        for path in files:
-            chars.update(_text(_read(path)))
-        if not chars:
-            raise DataError(f"data input: the {len(files)} file(s) are empty; nothing to tokenize")
-        return CharTokenizer("".join(sorted(chars)))
-    raise DataError(f"data.tokenizer={name!r}: choose one of char, byte, gpt2")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_replaceable(path: str) -> bool:
-    """Only an earlier prepared directory or an empty one may be replaced: never a user's other files."""
-    return os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, META)))
-
-
-def _same_data(output: str, sources: list[dict]) -> bool:
-    """Whether ``output`` is a sound prepared directory of exactly these sources."""
-    from jaxllm.data.loader import TokenData
-
-    try:
-        return TokenData(output).meta["sources"] == sources
-    except DataError:
-        return False
-
-
-def _publish(tmp: str, output: str, sources: list[dict], keep_existing: bool) -> bool:
-    """Renames the finished ``tmp`` to ``output``. Returns False (and removes tmp) when
-    ``keep_existing`` and ``output`` already holds the same data, e.g. another process won a race."""
-    try:
-        os.rename(tmp, output)
-        return True
-    except OSError:
-        if not os.path.exists(output):
-            raise
-    if keep_existing and _same_data(output, sources):
-        shutil.rmtree(tmp, ignore_errors=True)
-        return False
-    if not _is_replaceable(output):
-        raise DataError(f"prepare output {output}: exists and is not a prepared directory; choose another "
-                        f"--output or remove it")
-    # A directory cannot be replaced in one atomic step: move the old one aside first, so
-    # OUTPUT is at every moment either the old complete data, absent, or the new complete data.
-    old = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(output, old)
-    os.rename(tmp, output)
-    shutil.rmtree(old, ignore_errors=True)
-    return True
-
-
-def _prepare(files: list[str], tokenizer: str, output: str, gpt2_dir: str, val_fraction: float,
-             keep_existing: bool = False) -> dict:
-    t0 = time.perf_counter()
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"data.val_fraction (--val-fraction)={val_fraction}: must be in (0, 1)")
-    output = os.path.abspath(output)
-    if os.path.exists(output) and not _is_replaceable(output):
-        raise DataError(f"prepare output {output}: exists and is not a prepared directory; choose another "
-                        f"--output or remove it")
-    tok = _make_tokenizer(tokenizer, files, gpt2_dir)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
-    parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    # Hidden, beside the output (same filesystem, so the final rename is atomic), and skipped
-    # by collect_files should the output lie inside an input directory.
-    tmp = os.path.join(parent, f".{os.path.basename(output)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
-    try:
-        sources, num_tokens = [], 0
-        with open(os.path.join(tmp, TOKENS), "wb") as out:
-            def write(ids):
-                nonlocal num_tokens
-                out.write(np.asarray(ids).astype(dtype, copy=False).tobytes())
-                num_tokens += len(ids)
-
-            def source(path, raw):
-                sources.append({"path": path, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()})
-                return _text(raw)
-
-            if isinstance(tok, GPT2Tokenizer):
-                eot = np.array([tok.eot_id], np.int32)
-                batch, size = [], 0
-                for i, path in enumerate(files):
-                    text = source(path, _read(path))
-                    batch.append(text)
-                    size += len(text)
-                    if size >= _GPT2_BATCH_CHARS or i == len(files) - 1:
-                        for ids in tok.encode_batch(batch):
-                            write(ids)
-                            write(eot)
-                        batch, size = [], 0
+    Raises:
+      DataError: unreadable file, a JSON Lines line that is not an object with a string at
+        ``json_key``, a Parquet file without that column, or Parquet without pyarrow.
+    """
+    if path.endswith((".jsonl", ".json")):
+        consumed = 0
+        for n, line in enumerate(_lines(path), 1):
+            consumed += len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{n}: not JSON ({e}); a JSON Lines file holds one JSON object per "
+                                f"line") from None
+            text = record.get(json_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                keys = list(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{path}:{n}: no string at key {json_key!r} (has {keys}); set --json-key "
+                                f"(data.json_key) to the key holding the text")
+            yield text, consumed
+            consumed = 0
+    elif path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip install pyarrow "
+                            f"(or convert the file to JSON Lines)") from None
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises its own exception types
+            raise _cannot_read(path, e) from None
+        if json_key not in pf.schema_arrow.names:
+            raise DataError(f"{path}: no column {json_key!r} (has {pf.schema_arrow.names}); set --json-key "
+                            f"(data.json_key) to the column holding the text")
+        per_row = os.path.getsize(path) / max(1, pf.metadata.num_rows)
+        for batch in pf.iter_batches(columns=[json_key]):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text, per_row
+    elif document_marker:
+        marker = document_marker.encode("utf-8")
+        parts, consumed = [], 0
+        for line in _lines(path):
+            consumed += len(line)
+            if line.startswith(marker):
+                if parts:
+                    yield b"".join(parts).decode("utf-8", errors="replace"), consumed
+                    consumed = 0
+                parts = []
             else:
-                sep = tok.encode("\n")
-                for i, path in enumerate(files):
-                    if i:
-                        write(sep)
-                    write(tok.encode(source(path, _read(path))))
-            out.flush()
-            os.fsync(out.fileno())
+                parts.append(line)
+        if parts or consumed:
+            yield b"".join(parts).decode("utf-8", errors="replace"), consumed
+    else:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise _cannot_read(path, e) from None
+        yield raw.decode("utf-8", errors="replace"), len(raw)
 
-        train_tokens = int(num_tokens * (1.0 - val_fraction))  # nanoGPT: data[:int(n * 0.9)]
-        val_tokens = num_tokens - train_tokens
-        if train_tokens == 0 or val_tokens == 0:
-            raise DataError(f"data input: only {num_tokens} tokens, so with val_fraction={val_fraction} the "
-                            f"{'train' if not train_tokens else 'val'} split would be empty; use more text")
+
+def _inputs_of(inputs: list[str]) -> dict[str, str]:
+    """Each file of ``inputs`` -> the input (file or directory) that names it."""
+    return {f: item for item in reversed(inputs) for f in collect_files([item])}
+
+
+def _check_decodable(item: str, bad: int, chars: int, limit: float) -> None:
+    if chars and bad / chars > limit:
+        raise DataError(f"data input {item}: {bad / chars:.1%} of its {chars:,} characters are not UTF-8 text "
+                        f"(bytes that do not decode, or NUL): is it a binary file? Leave it out of data.input "
+                        f"(--input), or set data.max_undecodable (--max-undecodable) to {bad / chars:.2g} or more "
+                        f"to keep it")
+
+
+def _batches(files, json_key, document_marker, inputs_of=None, max_undecodable=1.0):
+    """Lists of (text, source_bytes) of about _BATCH_CHARS characters, in corpus order.
+
+    Checks on the way that at most ``max_undecodable`` of the characters of each input (a file,
+    or all the files of a directory; ``inputs_of`` maps a file to its input) failed to decode as
+    UTF-8 or are NUL: a binary file (an executable, an archive) would otherwise train silently.
+    """
+    batch, size, counts, current = [], 0, [0, 0], None
+    for path in files:
+        item = (inputs_of or {}).get(path, path)
+        if item != current:
+            if current is not None:
+                _check_decodable(current, *counts, max_undecodable)
+            counts, current = [0, 0], item
+        for text, consumed in iter_documents(path, json_key, document_marker):
+            counts[0] += text.count("\ufffd") + text.count("\0")
+            counts[1] += len(text)
+            batch.append((text, consumed))
+            size += len(text)
+            if size >= _BATCH_CHARS:
+                yield batch
+                batch, size = [], 0
+    if current is not None:
+        _check_decodable(current, *counts, max_undecodable)
+    if batch:
+        yield batch
+
+
+_worker_tok = None
+
+
+def _init_worker(tok_meta: dict) -> None:
+    global _worker_tok
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallel across processes, not threads in each
+    _worker_tok = tokenizer_from_meta(tok_meta)
+
+
+def _encode(texts: list[str], tok=None) -> list[np.ndarray]:
+    tok = tok or _worker_tok
+    out = tok.encode_batch(texts)
+    if tok.eot_id is not None:
+        out = [np.append(ids, np.int32(tok.eot_id)) for ids in out]
+    return out
+
+
+def _fit_char(files, json_key, document_marker) -> CharTokenizer:
+    chars = set()
+    for path in files:
+        for text, _ in iter_documents(path, json_key, document_marker):
+            chars.update(text)
+    if not chars:
+        raise DataError(f"data input: the {len(files)} file(s) hold no text; nothing to tokenize")
+    return CharTokenizer("".join(sorted(chars)))
+
+
+def _replaceable(prefix: str) -> bool:
+    """Only a dataset this tool wrote (it has PREFIX.meta.json), or nothing, may be replaced."""
+    return os.path.isfile(meta_path(prefix)) or not indexed.exists(prefix)
+
+
+def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "", json_key: str = "text",
+             document_marker: str = "", workers: int = 1, progress: bool = True, inputs_of=None,
+             max_undecodable: float = 1.0) -> dict:
+    t0 = time.perf_counter()
+    prefix = os.path.abspath(prefix)
+    if not _replaceable(prefix):
+        raise DataError(f"--output-prefix {prefix}: {prefix}.bin/.idx exist and were not written by "
+                        f"jaxllm.data.prepare (no {META_SUFFIX}); choose another prefix or remove them")
+    if workers < 1:
+        raise DataError(f"--workers={workers}: must be >= 1")
+    tok = _fit_char(files, json_key, document_marker) if tokenizer == "char" else make_tokenizer(tokenizer, gpt2_dir)
+    dtype = indexed.token_dtype(tok.vocab_size)
+    tok_meta = {"tokenizer": tok.name, **tok.meta_fields()}
+    parent = os.path.dirname(prefix)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(prefix)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    names = {s: tmp + s for s in (".bin", ".idx", META_SUFFIX)}
+    writer = indexed.IndexedWriter(names[".bin"], names[".idx"], dtype)
+    from tqdm import tqdm
+
+    total = sum(os.path.getsize(f) for f in files if os.path.isfile(f))  # an unreadable one fails when read
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress else True,
+               file=sys.stderr)
+    pool = None
+    try:
+        num_tokens = text_bytes = 0
+        batches = _batches(files, json_key, document_marker, inputs_of, max_undecodable)
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_meta,))
+            pairs = collections.deque()  # the batches in flight, in order
+
+            def texts_of(batch):
+                pairs.append(batch)
+                return [t for t, _ in batch]
+
+            encoded = pool.imap(_encode, (texts_of(b) for b in batches))
+        else:
+            pairs = None
+            encoded = ((b, _encode([t for t, _ in b], tok)) for b in batches)
+        for item in encoded:
+            batch, ids_list = (pairs.popleft(), item) if workers > 1 else item
+            for (text, consumed), ids in zip(batch, ids_list):
+                if not text:
+                    continue  # an empty document (Megatron's tool writes no sequence for one either)
+                if len(ids) and int(ids.max()) >= tok.vocab_size:
+                    raise DataError(f"tokenizer {tokenizer}: produced id {int(ids.max())} >= its vocabulary size "
+                                    f"{tok.vocab_size}; the tokenizer files are inconsistent")
+                writer.add_document(ids)
+                num_tokens += len(ids)
+                text_bytes += len(text.encode("utf-8"))
+            bar.update(sum(c for _, c in batch))
+        bar.close()
+        if not writer.lengths:
+            raise DataError(f"data input: the {len(files)} file(s) hold no non-empty document; nothing to write")
+        writer.finish()
         meta = {
             "format_version": FORMAT_VERSION,
-            "tokenizer": tok.name,
+            **tok_meta,
             "vocab_size": int(tok.vocab_size),
             "eot_id": tok.eot_id,
             "dtype": dtype.name,
+            "num_documents": len(writer.lengths),
             "num_tokens": num_tokens,
-            "train_tokens": train_tokens,
-            "val_tokens": val_tokens,
-            "val_fraction": val_fraction,
-            "sources": sources,
-            **tok.meta_fields(),
+            "text_bytes": text_bytes,
+            "json_key": json_key,
+            "document_marker": document_marker,
+            "sources": [{"path": f, "bytes": os.path.getsize(f), "sha256": sha256_file(f)} for f in files],
         }
-        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+        with open(names[META_SUFFIX], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, ensure_ascii=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        published = _publish(tmp, output, sources, keep_existing)
-        _fsync_dir(parent)
+        # The commit: PREFIX.idx is the last to appear (IndexedDataset needs both halves).
+        try:
+            os.unlink(indexed.idx_path(prefix))
+        except FileNotFoundError:
+            pass
+        os.replace(names[".bin"], indexed.bin_path(prefix))
+        os.replace(names[META_SUFFIX], meta_path(prefix))
+        os.replace(names[".idx"], indexed.idx_path(prefix))
+        cache.fsync_dir(parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        writer.abort()
+        bar.close()
+        for n in names.values():
+            try:
+                os.unlink(n)
+            except FileNotFoundError:
+                pass
         raise
-    if not published:
-        with open(os.path.join(output, META), encoding="utf-8") as f:
-            return json.load(f)
-    mb = sum(s["bytes"] for s in sources) / 1e6
-    print(f"prepare: {num_tokens:,} {tok.name} tokens (train {train_tokens:,}, val {val_tokens:,}) from "
-          f"{len(files):,} files ({mb:.1f} MB) in {time.perf_counter() - t0:.1f}s -> {output}", file=sys.stderr, flush=True)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    dt = time.perf_counter() - t0
+    mb = text_bytes / 1e6
+    print(f"prepare: {meta['num_documents']:,} documents, {num_tokens:,} {tok.name} tokens from {len(files):,} files "
+          f"({mb:.1f} MB of text) in {dt:.1f} s ({mb / dt:.2f} MB/s, {num_tokens / dt:,.0f} tokens/s, "
+          f"{workers} worker{'s' if workers > 1 else ''}) -> {prefix}.bin/.idx", file=sys.stderr, flush=True)
     return meta
 
 
-def prepare(inputs: list[str], tokenizer: str, output: str, *, gpt2_dir: str = "", val_fraction: float = 0.1) -> dict:
-    """Tokenizes text files/directories into ``output/tokens.bin`` + ``output/meta.json``.
-
-    Writes into a hidden temporary directory beside ``output``, fsyncs, then renames it into
-    place: ``output`` never holds half-written data, and on any error nothing is left behind.
-    An existing ``output`` is replaced only if it is a prepared directory or empty.
+def prepare(inputs: list[str], tokenizer: str, output_prefix: str, *, gpt2_dir: str = "", json_key: str = "text",
+            document_marker: str = "", workers: int = 1, progress: bool = True,
+            max_undecodable: float = MAX_UNDECODABLE) -> dict:
+    """Tokenizes files/directories into the indexed dataset ``output_prefix`` (see the module doc).
 
     Args:
-      inputs: text files and/or directories (see the module doc for what is taken).
-      tokenizer: "char", "byte" or "gpt2".
-      output: the directory to create.
-      gpt2_dir: directory with GPT-2's encoder.json and vocab.bpe (tokenizer="gpt2").
-      val_fraction: the last this fraction of the token stream is the validation split.
+      inputs: text, JSON Lines or Parquet files and/or directories.
+      tokenizer: "char", "byte", "gpt2", or a Hugging Face tokenizer.json (or a directory holding one).
+      output_prefix: writes ``output_prefix.bin``, ``.idx`` and ``.meta.json``.
+      gpt2_dir: GPT-2's encoder.json + vocab.bpe (tokenizer "gpt2").
+      json_key: the text's key in JSON Lines records / column in Parquet files.
+      document_marker: in text files, a line starting with it begins a new document ("": one per file).
+      workers: tokenizing processes (1: this process, with the tokenizer's own threads).
+      progress: draw a progress bar on a terminal.
+      max_undecodable: the largest fraction of an input's characters that may fail to decode as
+        UTF-8 or be NUL (a binary file; 1.0 keeps anything).
     Returns:
-      the meta dict written to meta.json.
+      the metadata written to ``output_prefix.meta.json``.
     Raises:
-      DataError: a missing/unreadable input, no text, a bad tokenizer or val_fraction, too few
-        tokens for both splits, or an ``output`` that holds other files.
+      DataError: a missing/unreadable/malformed input, an input that is not text, no text, a bad
+        tokenizer, or an existing dataset at ``output_prefix`` that this tool did not write.
     """
-    return _prepare(collect_files(list(inputs)), tokenizer, output, gpt2_dir, val_fraction)
+    inputs = list(inputs)
+    return _prepare(collect_files(inputs), tokenizer, output_prefix, gpt2_dir=gpt2_dir, json_key=json_key,
+                    document_marker=document_marker, workers=workers, progress=progress,
+                    inputs_of=_inputs_of(inputs), max_undecodable=max_undecodable)
 
 
-def _inputs(data_cfg) -> list[str]:
+def text_inputs(data_cfg) -> list[str]:
+    """``data.input`` as a list of text inputs (comma-separated)."""
     inp = data_cfg.input
     return [p for p in inp.split(",") if p] if isinstance(inp, str) else list(inp)
 
 
 def ensure_prepared(data_cfg, cache_root: str) -> str:
-    """The prepared directory for the ``data`` config section, preparing it only when needed.
+    """The prefix of the indexed dataset of ``data.input``'s text, preparing it only when needed.
 
-    If ``data_cfg.input`` is one directory holding meta.json it is used as-is (after checking
-    it opens); its own tokenizer wins over ``data_cfg.tokenizer``. Otherwise the inputs are
-    prepared into ``cache_root/<key>``, where the key hashes the tokenizer, val_fraction, the
-    gpt2 files' checksums and the sources (path + sha256, in corpus order, which decides the
-    split); an existing complete directory with that key is reused untouched. Processes racing
-    on the same key are safe: the first to finish wins and the others use its result.
+    The text is prepared into ``cache_root/<key>/data.{bin,idx,meta.json}``, where the key hashes
+    the tokenizer (and its files' checksums), ``data.json_key``, ``data.document_marker`` and the
+    sources (path + sha256, in corpus order); an existing entry with that key is reused
+    untouched. Of several processes (one per node, or all) one prepares while the others wait
+    (:func:`jaxllm.data.cache.build_once`).
 
     Args:
-      data_cfg: the config's ``data`` section (input, tokenizer, gpt2_dir, val_fraction).
+      data_cfg: the config's ``data`` section (input, tokenizer, gpt2_dir, json_key, document_marker).
       cache_root: directory for prepared caches (created if missing).
     Returns:
-      the prepared directory's path.
+      the prefix (``.../data``).
     Raises:
-      DataError: as ``prepare``, or the prepared directory is broken (see TokenData).
+      DataError: as :func:`prepare`.
     """
-    from jaxllm.data.loader import TokenData
-
-    inputs = _inputs(data_cfg)
-    if len(inputs) == 1 and os.path.isfile(os.path.join(inputs[0], META)):
-        directory = os.path.abspath(inputs[0])
-        data = TokenData(directory)
-        if data.meta["tokenizer"] != data_cfg.tokenizer:
-            print(f"prepare: using {directory} as prepared, with its tokenizer {data.meta['tokenizer']!r} "
-                  f"(data.tokenizer={data_cfg.tokenizer!r} is ignored)", file=sys.stderr, flush=True)
-        return directory
-
-    files = collect_files(inputs)
+    files = collect_files(text_inputs(data_cfg))
     sources = [[p, sha256_file(p)] for p in files]
-    gpt2_sha = None
-    if data_cfg.tokenizer == "gpt2":
+    spec = data_cfg.tokenizer
+    if spec == "gpt2":
         if not data_cfg.gpt2_dir:
             raise DataError("data.tokenizer=gpt2 needs data.gpt2_dir: the directory holding GPT-2's encoder.json "
                             "and vocab.bpe")
-        gpt2_sha = [sha256_file(os.path.join(data_cfg.gpt2_dir, n)) if os.path.isfile(
+        tok_key = [sha256_file(os.path.join(data_cfg.gpt2_dir, n)) if os.path.isfile(
             os.path.join(data_cfg.gpt2_dir, n)) else None for n in GPT2_FILES]
-    key_src = json.dumps([FORMAT_VERSION, data_cfg.tokenizer, float(data_cfg.val_fraction), gpt2_sha, sources])
-    key = f"{data_cfg.tokenizer}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
-    directory = os.path.join(os.path.abspath(cache_root), key)
-    if os.path.isfile(os.path.join(directory, META)):
-        try:
-            meta = TokenData(directory).meta
-            if [[s["path"], s["sha256"]] for s in meta["sources"]] == sources:
-                print(f"prepare: reusing {directory} ({meta['num_tokens']:,} {meta['tokenizer']} tokens)", file=sys.stderr, flush=True)
-                return directory
-        except DataError as e:
-            print(f"prepare: preparing again: {e}", file=sys.stderr, flush=True)
-    _prepare(files, data_cfg.tokenizer, directory, data_cfg.gpt2_dir, float(data_cfg.val_fraction),
-             keep_existing=True)
-    return directory
+    elif spec in TOKENIZER_NAMES:
+        tok_key = spec
+    else:
+        tok_key = make_tokenizer(spec).sha256
+    key_src = json.dumps([FORMAT_VERSION, spec if spec in TOKENIZER_NAMES else "hf", tok_key, data_cfg.json_key,
+                          data_cfg.document_marker, sources])
+    name = "hf" if spec not in TOKENIZER_NAMES else spec
+    directory = os.path.join(os.path.abspath(cache_root), f"{name}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}")
+    prefix = os.path.join(directory, "data")
+
+    def build(tmp):
+        _prepare(files, spec, os.path.join(tmp, "data"), gpt2_dir=data_cfg.gpt2_dir, json_key=data_cfg.json_key,
+                 document_marker=data_cfg.document_marker, inputs_of=_inputs_of(text_inputs(data_cfg)),
+                 max_undecodable=data_cfg.max_undecodable)
+
+    if not cache.build_once(directory, build, what=f"the tokenized {', '.join(text_inputs(data_cfg))[:200]}"):
+        meta = read_meta(prefix)
+        print(f"prepare: reusing {prefix} ({meta['num_tokens']:,} {meta['tokenizer']} tokens, "
+              f"{meta['num_documents']:,} documents)", file=sys.stderr, flush=True)
+    return prefix
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.data.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text files and/or directories")
-    p.add_argument("--tokenizer", required=True, choices=("char", "byte", "gpt2"))
-    p.add_argument("--output", required=True, metavar="DIR", help="the prepared directory to write")
+    p = argparse.ArgumentParser(prog="python -m jaxllm.data.prepare", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="text, JSON Lines or Parquet files and/or directories")
+    p.add_argument("--tokenizer", required=True, metavar="{char,byte,gpt2,PATH}",
+                   help="char, byte, gpt2, or a Hugging Face tokenizer.json / directory holding one")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, .meta.json")
     p.add_argument("--gpt2-dir", default="", metavar="DIR", help="directory with encoder.json and vocab.bpe")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of tokens kept for validation")
+    p.add_argument("--json-key", default="text", help="key (JSON Lines) or column (Parquet) holding the text")
+    p.add_argument("--document-marker", default="", metavar="MARKER",
+                   help="in text files, a line starting with MARKER begins a new document (and is dropped)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--max-undecodable", type=float, default=MAX_UNDECODABLE, metavar="FRACTION",
+                   help="the largest fraction of an input's characters that may fail to decode as UTF-8 (binary "
+                        "files); 1 keeps anything")
     args = p.parse_args(argv)
     try:
-        prepare(args.input, args.tokenizer, args.output, gpt2_dir=args.gpt2_dir, val_fraction=args.val_fraction)
+        prepare(args.input, args.tokenizer, args.output_prefix, gpt2_dir=args.gpt2_dir, json_key=args.json_key,
+                document_marker=args.document_marker, workers=args.workers, max_undecodable=args.max_undecodable)
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2

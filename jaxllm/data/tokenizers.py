@@ -1,13 +1,15 @@
-"""Tokenizers: ``char`` (nanoGPT's sorted character set), ``byte`` (UTF-8 bytes) and ``gpt2``.
+"""Tokenizers: ``char`` (nanoGPT's sorted character set), ``byte`` (UTF-8 bytes), ``gpt2``, and any
+Hugging Face tokenizer given as a ``tokenizer.json`` file or a local directory holding one.
 
-All three share one small interface::
+All share one small interface::
 
-    name: str                 # "char", "byte" or "gpt2", as in data.tokenizer
+    name: str                 # "char", "byte", "gpt2" or "hf"
     vocab_size: int
-    eot_id: int | None        # end-of-text token appended after each document, if any
+    eot_id: int | None        # end-of-document token appended after each document, if any
     encode(text) -> np.ndarray        # int32 [num_tokens]
+    encode_batch(texts) -> list[np.ndarray]
     decode(ids) -> str
-    meta_fields() -> dict     # what meta.json records so tokenizer_from_meta can rebuild it
+    meta_fields() -> dict     # what PREFIX.meta.json records so tokenizer_from_meta can rebuild it
 
 ``decode`` never raises on an id outside the vocabulary (a model with a padded vocabulary
 can sample one): such an id decodes to U+FFFD, the replacement character.
@@ -68,7 +70,7 @@ class CharTokenizer:
         self._decode_cps = np.append(cps, np.uint32(ord(REPLACEMENT)))
 
     @classmethod
-    def fit(cls, text: str) -> "CharTokenizer":
+    def fit(cls, text: str) -> CharTokenizer:
         """The tokenizer whose vocabulary is the sorted set of ``text``'s characters."""
         return cls("".join(sorted(set(text))))
 
@@ -91,6 +93,9 @@ class CharTokenizer:
         ids = np.where((ids >= 0) & (ids < self.vocab_size), ids, self.vocab_size)
         return self._decode_cps[ids].astype("<u4").tobytes().decode("utf-32-le")
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
     def meta_fields(self) -> dict:
         return {"chars": self.chars}
 
@@ -112,6 +117,9 @@ class ByteTokenizer:
         # 0xFF never occurs in UTF-8, so an out-of-range id becomes exactly one U+FFFD.
         ids = np.where((ids >= 0) & (ids < 256), ids, 0xFF).astype(np.uint8)
         return ids.tobytes().decode("utf-8", errors="replace")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
 
     def meta_fields(self) -> dict:
         return {}
@@ -222,17 +230,126 @@ def split_for_bpe(text: str, chunk_chars: int) -> list[str]:
     return pieces
 
 
-def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
-    """Rebuilds the tokenizer a prepared directory's ``meta.json`` records.
+class HFTokenizer:
+    """Any Hugging Face tokenizer, from a ``tokenizer.json`` file or a local directory holding one,
+    with the ``tokenizers`` library (nothing is downloaded).
+
+    Encodes as Megatron's ``HuggingFaceTokenizer`` does for ``preprocess_data.py``: the
+    tokenizer's own post-processor runs (e.g. Llama's beginning-of-text token is added). The
+    end-of-document token is ``eos_token`` of a ``tokenizer_config.json`` beside the
+    ``tokenizer.json`` (what transformers' AutoTokenizer reads), else the one special token
+    named like an end of text (``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``).
 
     Args:
-      meta: the parsed meta.json.
+      path: a ``tokenizer.json`` file or a directory holding one.
+    Raises:
+      DataError: no tokenizer.json there, it does not load, or its end-of-document token cannot be told.
+    """
+
+    name = "hf"
+    EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        path = os.path.abspath(path)
+        self.path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(self.path):
+            raise DataError(f"data.tokenizer={path}: no tokenizer.json there; give char, byte, gpt2, a Hugging Face "
+                            f"tokenizer.json file, or a local directory holding one")
+        try:
+            self._tok = Tokenizer.from_file(self.path)
+        except Exception as e:  # the library raises bare Exceptions on unparsable files
+            raise DataError(f"data.tokenizer={self.path}: not a Hugging Face tokenizer.json ({str(e)[:200]}); give the "
+                            f"tokenizer.json of the model's Hugging Face repository") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = self._eod_id()
+        self.sha256 = sha256_file(self.path)
+
+    def _eod_id(self) -> int:
+        cfg_path = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            import json
+
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    eos = json.load(f).get("eos_token")
+            except (ValueError, OSError, AttributeError) as e:
+                raise DataError(f"{cfg_path}: unreadable ({e}); fix it or remove it") from None
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
+                return self._tok.token_to_id(eos)
+        found = [t for t in self.EOD_NAMES if self._tok.token_to_id(t) is not None]
+        if len(found) != 1:
+            raise DataError(f"data.tokenizer={self.path}: cannot tell its end-of-document token (special tokens named "
+                            f"like one: {found or 'none'}); put a tokenizer_config.json with \"eos_token\" beside it, "
+                            f"as the model's Hugging Face repository has")
+        return self._tok.token_to_id(found[0])
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32 [num_tokens] ids of ``text`` (the tokenizer's special tokens added as its post-processor says)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``[encode(t) for t in texts]``, in parallel across texts."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encode(texts)]
+
+    def decode(self, ids) -> str:
+        """The text of ``ids`` with special tokens shown; ids outside the vocabulary decode to U+FFFD."""
+        ids = np.asarray(ids).reshape(-1)
+        parts, run = [], []
+        for i in ids.tolist():
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+            else:
+                parts += [self._tok.decode(run, skip_special_tokens=False), REPLACEMENT]
+                run = []
+        parts.append(self._tok.decode(run, skip_special_tokens=False))
+        return "".join(parts)
+
+    def meta_fields(self) -> dict:
+        return {"hf_path": self.path, "hf_sha256": self.sha256}
+
+
+TOKENIZER_NAMES = ("char", "byte", "gpt2")
+
+
+def make_tokenizer(spec: str, gpt2_dir: str = ""):
+    """The tokenizer ``data.tokenizer`` names, except ``char`` (fitted to a corpus: :meth:`CharTokenizer.fit`).
+
+    Args:
+      spec: "byte", "gpt2", or a path to a Hugging Face tokenizer.json or a directory holding one.
+      gpt2_dir: GPT-2's encoder.json + vocab.bpe directory (spec "gpt2").
+    Raises:
+      DataError: unknown spec, missing files.
+    """
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "gpt2":
+        if not gpt2_dir:
+            raise DataError("data.tokenizer=gpt2 needs data.gpt2_dir (--gpt2-dir): the directory holding GPT-2's "
+                            "encoder.json and vocab.bpe")
+        return GPT2Tokenizer(gpt2_dir)
+    if spec == "char":
+        raise ValueError("the char tokenizer is fitted to its corpus: CharTokenizer.fit(text)")
+    if not os.path.exists(spec):
+        raise DataError(f"data.tokenizer={spec!r}: choose char, byte, gpt2, or the path of a Hugging Face "
+                        f"tokenizer.json (or of a local directory holding one)")
+    return HFTokenizer(spec)
+
+
+def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
+    """Rebuilds the tokenizer that a ``PREFIX.meta.json`` records (:mod:`jaxllm.data.prepare`).
+
+    Args:
+      meta: the parsed metadata.
       gpt2_dir: for gpt2, read the files from here instead of the recorded directory
         (e.g. after moving them); their checksums must still match.
     Returns:
-      a CharTokenizer, ByteTokenizer or GPT2Tokenizer.
+      a CharTokenizer, ByteTokenizer, GPT2Tokenizer or HFTokenizer.
     Raises:
-      DataError: unknown tokenizer, missing fields, or the gpt2 files are missing or changed
+      DataError: unknown tokenizer, missing fields, or the tokenizer files are missing or changed
         since the data was prepared.
     """
     name = meta.get("tokenizer")
@@ -243,6 +360,15 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
         if not isinstance(chars, str):
             raise DataError("meta.json: tokenizer 'char' without its 'chars' string; prepare the data again")
         return CharTokenizer(chars)
+    if name == "hf":
+        path, recorded = meta.get("hf_path"), meta.get("hf_sha256")
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise DataError(f"hf tokenizer: {path} (recorded in meta.json) not found; put it back, or prepare the data "
+                            f"again")
+        if sha256_file(path) != recorded:
+            raise DataError(f"hf tokenizer: {path} changed since the data was prepared (sha256 differs from "
+                            f"meta.json); restore the original file or prepare the data again")
+        return HFTokenizer(path)
     if name == "gpt2":
         recorded = meta.get("gpt2_sha256")
         directory = gpt2_dir or meta.get("gpt2_dir")
@@ -257,4 +383,4 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
                 raise DataError(f"gpt2 tokenizer: {path} changed since the data was prepared (sha256 differs from "
                                 f"meta.json); restore the original file or prepare the data again")
         return GPT2Tokenizer(directory)
-    raise DataError(f"meta.json: unknown tokenizer {name!r}; expected char, byte or gpt2 (prepare the data again)")
+    raise DataError(f"meta.json: unknown tokenizer {name!r}; expected char, byte, gpt2 or hf (prepare the data again)")

@@ -1,0 +1,250 @@
+"""Validate a GPU machine in one command; write one Markdown report for docs/performance.md.
+
+    python benchmarks/gpu_check.py --output=gpu_check.md          # on a GPU machine, < 10 minutes on one H100
+    python benchmarks/gpu_check.py --dry-run --output=report.md   # any machine: every step shortened, on the CPU
+
+Steps, each a subprocess with its own time limit (the report keeps whatever finished):
+
+1. versions (Python, jax, jaxlib and its GPU plugins, flax, optax, orbax, triton, jax_triton,
+   ml_collections), the devices JAX sees, ``nvidia-smi``/``rocm-smi`` and the GPU settings of
+   :mod:`jaxllm.gpu_env`;
+2. the GPU tests: ``tests/test_kernels.py`` compiled Pallas, Triton (where ``jax_triton``
+   imports) and cuDNN attention against the XLA reference, forward and backward (the tests that
+   skip on a CPU);
+3. ``benchmarks/attention.py --check``: every attention implementation, sequence 1k, 4k, 16k,
+   bfloat16, 16 heads of 128, causal;
+4. ``python -m jaxllm.bench``: GPT125M (all 12 layers, micro batch 8 = global batch 8, no
+   recomputation) with ``attention_impl`` xla, cudnn/pallas side by side, and GPT1_5B (all 48
+   layers, micro batch 4, global batch 8 = 2 microbatches, ``model.remat=full``), both bfloat16,
+   sequence 2048, one device, 10 timed steps after 3 warm-up steps.  GPT1_5B's step compiles to
+   36.9 GiB by ``python -m jaxllm.plan --config=configs/gpt3.py:GPT1_5B --devices=1 --device=H100
+   --config.model.remat=full --config.train.micro_batch_size=4 --config.train.global_batch_size=8``
+   (XLA's CPU compiler, an estimate): half of an H100's 80 GB.
+
+``--dry-run`` runs the same steps on whatever backend JAX has (the CPU here) with tiny sizes, to
+check the script and the report; its report says DRY RUN and its figures are not GPU figures.
+
+On the lent GPU machines (their own Python 3.12 with jax, jaxlib, the CUDA plugin, flax, optax,
+orbax, tensorstore, triton, pytest; no network): carry the two missing pure-Python wheels,
+``ml-collections`` (jaxllm.config) and ``jax-triton`` (``attention_impl=triton``; without it the
+Triton rows are skipped and say so).  Once, in the repository root of the checkout that travels::
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
+        ml-collections==1.1.0 jax-triton==0.3.1
+
+and run with ``.whl`` carried::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 benchmarks/gpu_check.py --output=$OUT/gpu_check.md
+
+jaxllm itself need not be installed: the script puts the checkout (and ``kernels/`` as
+``jaxllm_kernels``) on ``PYTHONPATH`` for itself and its subprocesses.
+
+Exit codes: 0 every step passed; 1 a step failed or timed out (the report says which); 2 no GPU
+without ``--dry-run``, or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin", "flax", "optax",
+            "orbax-checkpoint", "tensorstore", "triton", "jax-triton", "ml-collections", "numpy", "pytest")
+GPT = [  # (name, config key, overrides, attention impls compared)
+    ("GPT125M", "GPT125M", ["--config.train.micro_batch_size=8", "--config.train.global_batch_size=8"], True),
+    ("GPT1_5B", "GPT1_5B", ["--config.model.remat=full", "--config.train.micro_batch_size=4",
+                            "--config.train.global_batch_size=8"], False),
+]
+# --dry-run: the same configs cut to seconds on a CPU (the vocabulary stays)
+TINY = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "--config.model.num_attention_heads=4",
+        "--config.train.seq_length=64", "--config.model.dtype=float32", "--config.train.micro_batch_size=2",
+        "--config.train.global_batch_size=2"]
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", default="gpu_check.md", help="the Markdown report")
+    p.add_argument("--dry-run", action="store_true", help="shortened steps on any backend (checks the script)")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per step at most")
+    return p.parse_args(argv)
+
+
+def _environment() -> dict[str, str]:
+    """The environment of every step: the checkout importable (``kernels/`` as ``jaxllm_kernels``)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        import jaxllm_kernels  # noqa: F401, PLC0415 - installed (pip install -e .)
+        extra = [ROOT]
+    except ImportError:
+        shim = tempfile.mkdtemp(prefix="jaxllm_path_")
+        os.symlink(os.path.join(ROOT, "kernels"), os.path.join(shim, "jaxllm_kernels"))
+        extra = [ROOT, shim]
+    env["PYTHONPATH"] = os.pathsep.join(extra + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def run_step(title, cmd, env, timeout) -> dict:
+    """Runs ``cmd`` (argv) in the checkout; returns title, command, seconds, exit code, output."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = "timeout"
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + f"\n(killed after {timeout} s)"
+    shown = ["python" if c == sys.executable else os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd]
+    step = {"title": title, "command": shlex.join(shown), "seconds": time.perf_counter() - start, "rc": rc,
+            "stdout": out, "stderr": err}
+    print(f"gpu_check: {title}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {step['seconds']:.0f} s", file=sys.stderr,
+          flush=True)
+    return step
+
+
+_DEVICES = """
+import json, jax
+from jaxllm import attention, hardware
+from jaxllm_kernels import pallas_attention, triton_attention
+d = jax.devices()[0]
+peak, source = hardware.peak_flops_per_device(d, "bfloat16") if d.platform != "cpu" else (None, "cpu")
+print(json.dumps({"backend": jax.default_backend(), "kind": hardware.backend_kind(), "count": jax.device_count(),
+                  "device_kind": d.device_kind, "platform_version": str(d.client.platform_version),
+                  "compute_capability": str(getattr(d, "compute_capability", "")),
+                  "family": pallas_attention.gpu_family(d), "impls": attention.available_impls(),
+                  "triton": triton_attention.available()[1] or "available", "peak": peak, "peak_source": source}))
+"""
+
+
+def versions() -> list[tuple[str, str]]:
+    out = [("python", platform.python_version())]
+    for name in PACKAGES:
+        try:
+            out.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            out.append((name, "not installed"))
+    return out
+
+
+def smi() -> str:
+    for cmd in (["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm", "--format=csv,noheader"],
+                ["rocm-smi", "--showproductname"]):
+        if shutil.which(cmd[0]):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            return f"$ {' '.join(cmd)}\n{r.stdout.strip()}"
+    return "(no nvidia-smi or rocm-smi on the PATH)"
+
+
+def steps(a, env) -> list[dict]:
+    """Steps 2-4 (see the module doc)."""
+    py = sys.executable
+    out = []
+    tests = [py, "-m", "pytest", "tests/test_kernels.py", "-q", "-rA", "-p", "no:cacheprovider",
+             "-k", "gpu_matches or triton_matches or cudnn_matches"]
+    out.append(run_step("GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
+                        tests, env, a.timeout))
+    attn = [py, "benchmarks/attention.py", "--check"]
+    attn += (["--seqs", "128", "--heads", "2", "--iters", "1", "--warmup", "0", "--impls", "xla,pallas"] if a.dry_run
+             else ["--seqs", "1024,4096,16384"])
+    out.append(run_step("attention benchmark", attn, env, a.timeout))
+    for name, key, overrides, compare in GPT:
+        cmd = [py, "-m", "jaxllm.bench", f"--config=configs/gpt3.py:{key}", *overrides, "--steps=10", "--warmup=3",
+               "--output=", "--devices=1"]
+        if compare:  # cuDNN on NVIDIA, Pallas on AMD; and Pallas (interpret mode on a CPU: the dry run skips it)
+            cmd.append("--compare=model.attention_impl=auto" + ("" if a.dry_run else ";model.attention_impl=pallas"))
+        if a.dry_run:
+            cmd += TINY + ["--steps=2", "--warmup=1"]
+        out.append(run_step(f"jaxllm.bench {name}", cmd, env, a.timeout + (180 if key == "GPT1_5B" else 0)))
+    return out
+
+
+def _fence(text: str) -> str:
+    return "```text\n" + (text.strip() or "(no output)") + "\n```"
+
+
+def _table_lines(stdout: str) -> str:
+    """The Markdown table lines (and the lines right after them) of a step's output."""
+    lines = stdout.splitlines()
+    keep = [i for i, ln in enumerate(lines) if ln.startswith("|")]
+    if not keep:
+        return ""
+    return "\n".join(lines[keep[0]:])
+
+
+def report(a, results, started, total_s) -> str:
+    import json  # noqa: PLC0415
+
+    dev = {}
+    if results and results[0]["rc"] == 0:
+        dev = json.loads(results[0]["stdout"].strip().splitlines()[-1])
+    head = "# GPU check" + (" -- DRY RUN (shortened, on the CPU: not GPU figures)" if a.dry_run else "")
+    lines = [head, "",
+             f"{started:%Y-%m-%d %H:%M} UTC on `{platform.node() or '?'}`, {total_s / 60:.1f} min; "
+             f"command: `python benchmarks/gpu_check.py {' '.join(sys.argv[1:])}`", ""]
+    if dev:
+        lines += [f"Device: {dev['count']} x {dev['device_kind']} ({dev['kind']}, {dev['platform_version']}, "
+                  f"compute capability {dev['compute_capability'] or '-'}), Pallas tiles `{dev['family']}`; "
+                  f"attention impls here: {', '.join(dev['impls'])}; triton: {dev['triton']}; peak for MFU: "
+                  + (f"{dev['peak'] / 1e12:.1f} TFLOP/s ({dev['peak_source']})" if dev["peak"] else "n/a"), ""]
+    lines += ["| package | version |", "|---|---|"] + [f"| {n} | {v} |" for n, v in versions()] + [""]
+    lines += [_fence(smi()), ""]
+    from jaxllm import gpu_env  # noqa: PLC0415
+
+    vendor = dev.get("kind") if dev.get("kind") in ("cuda", "rocm") else None
+    line = gpu_env.apply(dict(os.environ), vendor).line() if vendor else ""
+    lines += [f"GPU settings of every jaxllm.train/jaxllm.bench run: {line or 'none (no GPU)'}", ""]
+    lines += ["| step | seconds | result |", "|---|---|---|"]
+    lines += [f"| {r['title']} | {r['seconds']:.0f} | {'ok' if r['rc'] == 0 else 'FAILED: ' + str(r['rc'])} |"
+              for r in results]
+    for r in results[1:]:
+        lines += ["", f"## {r['title']}", "", f"`{r['command']}` ({r['seconds']:.0f} s, exit {r['rc']})", ""]
+        if r["title"].startswith("GPU tests"):
+            summary = [ln for ln in r["stdout"].splitlines() if ln.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))
+                       or " passed" in ln or " failed" in ln or " skipped" in ln]
+            lines.append(_fence("\n".join(summary[-60:])))
+        else:
+            table = _table_lines(r["stdout"])
+            lines.append(table if table else _fence(r["stdout"][-3000:]))
+            heads = [ln for ln in r["stdout"].splitlines() if ln.startswith(("#", "batch=", "FLOPs", "jaxllm.gpu_env"))]
+            if heads:
+                lines += ["", _fence("\n".join(heads))]
+        if r["rc"] != 0:
+            lines += ["", "stderr (end):", "", _fence(r["stderr"][-3000:])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
+    env = _environment()
+    started = datetime.datetime.now(datetime.UTC)
+    t0 = time.perf_counter()
+    first = run_step("devices", [sys.executable, "-c", _DEVICES], env, a.timeout)
+    if not a.dry_run and first["rc"] == 0 and '"backend": "cpu"' in first["stdout"]:
+        print("error: JAX has no GPU backend here (it runs on the CPU); use --dry-run to check the script",
+              file=sys.stderr)
+        return 2
+    results = [first, *steps(a, env)]
+    text = report(a, results, started, time.perf_counter() - t0)
+    tmp = a.output + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, a.output)  # whole or not at all
+    print(f"gpu_check: wrote {a.output}", file=sys.stderr)
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""What a run prints: one copy of each message, library chatter in log files (``log.verbose`` shows it).
+
+Where the chatter comes from (jaxlib 0.10.2):
+
+* ``[Gloo] Rank N is connected to K peer ranks...``: Gloo's
+  ``transport::tcp::Context::printConnectivityInfo`` writes it to C++ ``std::cout`` (file
+  descriptor 1) every time XLA:CPU's Gloo collectives connect a new group of processes,
+  with no level or switch.  Only the descriptor can be redirected: it goes to
+  ``WORKDIR/logs/process_N.out`` while Python's ``sys.stdout`` keeps the terminal.
+* XLA's C++ warnings (``[SPMD] Involuntary full rematerialization``, ...): absl logging on
+  descriptor 2; ``jaxlib.utils.absl_set_min_log_level`` (what ``jax_logging_level`` calls)
+  keeps errors (a collective that is stuck, a fatal check) and drops warnings and info.
+* Python loggers (Orbax, JAX, ours through absl): every process logs; processes other than
+  0 write theirs to ``WORKDIR/logs/process_N.log`` and print errors only.
+* ``RuntimeError: Event loop is closed`` tracebacks, dozens per damaged checkpoint step:
+  Orbax (0.12.8, ``asyncio_utils._run_sync_via_new_loop``) runs a restore's TensorStore
+  reads in an event loop it closes as soon as one read fails; the other reads finish later
+  on TensorStore's threads and their done-callbacks call ``loop.call_soon_threadsafe`` on
+  the closed loop.  Python reports those through ``sys.unraisablehook`` (no frame of ours,
+  so no way to catch them), at any time after the failed restore, even after the run's
+  last message.  They go to the ``jaxllm.library`` log with the full Orbax errors.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+
+from absl import logging as absl_logging
+
+# absl's C++ severities: 0 info, 1 warning, 2 error, 3 fatal.
+_CPP_ERROR = 2
+
+
+def logs_dir(workdir: str) -> str:
+    """``WORKDIR/logs``, created."""
+    path = os.path.join(workdir, "logs")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def redirect_native_stdout(path: str) -> None:
+    """Points file descriptor 1 (C++ ``std::cout``, where Gloo prints) at ``path``; Python's
+    ``sys.stdout`` keeps writing to the terminal it had."""
+    sys.stdout.flush()
+    terminal = os.dup(1)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.close(log)
+    sys.stdout = io.TextIOWrapper(io.FileIO(terminal, "w"), encoding=sys.stdout.encoding,
+                                  errors=sys.stdout.errors, line_buffering=True)
+
+
+def _closed_loop_callbacks_to(logger, previous):
+    """An ``unraisablehook`` sending "Event loop is closed" from asyncio's ``call_soon_threadsafe``
+    to ``logger``, anything else to ``previous``."""
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+            exc = unraisable.exc_value
+            logger.debug("a TensorStore callback reached a closed asyncio loop",
+                         exc_info=(unraisable.exc_type, exc, unraisable.exc_traceback))
+        else:
+            previous(unraisable)
+
+    return hook
+
+
+def configure(workdir: str, *, process: int, verbose: bool) -> None:
+    """Applies the policy of this module to this process (call it before the first collective):
+    ``WORKDIR/logs/process_N.log`` receives the ``jaxllm.library`` logger (and with ``verbose``
+    the console too)."""
+    directory = logs_dir(workdir)
+    library = logging.getLogger("jaxllm.library")
+    handler = logging.FileHandler(os.path.join(directory, f"process_{process}.log"))
+    handler.setFormatter(absl_logging.PythonFormatter())
+    library.addHandler(handler)
+    library.setLevel(logging.DEBUG)
+    library.propagate = verbose
+    sys.unraisablehook = _closed_loop_callbacks_to(library, sys.unraisablehook)
+    if verbose:
+        return
+    from jaxlib import utils  # noqa: PLC0415  (jax's own switch for C++ logging, see jax._src.logging_config)
+
+    utils.absl_set_min_log_level(_CPP_ERROR)
+    redirect_native_stdout(os.path.join(directory, f"process_{process}.out"))
+    if process:  # one copy of each message: process 0's; the others' go to their log file
+        absl_logging.get_absl_handler().setLevel(logging.ERROR)
+        logging.getLogger().addHandler(handler)

@@ -1,0 +1,39 @@
+"""benchmarks/gpu_check.py on the CPU: the dry run writes its whole report; without a GPU the real run
+refuses before doing anything (exit 2, no report).  The GPU run itself is for a GPU machine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def test_refuses_without_a_gpu(tmp_path):
+    out = tmp_path / "report.md"
+    r = subprocess.run([sys.executable, SCRIPT, f"--output={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "JAX has no GPU backend here" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_dry_run_writes_the_report(tmp_path):
+    out = tmp_path / "sub" / "report.md"
+    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", f"--output={out}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# GPU check -- DRY RUN (shortened, on the CPU: not GPU figures)\n")
+    assert "| jax | " in text and "| ml-collections | " in text and "GPU settings of every" in text
+    steps = [ln for ln in text.splitlines() if ln.startswith("| ") and ln.endswith(" | ok |")]
+    assert [s.split(" | ")[0][2:] for s in steps] == [
+        "devices", "GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
+        "attention benchmark", "jaxllm.bench GPT125M", "jaxllm.bench GPT1_5B"]
+    assert "16 skipped" in text  # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN
+    assert "| 128 | xla | " in text and "| 128 | pallas | " in text  # the attention table, both rows measured
+    assert text.count("| config | mesh | tokens/s |") == 2 and "| model.attention_impl=auto | 1 device |" in text
+    assert not list(out.parent.glob("*.tmp"))

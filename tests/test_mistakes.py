@@ -1,0 +1,212 @@
+"""A user's first mistakes and interruptions, as real processes: each gets one line and the right
+exit code, and nothing on disk is lost or left half-written."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+# A tiny run of the Shakespeare recipe: 2 layers, hidden 32, float32 (the recipe's own).
+TINY = ["--config=configs/shakespeare_char.py", "--config.model.num_layers=2", "--config.model.hidden_size=32",
+        "--config.train.eval_iters=2", "--config.train.log_interval=1", "--config.log.samples=0",
+        "--config.log.tensorboard=False", "--config.log.progress_bar=False"]
+
+
+def run(*args, cwd=ROOT, read_only=None, timeout=300, module="jaxllm.train"):
+    """``python -m MODULE ARGS``; ``read_only``: a directory the process cannot write (for root, whom
+    permissions do not stop, a read-only bind mount in a mount namespace of its own)."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    if read_only is not None and os.geteuid() == 0:
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+               'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(read_only), *cmd]
+    elif read_only is not None:
+        read_only.chmod(0o555)
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    finally:
+        if read_only is not None:
+            read_only.chmod(0o755)
+
+
+def one_line(r, code=2):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == code and len(lines) == 1 and "Traceback" not in r.stderr + r.stdout, (r.returncode, r.stderr)
+    return lines[0]
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--config.train.lrr=1"], "config error: train.lrr='1': no such key in section train; did you mean train.lr?"),
+    (["--config.modl.num_layers=2"], "no such section; the sections are model, train, data"),
+    (["--config.train.gradient_accumulation_steps=4"], "Megatron-DeepSpeed's gradient_accumulation_steps is "
+                                                       "train.global_batch_size"),
+    (["--config.tensor_model_parallel_size=2"], "Megatron-DeepSpeed's tensor_model_parallel_size is mesh.tensor"),
+    (["--config.model.padded_vocab_size=64"], "is derived"),
+    (["--config.train.lr=fast"], "config error: train.lr='fast': must be a number"),
+    (["--config.model.use_bias=maybe"], "must be true or false"),
+    (["--config=configs/missing.py"], "config error: --config=configs/missing.py: no such file"),
+    (["--config=configs/gpt3.py:GPT999"], "unknown size; choose one of GPT125M"),
+])
+def test_config_mistakes_are_one_line(tmp_path, args, words):
+    r = run(f"--workdir={tmp_path / 'w'}", *args)
+    assert words in one_line(r)
+    assert not (tmp_path / "w").exists()  # nothing written
+
+
+def test_broken_config_files_are_one_line(tmp_path):
+    syntax = write(tmp_path / "syntax.py", "def get_config(:\n")
+    assert "SyntaxError at line 1" in one_line(run(f"--config={syntax}", f"--workdir={tmp_path / 'w'}"))
+    empty = write(tmp_path / "empty.py", "x = 1\n")
+    assert "defines no get_config()" in one_line(run(f"--config={empty}", f"--workdir={tmp_path / 'w'}"))
+    raising = write(tmp_path / "raising.py", "def get_config():\n    raise ValueError('no such recipe')\n")
+    assert "no such recipe" in one_line(run(f"--config={raising}", f"--workdir={tmp_path / 'w'}"))
+
+
+def test_launcher_dry_run_checks_the_config_it_would_run():
+    env = {**ENV, "MODEL_SIZE_KEY": "GPT999"}
+    r = subprocess.run(["bash", "launch/local.sh", "2", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert "unknown size" in one_line(r)
+    r = subprocess.run(["bash", "launch/local.sh", "2", "--dry-run", "--config.mesh.tensor=3"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert "the mesh covers 3 devices but there are 8" in one_line(r)
+    r = subprocess.run(["bash", "launch/local.sh", "2", "--dry-run", "--config.mesh.data=-1",
+                        "--config.train.micro_batch_size=2"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "# jaxllm check: config ok for 8 cpu devices: data 8" in r.stdout, r.stderr
+
+
+def test_workdir_that_is_a_file(tmp_path):
+    file = write(tmp_path / "file", "x\n")
+    assert "config error: --workdir=" in one_line(run(f"--workdir={file}", *TINY))
+    assert file.read_text() == "x\n"
+
+
+def test_read_only_workdir_and_plot(tmp_path):
+    """A directory the user cannot write, for a run (a resume, say), a new run inside it, and the plot of a run."""
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    (readonly / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 2.0}\n')
+    line = one_line(run(f"--workdir={readonly}", *TINY, read_only=readonly))
+    assert line.startswith(f"config error: --workdir='{readonly}': cannot be written"), line
+    line = one_line(run(f"--workdir={readonly / 'new'}", *TINY, read_only=readonly))
+    assert line.startswith("config error: --workdir="), line
+    line = one_line(run(readonly, module="jaxllm.plot", read_only=readonly))
+    assert line.startswith(f"error: cannot write {readonly / 'loss.png'}"), line
+    assert sorted(p.name for p in readonly.iterdir()) == ["metrics.jsonl"]
+
+
+def test_binary_input_stops_and_can_be_insisted_on(tmp_path):
+    binary = tmp_path / "program"
+    binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:200_000])
+    line = one_line(run(f"--workdir={tmp_path / 'w'}", *TINY, f"--config.data.input={binary}",
+                        "--config.data.sampling=megatron"))
+    assert line.startswith(f"data error: data input {binary}: ") and "characters are not UTF-8 text" in line, line
+    assert "set data.max_undecodable (--max-undecodable)" in line
+    r = run("--input", binary, "--tokenizer=byte", f"--output-prefix={tmp_path / 'p' / 'x'}",
+            "--max-undecodable=1", module="jaxllm.data.prepare")
+    assert r.returncode == 0 and (tmp_path / "p" / "x.idx").exists(), r.stderr
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_one_line_each_and_kept_apart(tmp_path):
+    """The newest step damaged (Orbax's restore of it raises dozens of asyncio tracebacks): one
+    warning line, the run resumes from the step before, the damaged step moves to
+    checkpoints/damaged/ (so checkpoint.keep counts good ones), the details go to WORKDIR/logs;
+    with every step damaged: one error line, exit 1."""
+    workdir = tmp_path / "run"
+    args = [f"--workdir={workdir}", *TINY, "--config.train.eval_interval=0", "--config.checkpoint.interval=2",
+            "--config.checkpoint.keep=2"]
+    r = run(*args, "--config.train.train_iters=4")
+    assert r.returncode == 0, r.stderr
+    manifest = workdir / "checkpoints" / "4" / "state" / "manifest.ocdbt"
+    manifest.write_bytes(manifest.read_bytes()[:20])
+    r = run(*args, "--config.train.train_iters=6")
+    assert r.returncode == 0 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    warnings = [ln for ln in r.stderr.splitlines() if "cannot be restored" in ln]
+    assert len(warnings) == 1 and "checkpoint step 4 in" in warnings[0] and "restored step 2 instead" in warnings[0]
+    assert "Event loop is closed" not in r.stderr and "resuming at step 2" in r.stdout
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6", "damaged"]  # keep=2: the good 4 and 6
+    assert os.listdir(workdir / "checkpoints" / "damaged") == ["4"]
+    assert "cannot be restored" in (workdir / "logs" / "process_0.log").read_text()
+
+    for step in ("4", "6"):
+        for f in (workdir / "checkpoints" / step / "state").rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"")
+    r = run(*args, "--config.train.train_iters=8")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("prepare:")]
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: no checkpoint in "), r.stderr
+    assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr
+
+
+def _metrics_steps(workdir):
+    path = Path(workdir) / "metrics.jsonl"
+    return [line for line in path.read_text().splitlines() if '"train"' in line] if path.exists() else []
+
+
+def train_process(args):
+    """``python -m jaxllm.train ARGS`` in the background, with Ctrl-C's default disposition (a shell
+    gives background jobs an ignored SIGINT, which the child would inherit)."""
+    return subprocess.Popen([sys.executable, "-m", "jaxllm.train", *args], cwd=ROOT, text=True,
+                            env={**ENV, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_resumes_and_a_finished_run_says_so(tmp_path):
+    """Ctrl-C (SIGINT) saves at the next step boundary and exits 75; the rerun resumes there; a
+    second Ctrl-C ends the process at once; one before the first step exits 130 with one line;
+    rerunning a finished run says so without compiling."""
+    workdir = tmp_path / "run"
+    args = [f"--workdir={workdir}", *TINY, "--config.train.train_iters=400", "--config.train.eval_interval=0",
+            "--config.checkpoint.interval=0"]
+    proc = train_process(args)
+    deadline = time.time() + 300
+    while len(_metrics_steps(workdir)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err
+    assert "Ctrl-C: saving a checkpoint at the end of this step" in err and "Traceback" not in err
+    saved = int(err.split("saved a checkpoint at step ")[1].split(";")[0])
+    assert (workdir / "checkpoints" / str(saved)).is_dir() and 3 <= saved < 400
+
+    # A second Ctrl-C aborts without saving: exit 130, one line.  (Evaluating 100 batches after
+    # every step keeps the run between the two signals, so the first cannot finish its save.)
+    slow = ["--config.train.eval_interval=1", "--config.train.eval_iters=100"]
+    proc = train_process([*args, *slow])
+    deadline = time.time() + 300
+    while len(_metrics_steps(workdir)) < saved + 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in err, (proc.returncode, err)
+    assert f"resuming at step {saved}" in out and sorted(os.listdir(workdir / "checkpoints")) == [str(saved)]
+
+    # Ctrl-C before the first step (here while the step compiles): one line, exit 130.
+    proc = train_process(args)
+    for line in proc.stdout:
+        if line.startswith("jaxllm: "):  # the start-up line: compiling next
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
+    assert err.strip().splitlines()[-1] == "jaxllm: interrupted before the first training step; nothing to save"
+
+    r = run(*args[:-3], "--config.train.train_iters=3", "--config.train.eval_interval=0")
+    assert r.returncode == 0 and f"is finished: its checkpoint is at step {saved}" in r.stdout, r.stderr
+    assert "compiled" not in r.stdout
