@@ -41,7 +41,7 @@ def test_fused_loss_and_gradients_equal_the_logits_loss(monkeypatch, shape, chun
     ref = lambda h, w: logits_loss(h, w, targets, VOCAB) / tokens  # noqa: E731
     (value, grads), (want, want_grads) = (jax.value_and_grad(g, (0, 1))(h, table) for g in (f, ref))
     assert value == pytest.approx(float(want), rel=1e-6) and value > 4.0  # ~ln(97) + spread at this scale
-    for got, expected in zip(grads, want_grads):
+    for got, expected in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     assert not np.any(grads[1][VOCAB:])  # no gradient flows into the padding
     assert jax.jit(f)(h, table) == pytest.approx(float(want), rel=1e-6)  # the forward alone (evaluation)
@@ -57,7 +57,7 @@ def test_fused_loss_in_bfloat16():
     exact = jax.grad(lambda h, w: logits_loss(h, w, targets, VOCAB), (0, 1))(h.astype(jnp.float32),
                                                                               table.astype(jnp.float32))
     assert value == pytest.approx(float(want), rel=1e-6)
-    for got, expected in zip(grads, exact):
+    for got, expected in zip(grads, exact, strict=True):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=0.01 * float(jnp.abs(expected).max()))
 

@@ -104,8 +104,8 @@ def test_vocabulary_padding_does_not_change_the_model(overrides):
         cfg = small_cfg(make_vocab_size_divisible_by=divisible_by, **overrides)
         graphdef, params = model.describe(cfg.model).graphdef, model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
-        loss, grads = jax.value_and_grad(lambda p: model.loss(  # noqa: B023
-            graphdef, p, tokens, jnp.roll(tokens, -1, axis=1)) / tokens.size)(params)
+        loss, grads = jax.value_and_grad(
+            lambda p: model.loss(graphdef, p, tokens, jnp.roll(tokens, -1, axis=1)) / tokens.size)(params)  # noqa: B023
         for table, axis in (("wte", 0), ("lm_head", 1)):
             if table in params:
                 assert params[table].shape[axis] == cfg.model.padded_vocab_size
@@ -214,7 +214,7 @@ def test_pallas_attention_gives_the_xla_loss():
         graphdef = model.describe(cfg.model).graphdef
         params = model.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
-        loss_fn = lambda p: model.loss(graphdef, p, tokens, jnp.roll(tokens, -1, 1)) / tokens.size  # noqa: E731
+        loss_fn = lambda p: model.loss(graphdef, p, tokens, jnp.roll(tokens, -1, 1)) / tokens.size  # noqa: E731, B023
         losses.append(jax.value_and_grad(loss_fn)(params))
     np.testing.assert_allclose(losses[1][0], losses[0][0], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), losses[1][1], losses[0][1])
