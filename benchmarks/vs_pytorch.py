@@ -1,6 +1,6 @@
 """jaxllm's compiled train step against an independent PyTorch implementation, on one machine.
 
-    python benchmarks/vs_pytorch.py [--shapes=shakespeare,default] [--rounds=10] [--steps=10] [--warmup=5]
+    python benchmarks/vs_pytorch.py [--shapes=shakespeare,default] [--rounds=10] [--steps=10] [--warmup=5] [--threads=N]
 
 Two shapes: nanoGPT's CPU recipe (``configs/shakespeare_char.py``: 4 layers, 128 hidden,
 context 64, batch 12, no biases) and the default job's (``python -m jaxllm.train`` with
@@ -25,6 +25,11 @@ and the loss check:
   (relative): the same function;
 * after all steps: the mean loss of the last 10 steps agrees to 1% (relative): the
   same training, up to float32 rounding that the optimizer amplifies.
+
+``--threads=1`` runs both sides on one thread (``torch.set_num_threads(1)``; XLA's CPU client
+with ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``): a comparison of
+the compiled code alone that a loaded machine distorts less (a multi-threaded step waits for
+its slowest thread, and PyTorch's OpenMP workers spin while they wait).
 
 Exit code 1 if a loss check fails.  Needs the test extra (torch).
 """
@@ -90,7 +95,8 @@ def jax_worker(shape: str, total: int, init_path: str):
     cfg = config.resolve(spec, num_devices=1, vocab_size=vocab)
     m, t = cfg.model, cfg.train
     if m.padded_vocab_size != m.vocab_size:
-        raise SystemExit(f"{shape}: padded vocabulary {m.padded_vocab_size} != {m.vocab_size}; the PyTorch model has no padding")
+        raise SystemExit(f"{shape}: padded vocabulary {m.padded_vocab_size} != {m.vocab_size}; "
+                         "the PyTorch model has no padding")
     run = Run(cfg)
     state = run.initial_state()
     params = jax.device_get(state["params"])
@@ -135,9 +141,11 @@ def reply(obj):
 
 # ----- the PyTorch side -----------------------------------------------------------------------
 
-def torch_worker(shape: str, total: int, init_path: str):
+def torch_worker(shape: str, total: int, init_path: str, threads: int = 0):
     import torch  # noqa: PLC0415
 
+    if threads == 1:
+        torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
     import shakespeare_torch_reference as ref  # noqa: PLC0415
 
@@ -200,12 +208,15 @@ def load_jaxllm_params(model, init, s):
 # ----- the driver -----------------------------------------------------------------------------
 
 class Worker:
-    def __init__(self, kind, shape, total, init_path):
+    def __init__(self, kind, shape, total, init_path, threads=0):
         cmd = [sys.executable, __file__, f"--worker={kind}", f"--shape={shape}", f"--total={total}",
-               f"--init={init_path}"]
+               f"--init={init_path}", f"--threads={threads}"]
         self.kind = kind
-        self.p = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        if threads == 1:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                                " intra_op_parallelism_threads=1").strip()
+        self.p = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.read()
 
     def read(self):
@@ -224,13 +235,13 @@ class Worker:
         self.p.wait()
 
 
-def compare(shape: str, rounds: int, steps: int, warmup: int) -> bool:
+def compare(shape: str, rounds: int, steps: int, warmup: int, threads: int = 0) -> bool:
     total = warmup + rounds * steps
     with tempfile.TemporaryDirectory() as tmp:
         init_path = os.path.join(tmp, "init.npz")
-        jx = Worker("jax", shape, total, init_path)
+        jx = Worker("jax", shape, total, init_path, threads)
         meta = json.loads(str(np.load(init_path)["meta"]))
-        pt = Worker("torch", shape, total, init_path)
+        pt = Worker("torch", shape, total, init_path, threads)
         load = [os.getloadavg()[0]]
         for w in (jx, pt):
             w.ask({"run": warmup})
@@ -246,7 +257,8 @@ def compare(shape: str, rounds: int, steps: int, warmup: int) -> bool:
     ratio = np.array(times["torch"]) / np.array(times["jax"])
     print(f"\n{shape}: {meta['layers']} layers, hidden {meta['hidden']}, context {meta['context']}, batch "
           f"{meta['batch']}, vocab {meta['vocab']}, jaxllm {meta['dtype']} vs PyTorch float32; {rounds} rounds x "
-          f"{steps} steps after {warmup} warm-up; load average {load[0]:.2f} -> {load[1]:.2f}")
+          f"{steps} steps after {warmup} warm-up, {threads or 'default'} thread(s); "
+          f"load average {load[0]:.2f} -> {load[1]:.2f}")
     for kind in ("jax", "torch"):
         t = np.array(times[kind])
         print(f"  {'jaxllm ' if kind == 'jax' else 'PyTorch'} {1e3 * np.median(t):7.1f} ms/step (median; "
@@ -271,20 +283,24 @@ def main():
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=10, help="steps per side and round")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
+    p.add_argument("--threads", type=int, default=0, choices=(0, 1), help="1: both sides on one thread; 0: defaults")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--total", type=int, help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        (jax_worker if a.worker == "jax" else torch_worker)(a.shape, a.total, a.init)
+        if a.worker == "jax":
+            jax_worker(a.shape, a.total, a.init)
+        else:
+            torch_worker(a.shape, a.total, a.init, a.threads)
         return
     shapes = a.shapes.split(",")
     for s in shapes:
         if s not in SHAPES:
             p.error(f"--shapes: {s!r} is not one of {', '.join(SHAPES)}")
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; uptime: {os.popen('uptime').read().strip()}")
-    ok = [compare(s, a.rounds, a.steps, a.warmup) for s in shapes]
+    ok = [compare(s, a.rounds, a.steps, a.warmup, a.threads) for s in shapes]
     sys.exit(0 if all(ok) else 1)
 
 

@@ -161,3 +161,15 @@ def test_host_runs_ahead_of_the_device():
         assert not m["loss"].is_ready()  # the host is ahead: this step is still running
         assert [d for d, _ in stop.pending] == list(range(max(1, done - 1), done + 1))
     assert stop.add(7, run.train_step(state, *batch)[1], settle=True) is None and not stop.pending
+
+
+def test_model_dtype_auto_is_float32_on_cpus_only():
+    """The default compute dtype: float32 where bfloat16 is emulated (CPUs), bfloat16 on accelerators;
+    an explicit dtype is kept."""
+    spec = config.get_config()
+    assert spec.model.dtype == "auto"
+    assert config.resolve(spec, num_devices=1).model.dtype == "float32"  # this machine's CPU
+    for backend, dtype in (("cpu", "float32"), ("cuda", "bfloat16"), ("rocm", "bfloat16"), ("tpu", "bfloat16")):
+        assert config.resolve_model(spec.model, seq_length=64, backend=backend).dtype == dtype
+    spec.model.dtype = "bfloat16"
+    assert config.resolve(spec, num_devices=1).model.dtype == "bfloat16"
