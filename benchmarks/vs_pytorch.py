@@ -270,7 +270,8 @@ def compare(shape: str, rounds: int, steps: int, warmup: int, threads: int = 0) 
     last = abs(a[-10:].mean() - b[-10:].mean()) / b[-10:].mean()
     ok = first < 1e-5 and last < 1e-2
     print(f"  loss step 1: jaxllm {a[0]:.6f}, PyTorch {b[0]:.6f} (relative difference {first:.1e}; must be < 1e-5)")
-    print(f"  loss, mean of steps {total - 9}-{total}: jaxllm {a[-10:].mean():.4f}, PyTorch {b[-10:].mean():.4f} "
+    print(f"  loss, mean of steps {max(1, total - 9)}-{total}: jaxllm {a[-10:].mean():.4f}, "
+          f"PyTorch {b[-10:].mean():.4f} "
           f"(relative difference {last:.1e}; must be < 1e-2); largest per-step difference "
           f"{np.max(np.abs(a - b) / b):.1e}")
     print(f"  loss check: {'ok' if ok else 'FAILED'}")
