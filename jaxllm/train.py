@@ -213,8 +213,9 @@ def train(cfg, workdir: str) -> dict:
             save = stop or done == t.train_iters or (checkpointer.interval and done % checkpointer.interval == 0)
             # The host reads the device only where it must: the non-finite stop from steps a few back
             # (all pending ones before logging, evaluation and saving), the metrics at log steps.
-            with watchdog.waiting(f"train step {max(done - nonfinite.lag, start + 1)}"):
-                diverged = nonfinite.add(done, m, settle=log or evaluate or save)
+            settle = log or evaluate or save
+            with watchdog.waiting(f"train step {done if settle else max(done - nonfinite.lag, start + 1)}"):
+                diverged = nonfinite.add(done, m, settle=settle)
             if log or diverged:
                 step, m = diverged or (done, m)
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
