@@ -24,7 +24,7 @@ import os
 import sysconfig
 from typing import Any, ClassVar
 
-from jaxllm import attention, context_parallel, model, pipeline, sharding
+from jaxllm import attention, context_parallel, hardware, model, pipeline, sharding
 from jaxllm.errors import ConfigError
 from jaxllm.sharding import MESH_AXES
 
@@ -93,7 +93,8 @@ class Model(Section):
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")
     remat: str = _key("none", choices=("none", "full", "save_dots"))
-    dtype: str = _key("bfloat16", choices=("float32", "bfloat16", "float16"))  # compute; parameters are float32
+    # compute dtype (parameters are float32); auto: float32 on CPUs (bfloat16 is emulated there, slower), else bfloat16
+    dtype: str = _key("auto", choices=("auto", "float32", "bfloat16", "float16"))
     attention_impl: str = _key("xla", choices=("auto", "xla", "cudnn", "pallas", "triton"))
     padded_vocab_size: int = _derived()  # rows of the embedding and output tables
 
@@ -497,7 +498,19 @@ def _ffn_size(m: Model) -> int:
     return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation == "swiglu" else 4 * m.hidden_size
 
 
-def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, tensor: int = 1) -> Model:
+def resolve_dtype(dtype: str, backend: str | None = None) -> str:
+    """``model.dtype`` as the backend runs it: ``"auto"`` is float32 on CPUs, bfloat16 elsewhere.
+
+    Args:
+      backend: the JAX backend or its kind (:func:`jaxllm.hardware.backend_kind`); None: the default.
+    """
+    if dtype != "auto":
+        return dtype
+    return "float32" if hardware.backend_kind(backend) == "cpu" else "bfloat16"
+
+
+def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, tensor: int = 1,
+                  backend: str | None = None) -> Model:
     """A copy of the ``model`` section with its derived sizes filled in (what tools that only need
     the model use, e.g. to sample from or export a checkpoint; :func:`resolve` calls it too).
 
@@ -505,12 +518,14 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
       m: the section; seq_length: ``train.seq_length`` (the learned position table's default size).
       vocab_size: the tokenizer's vocabulary (needed when ``m.vocab_size`` is 0; None: not known yet).
       tensor: devices along the tensor axis (the tables are padded to a multiple of it).
+      backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`); None: the default backend.
     Raises:
       ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary.
     """
     m = dataclasses.replace(m)  # a copy that may be written, also of a resolved (read-only) section
     m.num_kv_heads = m.num_kv_heads or m.num_attention_heads
     m.ffn_hidden_size = _ffn_size(m)
+    m.dtype = resolve_dtype(m.dtype, backend)
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,
@@ -531,7 +546,8 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
         (a -1 axis counted as 1), for tools that need no devices.
       vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
         known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
-      backend: the JAX backend (kind) the attention implementation must run on; None: the default.
+      backend: the JAX backend (kind) the run is for: the attention implementation must run on it, and
+        ``model.dtype="auto"`` resolves for it; None: the default.
     Raises:
       ConfigError: the first bad value: its key, the value and the fix.
     """
@@ -548,7 +564,8 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     for a in MESH_AXES:
         if getattr(mesh, a) == -1:
             setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))
-    cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"])
+    cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"],
+                                  backend=backend)
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters
     data_parallel = shape["data"] * shape["fsdp"]
     if t.global_batch_size % (t.micro_batch_size * data_parallel):

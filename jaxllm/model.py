@@ -10,9 +10,12 @@ Parameters are float32; matmuls run in ``model.dtype``; norms, softmax and
 logits are float32.  Every parameter carries logical axis names in its
 ``out_sharding`` metadata, and large activations pass through
 ``ops.constrain(x, logical_names)``.  The model knows nothing of parallelism: the
-two operations where a layout enters (that constraint, and attention, which
-sequence parallelism replaces) come in an :class:`Ops` object, by default the plain
-single-device ones; :class:`jaxllm.run.Run` gives the mesh's.
+operations where a layout enters (that constraint; attention, which sequence
+parallelism replaces; the embedding lookup and the loss, which are split over the
+vocabulary) come in an :class:`Ops` object, by default the plain single-device
+ones; :class:`jaxllm.run.Run` gives the mesh's.  The loss (:meth:`GPT.loss`) is the
+output layer and cross entropy fused in chunks (:mod:`jaxllm.loss`): training never
+holds the ``[batch, len, vocab]`` logits; :meth:`GPT.__call__` gives them (sampling).
 
 Parameters are handled as a plain nested dict (``params``) outside this file:
 ``describe(cfg)`` gives the graph definition, parameter shapes, logical axes and
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import attention as dispatch
+from jaxllm import loss as fused_loss
 from jaxllm_kernels.reference import MASKED
 
 if TYPE_CHECKING:
@@ -46,6 +50,10 @@ def _plain_attention(q, k, v, positions, impl):
     return dispatch.attention(q, k, v, impl=impl, causal=True)
 
 
+def _plain_embed(table, ids):
+    return table[ids]
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The operations through which a parallel layout enters the model.
@@ -57,10 +65,18 @@ class Ops:
         ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]`` with
         the true positions int32 ``[batch, len]`` of the tokens, by ``model.attention_impl``
         ``impl``; returns ``[batch, len, heads, head_dim]``.
+      embed: ``(table, ids) -> x``: the rows of ``table`` ``[padded_vocab, embed]`` at int32 ``ids``
+        ``[batch, len]``: ``[batch, len, embed]``.
+      cross_entropy: ``(h, table, targets, vocab_size) -> float32 []``: the summed next-token cross
+        entropy of the output layer ``table`` ``[padded_vocab, embed]`` applied to ``h``
+        ``[..., batch, len, embed]``, targets int32 ``[..., batch, len]``, logits of ids
+        ``>= vocab_size`` masked (:func:`jaxllm.loss.cross_entropy`).
     """
 
     constrain: Callable = _unconstrained
     attention: Callable = _plain_attention
+    embed: Callable = _plain_embed
+    cross_entropy: Callable = fused_loss.cross_entropy
 
 
 LOCAL = Ops()
@@ -103,6 +119,29 @@ def rotary(x, positions, base):
     sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+_GELU_C = (2 / 3.141592653589793) ** 0.5
+
+
+@jax.custom_jvp
+def gelu(x):
+    """GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, eq. 2), as ``jax.nn.gelu(approximate=True)``.
+
+    Its derivative ``0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)`` (``t = tanh(c (x + a x^3))``,
+    ``c = sqrt(2/pi)``, ``a = 0.044715``) is computed in the forward pass from ``x``: the backward
+    pass keeps that one array instead of autodiff's five intermediates.
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
+@gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    x32 = x.astype(jnp.float32)
+    t = jnp.tanh(_GELU_C * (x32 + 0.044715 * x32 ** 3))
+    slope = 0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * x32 * x32)
+    return gelu(x), (slope * dx).astype(x.dtype)
 
 
 def _dropout(x, rate, key):
@@ -194,7 +233,7 @@ class MLP(nnx.Module):
         dt = jnp.dtype(self.cfg.dtype)
         y = _dense(x, self.w1[...], self.b1, "bse,ef->bsf", dt)
         if self.wg is None:
-            y = jax.nn.gelu(y, approximate=True)
+            y = gelu(y)
         else:
             y = jax.nn.silu(_dense(x, self.wg[...], None, "bse,ef->bsf", dt)) * y
         y = self.ops.constrain(y, ("batch", "length", "mlp"))
@@ -271,13 +310,22 @@ class GPT(nnx.Module):
         logits = self.head(x)
         return logits if cache is None else (logits, cache_out)
 
+    def loss(self, tokens, targets, *, positions=None, dropout_key=None):
+        """Summed next-token cross entropy (nats, float32 scalar) of ``targets`` int32 ``[batch, len]``
+        after ``tokens`` (arguments as :meth:`__call__`), without the logits (:meth:`output_loss`)."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x, keys = self.embed(tokens, positions, dropout_key)
+        x, _ = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys)
+        return self.output_loss(x, targets)
+
     def embed(self, tokens, positions, dropout_key=None):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
         dropout, and the per-layer dropout keys ``[layers]`` (None without ``dropout_key``)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x = self.wte[...].astype(dt)[tokens]
-        if self.wpe is not None:
-            x = x + self.wpe[...].astype(dt)[positions]
+        x = self.ops.embed(self.wte[...].astype(dt), tokens)
+        if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)
+            x = x + self.ops.constrain(self.wpe[...].astype(dt), (None, None))[positions]
         keys = None
         if dropout_key is not None:
             dropout_key, emb_key = jax.random.split(dropout_key)
@@ -320,6 +368,15 @@ class GPT(nnx.Module):
             ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
             logits = jnp.where(ids < cfg.vocab_size, logits, MASKED)
         return self.ops.constrain(logits, ("batch", "length", "vocab"))
+
+    def output_loss(self, x, targets):
+        """Final norm, output layer and summed cross entropy (nats, float32 scalar) of ``targets``
+        int32 ``[..., batch, len]`` from the last layer's ``x`` ``[..., batch, len, embed]``: the loss
+        of :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
+        (:func:`jaxllm.loss.cross_entropy`)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        table = self.wte[...] if self.lm_head is None else self.lm_head[...].T
+        return self.ops.cross_entropy(self.ln_f(x), table.astype(dt), targets, self.cfg.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +433,11 @@ def init(cfg: ModelConfig, seed) -> dict:
 def forward(graphdef, params, tokens, **kwargs):
     """Runs the model held in ``params`` (see :meth:`GPT.__call__` for the arguments)."""
     return nnx.merge(graphdef, params)(tokens, **kwargs)
+
+
+def loss(graphdef, params, tokens, targets, **kwargs):
+    """The summed next-token cross entropy of the model held in ``params`` (see :meth:`GPT.loss`)."""
+    return nnx.merge(graphdef, params).loss(tokens, targets, **kwargs)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int):

@@ -81,7 +81,7 @@ def _stage_layout(w, p, v):
     return w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]).swapaxes(0, 1)
 
 
-def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_keys, loss_fn):
+def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_keys):
     """Mean loss of a batch of microbatches pushed through the pipeline.
 
     Args:
@@ -93,10 +93,9 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
       positions: int32 ``[microbatches, micro_batch, seq]``, the same in every microbatch (ring
         attention's order, :func:`jaxllm.context_parallel.zigzag`), or None: ``arange(seq)``.
       dropout_keys: one PRNG key per microbatch ``[microbatches]``, or None (no dropout).
-      loss_fn: ``(logits [batch, seq, vocab], targets [batch, seq]) -> [batch, seq]`` float32.
     Returns:
-      float32 scalar: the mean of ``loss_fn`` over every token, as the same batch gives
-      without pipeline.
+      float32 scalar: the mean cross entropy over every token (the model's fused output loss,
+      :meth:`jaxllm.model.GPT.output_loss`), as the same batch gives without pipeline.
     """
     p, v, (m, mb, seq) = cfg.stages, cfg.parallel.pipeline_virtual_stages, inputs.shape
     stage_axis, constrain = layout.mesh_axes("stage"), layout.constrain
@@ -150,10 +149,7 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
     (_, buffers), _ = jax.lax.scan(iteration, (out, buffers), jnp.arange(v * m + p - 1))
     hidden = buffers[-1]
 
-    def head_loss(h, y):  # one stage's m / p microbatches -> summed token losses
-        total = lambda acc, hy: (acc + loss_fn(gpt.head(hy[0]), hy[1]).sum(), None)  # noqa: E731
-        return jax.lax.scan(total, jnp.zeros((), jnp.float32), (h, y))[0]
-
     hidden = constrain(hidden.reshape(p, m // p, mb, seq, -1), ("stage", None, *ACTIVATION[1:]))
-    totals = jax.vmap(head_loss, spmd_axis_name=stage_axis)(hidden, targets.reshape(p, m // p, mb, seq))
+    # each stage: the summed token losses of its m / p microbatches
+    totals = jax.vmap(gpt.output_loss, spmd_axis_name=stage_axis)(hidden, targets.reshape(p, m // p, mb, seq))
     return totals.sum() / targets.size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxllm import context_parallel, evaluation, model, optim, sharding, step
+from jaxllm import context_parallel, evaluation, model, optim, sharding, step, vocab_parallel
 from jaxllm.config import Resolved
 
 
@@ -35,7 +35,8 @@ class Run:
         self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
         self.mesh = layout.mesh
         ops = model.Ops(constrain=layout.constrain,
-                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl))
+                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl),
+                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout))
         self.spec = spec = model.describe(cfg.model, ops)
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay)
         abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)

@@ -18,19 +18,6 @@ import optax
 from jaxllm import context_parallel, model, optim, pipeline
 
 
-def cross_entropy(logits, targets):
-    """Per-token cross entropy in nats: float32 ``[batch, seq]`` from logits ``[batch, seq, vocab]``.
-
-    The target logit is picked with a comparison against the vocabulary index rather than a
-    gather, so with vocabulary-parallel logits every device reduces its own slice and only
-    ``[batch, seq]`` partial sums cross the network (Megatron-LM's parallel cross entropy).
-    """
-    logits = logits.astype(jnp.float32)
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    return jax.nn.logsumexp(logits, axis=-1) - target_logit
-
-
 def init_state(params, optimizer) -> dict:
     """The training state at step 0 around ``params`` (jit it with ``out_shardings`` to create it
     sharded; ``jax.eval_shape`` it for the shapes)."""
@@ -65,8 +52,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     schedule = optim.lr_schedule(cfg.train)
 
     def loss_fn(params, inputs, targets, positions, key):
-        logits = model.forward(spec.graphdef, params, inputs, positions=positions, dropout_key=key)
-        return cross_entropy(logits, targets).mean()
+        return model.loss(spec.graphdef, params, inputs, targets, positions=positions, dropout_key=key) / targets.size
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -82,7 +68,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
 
     def pipelined(params, inputs, targets, positions, keys):  # micro batches through the pipeline stages
         loss, grads = jax.value_and_grad(lambda p: pipeline.loss(
-            cfg, layout, spec, p, inputs, targets, positions, keys if dropout else None, cross_entropy))(params)
+            cfg, layout, spec, p, inputs, targets, positions, keys if dropout else None))(params)
         return loss, pin(grads)
 
     loss_and_grads = pipelined if cfg.stages > 1 else accumulated
@@ -123,9 +109,8 @@ def make_eval_step(cfg, spec, layout=None):
     def eval_step(params, inputs, targets):
         inputs, targets, positions = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets)
         if cfg.stages == 1:
-            return cross_entropy(model.forward(spec.graphdef, params, inputs, positions=positions), targets).mean()
+            return model.loss(spec.graphdef, params, inputs, targets, positions=positions) / targets.size
         split = lambda a: None if a is None else a.reshape(-1, m, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
-        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(positions), None,
-                             cross_entropy)
+        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(positions), None)
 
     return eval_step

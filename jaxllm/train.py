@@ -15,6 +15,7 @@ command to continue.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import sys
@@ -47,6 +48,39 @@ class Preempted(Exception):
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm was non-finite for ``train.max_nonfinite_steps`` steps in a row."""
+
+
+class NonFiniteStop:
+    """Decides the stop after ``limit`` non-finite steps in a row without making the host wait.
+
+    The loop calls :meth:`add` after dispatching each step, with its metrics (device arrays
+    not yet computed).  It reads the counter ``nonfinite_in_a_row`` only of the step ``lag``
+    steps back, which the device has finished or nearly so: the host stays ``lag`` steps
+    ahead of the device instead of waiting for every step.  With ``settle=True`` (before
+    anything that reads the state anyway: logging, evaluation, a checkpoint, the end) it
+    reads every pending step.  Steps are read in order, so the step it reports is the first
+    whose counter reaches ``limit``, the step a read after every step would report; and since
+    the loop settles before saving, no checkpoint is written after it.
+
+    Args:
+      limit: ``train.max_nonfinite_steps``.
+      lag: steps the host may run ahead.
+    """
+
+    def __init__(self, limit: int, lag: int = 2):
+        self.limit, self.lag = limit, lag
+        self.pending: collections.deque = collections.deque()
+
+    def add(self, step: int, metrics: dict, *, settle: bool = False) -> tuple[int, dict] | None:
+        """Records ``step``'s metrics; returns ``(step, metrics)`` of the first step read whose
+        ``nonfinite_in_a_row`` reached the limit, or None."""
+        self.pending.append((step, metrics))
+        while self.pending and (settle or len(self.pending) > self.lag):
+            done, m = self.pending.popleft()
+            if int(m["nonfinite_in_a_row"]) >= self.limit:
+                self.pending.clear()
+                return done, m
+        return None
 
 
 def check_workdir(workdir: str) -> None:
@@ -160,6 +194,7 @@ def train(cfg, workdir: str) -> dict:
     bubble = pipeline.schedule_bubble(cfg)
     tick, steps_since = time.perf_counter(), 0
     batch = run.global_batch(*loader.train_batch(start))
+    nonfinite = NonFiniteStop(t.max_nonfinite_steps)
     watchdog = Watchdog(t.stall_timeout_s)
     # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
     preemption = checkpoint.Preemption().install()
@@ -170,11 +205,20 @@ def train(cfg, workdir: str) -> dict:
                 state, m = train_step(state, *batch)
                 if done < t.train_iters:  # prepared while the step runs
                     batch = run.global_batch(*loader.train_batch(done))
-                # One scalar read per step (the batch above is already queued): stopping exactly after N needs it.
-                diverged = int(m["nonfinite_in_a_row"]) >= t.max_nonfinite_steps
             steps_since += 1
             logger.advance(1)
-            if done % t.log_interval == 0 or done == t.train_iters or diverged:
+            log = done % t.log_interval == 0 or done == t.train_iters
+            evaluate = t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters)
+            with watchdog.waiting(f"the checkpoint at step {done}"):
+                stop = preemption.reached(done)
+            save = stop or done == t.train_iters or (checkpointer.interval and done % checkpointer.interval == 0)
+            # The host reads the device only where it must: the non-finite stop from steps a few back
+            # (all pending ones before logging, evaluation and saving), the metrics at log steps.
+            settle = log or evaluate or save
+            with watchdog.waiting(f"train step {done if settle else max(done - nonfinite.lag, start + 1)}"):
+                diverged = nonfinite.add(done, m, settle=settle)
+            if log or diverged:
+                step, m = diverged or (done, m)
                 m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
                 elapsed = time.perf_counter() - tick
                 m.update(flops.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
@@ -183,13 +227,13 @@ def train(cfg, workdir: str) -> dict:
                 stats = jax.local_devices()[0].memory_stats() or {}
                 if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
                     m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
-                logger.log(done, m)
+                logger.log(step, m)
                 last, tick, steps_since = m, time.perf_counter(), 0
             if diverged:
                 raise NonFiniteError(f"the loss or gradient norm was NaN/inf for {t.max_nonfinite_steps} steps in a "
-                                     f"row (steps {done - t.max_nonfinite_steps + 1}-{done}, updates skipped); "
+                                     f"row (steps {step - t.max_nonfinite_steps + 1}-{step}, updates skipped); "
                                      "lower train.lr, raise train.warmup_iters or check the data, then resume")
-            if t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters):
+            if evaluate:
                 t_eval = time.perf_counter()
                 with watchdog.waiting(f"the evaluation at step {done}"):
                     loss = run.evaluate(state["params"], loader, progress=watchdog.alive)
@@ -199,7 +243,6 @@ def train(cfg, workdir: str) -> dict:
                 logger.log(done, last_eval, kind="eval")
                 tick += time.perf_counter() - t_eval  # throughput counts training steps only
             with watchdog.waiting(f"the checkpoint at step {done}"):
-                stop = preemption.reached(done)
                 checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
             if stop:
                 raise Preempted(done)

@@ -55,6 +55,7 @@ SHORTER = [
     (r"benchmarks/triton_offline\.py",
      ["--targets=sm_90", "--head-dims=64", "--impls=pallas", "--seq=256", "--heads=2"]),
     (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
+    (r"benchmarks/vs_pytorch\.py", ["--shapes=shakespeare", "--rounds=2", "--steps=1", "--warmup=1"]),
     (r"benchmarks/data_startup\.py", ["--datasets=5"]),
 ]
 CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "ruff check",

@@ -9,12 +9,16 @@ the training loop evaluates: one compiled program over the stacked batches, the 
 XLA:CPU when each batch was its own execution); the result holds the three losses, the parameters after
 three steps (compared by the caller against the single-device run), whether
 every parameter's sharding is the one the rules table declares, and the bytes
-per device of parameters and optimizer state.
+per device of parameters and optimizer state.  ``"hlo": True`` only compiles the train step and
+gives the shapes of its per-device arrays that span the padded vocabulary, with the SPMD
+partitioner's warnings (XLA logs them to stderr while compiling).
 """
 
 import json
 import os
+import re
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -48,16 +52,41 @@ def base_config():
     return c
 
 
+def compiled_vocab_shapes(run, batches):
+    """The train step compiled: the shapes in its per-device program with a dimension of
+    ``model.padded_vocab_size`` (``vocab_shapes``) or of one tensor shard of it (``shard_shapes``),
+    and the partitioner's "Involuntary full rematerialization" lines."""
+    x, y = batches[0]
+    with tempfile.TemporaryFile("w+") as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            hlo = run.train_step.lower(run.abstract_state, *run.global_batch(x, y)).compile().as_text()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        warnings = [line for line in log.read().splitlines() if "Involuntary full rematerialization" in line]
+    shapes = {(s, *map(int, s[s.index("[") + 1:-1].split(","))) for s in re.findall(r"\b[a-z]+\d*\[[\d,]+\]", hlo)}
+    vocab = run.cfg.model.padded_vocab_size
+    spanning = lambda rows: sorted(s[0] for s in shapes if rows in s[1:])  # noqa: E731
+    return {"vocab_shapes": spanning(vocab), "shard_shapes": spanning(vocab // run.layout.size("vocab")),
+            "partitioner_warnings": warnings}
+
+
 def run_layout(layout, batches):
     cfg = base_config()
     layout = dict(layout)
     evaluate = layout.pop("eval", False)  # also the validation loss of EVAL_BATCHES batches, after training
+    hlo = layout.pop("hlo", False)
     for section, values in layout.items():
         getattr(cfg, section).update(**values)
     sizes = list(cfg.mesh.to_dict().values())
     n = 8 if -1 in sizes else int(np.prod(sizes))
     cfg = config.resolve(cfg, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])
+    if hlo:
+        return compiled_vocab_shapes(run, batches)
     state = run.initial_state()
     rows = run.process_rows()
     losses = []

@@ -26,7 +26,7 @@ def small_cfg(train=None, **model_overrides):
 
 def loss_and_grads(graphdef, params, tokens):
     """Mean next-token loss of ``tokens`` [batch, seq] and its gradients."""
-    loss_fn = lambda p: step.cross_entropy(model.forward(graphdef, p, tokens), jnp.roll(tokens, -1, 1)).mean()  # noqa: E731
+    loss_fn = lambda p: model.loss(graphdef, p, tokens, jnp.roll(tokens, -1, axis=1)) / tokens.size  # noqa: E731
     return jax.value_and_grad(loss_fn)(params)
 
 
@@ -93,9 +93,11 @@ def test_loss_matches_plain_jax_reference(overrides):
     assert params["wte"].shape[0] == cfg.model.padded_vocab_size == 128  # 97 padded: the padding is masked
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
     targets = jnp.roll(tokens, -1, axis=1)
-    ours = step.cross_entropy(model.forward(graphdef, params, tokens), targets).mean()
-    ref = optax.softmax_cross_entropy_with_integer_labels(reference_logits(cfg, params, tokens), targets).mean()
+    ours, grads = jax.value_and_grad(lambda p: model.loss(graphdef, p, tokens, targets) / targets.size)(params)
+    ref, ref_grads = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        reference_logits(cfg, p, tokens), targets).mean())(params)
     np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
     assert ours > 4.0  # near ln(97) = 4.57 at init: the comparison is not between two constants
 
 

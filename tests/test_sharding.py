@@ -26,6 +26,9 @@ LAYOUTS = {
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
     "tensor2_fsdp2_data2_pallas": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": {"attention_impl": "pallas"}},
+    # compiled only: a vocabulary (96) that no other dimension of the model shares
+    "hlo_tensor2_fsdp2_data2": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "hlo": True,
+                                "model": {"vocab_size": 96, "make_vocab_size_divisible_by": 32}},
 }
 
 
@@ -34,7 +37,7 @@ def results():
     return run_layouts(LAYOUTS, timeout=900)
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single") and n != "tensor8_kv2"])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith(("single", "hlo")) and n != "tensor8_kv2"])
 def test_layout_matches_single_device(results, name):
     ref, got = results["single_gqa" if "gqa" in name else "single"], results[name]
     assert_same_training(got, ref)
@@ -45,6 +48,18 @@ def test_evaluation_of_200_batches_matches_single_device(results, name):
     """The validation loss of 200 batches on 8 devices (one program over the stacked batches; as
     200 executions in flight it aborted XLA:CPU's collectives) equals the single-device one."""
     assert results[name]["eval_loss"] == pytest.approx(results["single"]["eval_loss"], rel=1e-5)
+
+
+def test_embedding_and_output_layer_are_not_replicated(results):
+    """On tensor 2 x fsdp 2 x data 2 no per-device array of the train step spans the whole padded
+    vocabulary (96 rows): the embedding lookup, output layer and loss, and their gradients, see only
+    the device's 48-row shard (Megatron-LM's vocabulary-parallel layers, jaxllm.vocab_parallel).  A
+    plain ``table[ids]`` gather makes the SPMD partitioner replicate the table ("Involuntary full
+    rematerialization", an all-gather to f32[96,64]), which fails both assertions."""
+    got = results["hlo_tensor2_fsdp2_data2"]
+    assert got["partitioner_warnings"] == []
+    assert got["vocab_shapes"] == []
+    assert "f32[48,64]" in got["shard_shapes"]  # the table's shard (48 of 96 rows, 64 of 128 columns): seen
 
 
 def test_tensor_8_with_2_kv_heads_is_a_config_error(results):

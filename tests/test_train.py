@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from conftest import optimized_env
 
@@ -136,3 +138,38 @@ def test_default_job_trains_on_the_standard_library(tmp_path):
     assert "byte" in r.stdout and "--- sample ---" in r.stdout
     losses = [m["loss"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert losses[-1] < losses[0] < 6.0
+
+
+def test_host_runs_ahead_of_the_device():
+    """The loop's non-finite check (train.NonFiniteStop, lag 2) reads only steps two back or older:
+    after each step's dispatch and check the host goes on while that step is still computing, with
+    the last two steps unread; settling (at a log, evaluation or checkpoint step) reads all."""
+    from jaxllm.run import Run  # noqa: PLC0415
+
+    spec = config.get_config()
+    spec.model.update(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=256, dtype="float32")
+    spec.train.update(seq_length=128, micro_batch_size=8, global_batch_size=8)
+    run = Run(config.resolve(spec, num_devices=1))
+    state = run.initial_state()
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 129)).astype(np.int32)
+    batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])
+    state, m = jax.block_until_ready(run.train_step(state, *batch))  # compiled
+    stop = train.NonFiniteStop(limit=3, lag=2)
+    for done in range(1, 7):
+        state, m = run.train_step(state, *batch)
+        assert stop.add(done, m) is None
+        assert not m["loss"].is_ready()  # the host is ahead: this step is still running
+        assert [d for d, _ in stop.pending] == list(range(max(1, done - 1), done + 1))
+    assert stop.add(7, run.train_step(state, *batch)[1], settle=True) is None and not stop.pending
+
+
+def test_model_dtype_auto_is_float32_on_cpus_only():
+    """The default compute dtype: float32 where bfloat16 is emulated (CPUs), bfloat16 on accelerators;
+    an explicit dtype is kept."""
+    spec = config.get_config()
+    assert spec.model.dtype == "auto"
+    assert config.resolve(spec, num_devices=1).model.dtype == "float32"  # this machine's CPU
+    for backend, dtype in (("cpu", "float32"), ("cuda", "bfloat16"), ("rocm", "bfloat16"), ("tpu", "bfloat16")):
+        assert config.resolve_model(spec.model, seq_length=64, backend=backend).dtype == dtype
+    spec.model.dtype = "bfloat16"
+    assert config.resolve(spec, num_devices=1).model.dtype == "bfloat16"
