@@ -42,7 +42,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import cli, config, flops, hardware, model, plan  # noqa: E402
+from jaxllm import cli, config, flops, hardware, model, pipeline, plan  # noqa: E402
 from jaxllm.data import Batches, Data, DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.run import Run  # noqa: E402
@@ -106,7 +106,8 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       ``peak_memory_source`` (``memory_stats peak_bytes_in_use`` where the backend reports
       it, a process-lifetime maximum, else ``compiled memory_analysis``) and
       ``compiled_memory_bytes`` (always the compiled executable's total); ``step_times_s``:
-      every timed step.
+      every timed step; ``pipeline_schedule`` (None without pipeline), ``pipeline_bubble``,
+      ``pipeline_in_flight``, ``pipeline_awaiting_w`` (:func:`jaxllm.pipeline.stats`).
     Raises:
       ValueError: ``steps < 1`` or ``warmup < 0``.
     """
@@ -146,6 +147,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
             times.append(time.perf_counter() - start)
 
     step_time = float(np.mean(times))
+    schedule = pipeline.schedule_stats(cfg)
     out = flops.throughput(step_time, cfg, num_devices=n, peak_flops=peak)
     stats = devices[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
@@ -162,6 +164,9 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "microbatches": cfg.microbatches, "seq_length": t.seq_length,
         "tokens_per_step": t.global_batch_size * t.seq_length,
         "remat": cfg.model.remat, "attention_impl": cfg.model.attention_impl, "dtype": cfg.model.dtype,
+        "pipeline_schedule": cfg.parallel.pipeline_schedule if cfg.stages > 1 else None,
+        "pipeline_bubble": schedule.bubble, "pipeline_in_flight": schedule.in_flight,
+        "pipeline_awaiting_w": schedule.deferred,
         "data": "real" if data is not None else "synthetic",
         "warmup": warmup, "steps": steps, "compile_s": compile_s,
         **out,
@@ -184,8 +189,13 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
 # ---------------------------------------------------------------------------------------------
 
 
-def _mesh_text(mesh: dict) -> str:
-    return " ".join(f"{k}{v}" for k, v in mesh.items() if v > 1) or "1 device"
+def _mesh_text(r: dict) -> str:
+    """``"pipeline4 data2 (1f1b, bubble 27.3%, 7 in flight)"``: the mesh axes > 1 and the pipeline schedule."""
+    text = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1 device"
+    if r.get("pipeline_schedule"):
+        text += (f" ({r['pipeline_schedule']}, bubble {r['pipeline_bubble']:.1%}, {r['pipeline_in_flight']} in flight"
+                 + (f" + {r['pipeline_awaiting_w']} awaiting W)" if r["pipeline_awaiting_w"] else ")"))
+    return text
 
 
 def table(records: list[dict]) -> str:
@@ -195,7 +205,7 @@ def table(records: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base = records[0]["tokens_per_sec"]
     for r in records:
-        lines.append(f"| {r['name'] or 'base'} | {_mesh_text(r['mesh'])} | {r['tokens_per_sec']:,.0f} | "
+        lines.append(f"| {r['name'] or 'base'} | {_mesh_text(r)} | {r['tokens_per_sec']:,.0f} | "
                      f"{r['tokens_per_sec'] / base:.2f}x | {r['step_time_s']:.4g} ({r['step_time_median_s']:.4g}) | "
                      f"{r['tflops_per_device']:.4g} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | "
                      f"{r['peak_memory_bytes'] / 2**30:.3f} | {r['compile_s']:.1f} |")

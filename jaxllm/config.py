@@ -189,9 +189,10 @@ class Parallel(Section):
     name: ClassVar[str] = "parallel"
     zero_stage: int = _key(0, choices=(0, 1, 2, 3))
     megatron_sp: bool = False  # Megatron sequence parallelism: the residual stream split over tensor too
-    # with mesh.pipeline > 1 the step's microbatches flow through the stages; interleaved: the
-    # circular schedule with pipeline_virtual_stages chunks of layers per device
-    pipeline_schedule: str = _key("gpipe", choices=("gpipe", "interleaved"))
+    # with mesh.pipeline > 1 the step's microbatches flow through the stages (jaxllm/pipeline.py): gpipe;
+    # 1f1b and zb_h1 (memory bounded by the stages, not the microbatches); interleaved and
+    # interleaved_1f1b with pipeline_virtual_stages chunks of layers per device
+    pipeline_schedule: str = _key("gpipe", choices=("gpipe", "interleaved", "1f1b", "interleaved_1f1b", "zb_h1"))
     pipeline_virtual_stages: int = _key(1, ">0")
     # attention with mesh.sequence > 1: allgather (keys/values gathered), ring (context
     # parallelism, load-balanced), ulysses (all-to-all to heads)
@@ -423,10 +424,13 @@ def _check_values(cfg: Config) -> None:
     """The checks that need no device count: types, choices, ranges, relations between keys."""
     _check_types_and_ranges(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    if (p.pipeline_schedule == "interleaved") != (p.pipeline_virtual_stages > 1):
+    interleaved = p.pipeline_schedule.startswith("interleaved")
+    if interleaved != (p.pipeline_virtual_stages > 1):
         raise ConfigError("parallel.pipeline_virtual_stages", p.pipeline_virtual_stages,
-                          "the interleaved schedule needs >= 2 virtual stages, gpipe exactly 1: set "
-                          "parallel.pipeline_schedule=interleaved with pipeline_virtual_stages >= 2, or gpipe with 1")
+                          f"parallel.pipeline_schedule={p.pipeline_schedule} needs "
+                          + (">= 2 virtual stages" if interleaved else "exactly 1")
+                          + "; the interleaved schedules (interleaved, interleaved_1f1b) take >= 2, gpipe, 1f1b "
+                          "and zb_h1 exactly 1")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError("model.hidden_size", m.hidden_size,
                           f"must be divisible by model.num_attention_heads={m.num_attention_heads}")

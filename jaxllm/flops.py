@@ -12,6 +12,8 @@ FLOPs per second, throughput is tokens/s, times are seconds.
 
 from __future__ import annotations
 
+from jaxllm import pipeline
+
 
 def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> float:
     """Training FLOPs per token of one step: forward + backward (= 3x forward).
@@ -132,17 +134,20 @@ def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
 
 def hardware_flops_per_step(cfg) -> float:
     """Matmul FLOPs one step actually executes, all devices: :func:`flops_per_step` without
-    recomputation plus :func:`recompute_flops_per_token` of ``cfg.model.remat`` per token
-    (the basis of HFU; MFU uses the model FLOPs alone).
+    recomputation plus :func:`recompute_flops_per_token` of ``cfg.model.remat`` per token,
+    plus one more forward of the layers per pipeline recomputation
+    (:func:`jaxllm.pipeline.recomputed_forwards`: the 1F1B-family schedules) (the basis of HFU;
+    MFU uses the model FLOPs alone).
 
     Args:
       cfg: a resolved config.
     Returns:
       FLOPs per step (a float).
     """
-    tokens = cfg.train.global_batch_size * cfg.train.seq_length
-    return flops_per_step(cfg, recompute=False) + tokens * recompute_flops_per_token(
-        cfg.model, cfg.train.seq_length, cfg.model.remat)
+    tokens, seq = cfg.train.global_batch_size * cfg.train.seq_length, cfg.train.seq_length
+    extra = (recompute_flops_per_token(cfg.model, seq, cfg.model.remat)
+             + pipeline.recomputed_forwards(cfg) * recompute_flops_per_token(cfg.model, seq, "full"))
+    return flops_per_step(cfg, recompute=False) + tokens * extra
 
 
 def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) -> dict[str, float]:

@@ -12,8 +12,9 @@ logits are float32.  Every parameter carries logical axis names in its
 ``ops.constrain(x, logical_names)``.  The model knows nothing of parallelism: the
 operations where a layout enters (that constraint; attention, which sequence
 parallelism replaces; the embedding lookup and the loss, which are split over the
-vocabulary) come in an :class:`Ops` object, by default the plain single-device
-ones; :class:`jaxllm.run.Run` gives the mesh's.  The loss (:meth:`GPT.loss`) is the
+vocabulary; the layer matmuls, which the zb_h1 pipeline schedule splits) come in an
+:class:`Ops` object, by default the plain single-device ones; :class:`jaxllm.run.Run`
+gives the mesh's.  The loss (:meth:`GPT.loss`) is the
 output layer and cross entropy fused in chunks (:mod:`jaxllm.loss`): training never
 holds the ``[batch, len, vocab]`` logits; :meth:`GPT.__call__` gives them (sampling).
 
@@ -46,6 +47,12 @@ def _unconstrained(x, axes):
     return x
 
 
+def dense(x, w, b, spec, dtype):
+    """``einsum(spec, x, w) + b`` with the matmul in ``dtype`` (``b``: an array or None)."""
+    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+    return y if b is None else y + b.astype(dtype)
+
+
 def _plain_attention(q, k, v, positions, impl):
     return dispatch.attention(q, k, v, impl=impl, causal=True)
 
@@ -71,12 +78,17 @@ class Ops:
         entropy of the output layer ``table`` ``[padded_vocab, embed]`` applied to ``h``
         ``[..., batch, len, embed]``, targets int32 ``[..., batch, len]``, logits of ids
         ``>= vocab_size`` masked (:func:`jaxllm.loss.cross_entropy`).
+      dense: ``(x, w, b, spec, dtype) -> y``: every layer matmul with a weight (q, k, v,
+        attention output, MLP), :func:`dense` by default; ``w`` and ``b`` (or None) are the very
+        parameter values of the layer (the zb_h1 pipeline schedule takes input and weight
+        gradients apart here, :mod:`jaxllm.pipeline`).
     """
 
     constrain: Callable = _unconstrained
     attention: Callable = _plain_attention
     embed: Callable = _plain_embed
     cross_entropy: Callable = fused_loss.cross_entropy
+    dense: Callable = dense
 
 
 LOCAL = Ops()
@@ -98,10 +110,9 @@ def _param(key, shape, std, axes, pad=None):
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def _dense(x, w, b, spec, dtype):
-    """``einsum(spec, x, w) + b`` with the matmul in ``dtype``."""
-    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
-    return y if b is None else y + b.astype(dtype)
+def _dense(ops, x, w, b, spec, dtype):
+    """``ops.dense`` of the weight ``w`` and the bias parameter ``b`` (or None)."""
+    return ops.dense(x, w, None if b is None else b[...], spec, dtype)
 
 
 def rotary(x, positions, base):
@@ -192,9 +203,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, cache=None):
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
-        q = _dense(x, self.wq[...], self.bq, "bse,ehd->bshd", dt)
-        k = _dense(x, self.wk[...], self.bk, "bse,ehd->bshd", dt)
-        v = _dense(x, self.wv[...], self.bv, "bse,ehd->bshd", dt)
+        q = _dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt)
+        k = _dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt)
+        v = _dense(self.ops, x, self.wv[...], self.bv, "bse,ehd->bshd", dt)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -214,7 +225,7 @@ class Attention(nnx.Module):
                                      q_positions=positions, kv_positions=kv_positions)
             cache = (k_cache, v_cache)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return _dense(out, self.wo[...], self.bo, "bshd,hde->bse", dt), cache
+        return _dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), cache
 
 
 class MLP(nnx.Module):
@@ -231,13 +242,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = jnp.dtype(self.cfg.dtype)
-        y = _dense(x, self.w1[...], self.b1, "bse,ef->bsf", dt)
+        y = _dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt)
         if self.wg is None:
             y = gelu(y)
         else:
-            y = jax.nn.silu(_dense(x, self.wg[...], None, "bse,ef->bsf", dt)) * y
+            y = jax.nn.silu(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt)) * y
         y = self.ops.constrain(y, ("batch", "length", "mlp"))
-        return _dense(y, self.w2[...], self.b2, "bsf,fe->bse", dt)
+        return _dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt)
 
 
 class Block(nnx.Module):
@@ -258,7 +269,7 @@ class Block(nnx.Module):
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -351,7 +362,7 @@ class GPT(nnx.Module):
             return nnx.merge(graphdef, params)(x, positions, key, layer_cache)
 
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return jax.lax.scan(layer, x, (layer_params, keys, cache))
 
     def head(self, x):

@@ -54,7 +54,8 @@ def plan(spec: config.Config, num_devices: int) -> dict:
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
     to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.flops.flops_per_step`),
-    ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches, bubble fraction).
+    ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary:
+    bubble and activations in flight, :func:`jaxllm.pipeline.summary`).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
@@ -82,7 +83,7 @@ def plan(spec: config.Config, num_devices: int) -> dict:
         "compile_s": compile_s,
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
-        "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, pipeline.schedule_bubble(cfg)),
+        "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, pipeline.summary(cfg)),
     }
 
 
@@ -102,9 +103,9 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"  total (compiled)      {gib(p['total'])}",
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.flops.flops_per_step)",
     ]
-    stages, virtual, microbatches, bubble = p["pipeline"]
+    stages, virtual, microbatches, schedule = p["pipeline"]
     if stages > 1:
-        lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, bubble {bubble:.1%}")
+        lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, {schedule}")
     if device_memory:
         verdict = "FITS" if p["total"] <= device_memory else "DOES NOT FIT"
         lines.append(f"{verdict} in {device_name or ''} {device_memory / GiB:.1f} GiB "

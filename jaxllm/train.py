@@ -132,13 +132,13 @@ def check(spec: config.Config, num_devices: int) -> str:
 
 
 def pipeline_note(cfg) -> str:
-    """``" through 4 pipeline stages (gpipe, bubble 27.3%)"``, or ``""`` without pipeline."""
+    """``" through 4 pipeline stages (1f1b, bubble 27.3%, 7 microbatches in flight per stage)"``, or ``""``
+    without pipeline."""
     p, v = cfg.stages, cfg.parallel.pipeline_virtual_stages
     if p == 1:
         return ""
     chunks = f" x {v} virtual" if v > 1 else ""
-    return (f" through {p}{chunks} pipeline stages ({cfg.parallel.pipeline_schedule}, "
-            f"bubble {pipeline.schedule_bubble(cfg):.1%})")
+    return f" through {p}{chunks} pipeline stages ({pipeline.summary(cfg)})"
 
 
 def train(cfg, workdir: str) -> dict:

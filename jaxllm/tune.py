@@ -2,8 +2,9 @@
 
 Search space: every ordered factorization of N devices over the mesh axes in ``--axes``
 (data, fsdp, pipeline, tensor, sequence) x ``--micro_batch`` x ``--remat`` x
-``--attention`` x pipeline virtual stages (``--virtual_stages``, only with pipeline > 1;
-> 1 means the interleaved schedule) x ``--sequence_impls`` (only with sequence > 1).
+``--attention`` x pipeline schedule and virtual stages (only with pipeline > 1:
+``--pipeline_schedules`` x ``--virtual_stages``, the interleaved schedules with > 1 virtual
+stages, the others with 1) x ``--sequence_impls`` (only with sequence > 1).
 
 1. Constraints: each candidate goes through :func:`jaxllm.config.resolve` (heads,
    FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
@@ -70,6 +71,7 @@ class Candidate:
     attention: str
     virtual_stages: int = 1
     sequence_impl: str = "allgather"
+    schedule: str = "gpipe"
 
     def overrides(self) -> dict[str, object]:
         """``{"SECTION.KEY": value}`` that turn the base config into this candidate."""
@@ -77,7 +79,7 @@ class Candidate:
         out.update({"train.micro_batch_size": self.micro_batch, "model.remat": self.remat,
                     "model.attention_impl": self.attention,
                     "parallel.pipeline_virtual_stages": self.virtual_stages,
-                    "parallel.pipeline_schedule": "interleaved" if self.virtual_stages > 1 else "gpipe",
+                    "parallel.pipeline_schedule": self.schedule,
                     "parallel.sequence_impl": self.sequence_impl})
         return out
 
@@ -86,10 +88,13 @@ class Candidate:
         return " ".join(f"--config.{k}={v}" for k, v in self.overrides().items())
 
     def mesh_text(self) -> str:
-        """``"pipeline2(v2) sequence4(ring)"``: the axes > 1, with virtual stages and sequence_impl."""
-        extra = {"pipeline": f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "",
+        """``"pipeline2(interleaved_1f1b v2) sequence4(ring)"``: the axes > 1, with the pipeline schedule,
+        virtual stages and sequence_impl."""
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        extra = {"pipeline": f"({self.schedule}{v})",
                  "sequence": f"({self.sequence_impl})"}
-        return " ".join(f"{a}{n}{extra.get(a, '')}" for a, n in zip(AXES, self.mesh) if n > 1) or "1 device"
+        return " ".join(f"{a}{n}{extra.get(a, '')}" for a, n in zip(AXES, self.mesh, strict=True)
+                        if n > 1) or "1 device"
 
 
 @dataclasses.dataclass
@@ -139,18 +144,21 @@ def constraint(cfg: config.Config, num_devices: int) -> str | None:
 
 
 def space(base, num_devices: int, *, axes, micro_batches, remats, attentions, virtual_stages,
-          sequence_impls) -> list[Candidate]:
-    """The full search space (before constraints), in a fixed order."""
+          sequence_impls, schedules) -> list[Candidate]:
+    """The full search space (before constraints), in a fixed order; with pipeline > 1 every
+    schedule in ``schedules`` with every count in ``virtual_stages`` it takes (> 1 for the
+    interleaved schedules, 1 for the others)."""
     out = []
     idx = [AXES.index(a) for a in axes]
     for sizes in factorizations(num_devices, len(axes)):
         mesh = [1] * len(AXES)
         for i, s in zip(idx, sizes):
             mesh[i] = s
-        vss = virtual_stages if mesh[AXES.index("pipeline")] > 1 else [1]
+        pipes = ([(s, v) for s in schedules for v in virtual_stages if s.startswith("interleaved") == (v > 1)]
+                 if mesh[AXES.index("pipeline")] > 1 else [("gpipe", 1)])
         sis = sequence_impls if mesh[AXES.index("sequence")] > 1 else [base.parallel.sequence_impl]
-        for mb, remat, attn, vs, si in itertools.product(micro_batches, remats, attentions, vss, sis):
-            out.append(Candidate(tuple(mesh), mb, remat, attn, vs, si))
+        for mb, remat, attn, (sched, vs), si in itertools.product(micro_batches, remats, attentions, pipes, sis):
+            out.append(Candidate(tuple(mesh), mb, remat, attn, vs, si, sched))
     return out
 
 
@@ -158,7 +166,8 @@ def baseline_candidate(base, num_devices: int) -> Candidate:
     """The base config as a candidate (its -1 mesh axis filled)."""
     sizes = config.mesh_shape(base.mesh, num_devices)
     return Candidate(tuple(sizes[a] for a in AXES), base.train.micro_batch_size, base.model.remat,
-                     base.model.attention_impl, base.parallel.pipeline_virtual_stages, base.parallel.sequence_impl)
+                     base.model.attention_impl, base.parallel.pipeline_virtual_stages, base.parallel.sequence_impl,
+                     base.parallel.pipeline_schedule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +311,7 @@ class Tuner:
             "attention": sorted({c.attention for c in self.valid}),
             "virtual_stages": sorted({c.virtual_stages for c in self.valid}),
             "sequence_impl": sorted({c.sequence_impl for c in self.valid}),
+            "schedule": sorted({c.schedule for c in self.valid}),
         }
         sampler = optuna.samplers.TPESampler(seed=seed)
         study = optuna.create_study(direction="maximize", sampler=sampler)
@@ -313,7 +323,7 @@ class Tuner:
             mesh_i = trial.suggest_categorical("mesh", [",".join(map(str, m)) for m in dims["mesh"]])
             c = Candidate(tuple(int(x) for x in mesh_i.split(",")),
                           *(trial.suggest_categorical(k, dims[k]) for k in
-                            ("micro_batch", "remat", "attention", "virtual_stages", "sequence_impl")))
+                            ("micro_batch", "remat", "attention", "virtual_stages", "sequence_impl", "schedule")))
             if c not in valid:  # a combination the constraints reject: infeasible, costs nothing
                 trial.set_constraint("infeasible", 1.0)
                 study.tell(trial, 0.0)
@@ -358,7 +368,8 @@ class Tuner:
                 "status": r.status + (" [baseline]" if r.baseline else ""),
                 **{a: n for a, n in zip(AXES, c.mesh)},
                 "micro_batch": c.micro_batch, "microbatches": rec.get("microbatches", ""),
-                "remat": c.remat, "attention": c.attention, "virtual_stages": c.virtual_stages,
+                "remat": c.remat, "attention": c.attention, "pipeline_schedule": c.schedule,
+                "virtual_stages": c.virtual_stages,
                 "sequence_impl": c.sequence_impl,
                 "plan_memory_gib": round(r.memory / GiB, 4) if r.memory is not None else "",
                 "tokens_per_sec": round(r.throughput, 1) if r.tokens_per_sec else "",
@@ -379,7 +390,8 @@ class Tuner:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        cols = ["rank", "status", *AXES, "micro_batch", "microbatches", "remat", "attention", "virtual_stages",
+        cols = ["rank", "status", *AXES, "micro_batch", "microbatches", "remat", "attention", "pipeline_schedule",
+                "virtual_stages",
                 "sequence_impl", "plan_memory_gib", "tokens_per_sec", "measurements", "mfu", "vs_baseline"]
         md = [f"```\n{command}\n```", "", *self.summary(), ""]
         best = self.best()
@@ -474,6 +486,7 @@ def main(argv):
         attns = default_attentions() if F.attention == "auto" else _choices(
             "attention", F.attention, [i for i in config.choices("model.attention_impl") if i != "auto"])
         vss = _ints("virtual_stages", F.virtual_stages)
+        schedules = _choices("pipeline_schedules", F.pipeline_schedules, config.choices("parallel.pipeline_schedule"))
         sis = _choices("sequence_impls", F.sequence_impls, config.choices("parallel.sequence_impl"))
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
@@ -506,7 +519,7 @@ def main(argv):
 
     tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup)
     tuner.filter(space(base, n, axes=axes, micro_batches=mbs, remats=remats, attentions=attns,
-                       virtual_stages=vss, sequence_impls=sis))
+                       virtual_stages=vss, sequence_impls=sis, schedules=schedules))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
     # The plan and the measurement of a candidate compile the same program: with XLA's persistent
@@ -542,6 +555,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("attention", "auto",
                         "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
     flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
+    flags.DEFINE_string("pipeline_schedules", ",".join(config.choices("parallel.pipeline_schedule")),
+                        "pipeline schedules tried when mesh.pipeline > 1 (interleaved ones: virtual stages > 1)")
     flags.DEFINE_string("sequence_impls", ",".join(config.choices("parallel.sequence_impl")),
                         "sequence_impl values tried when mesh.sequence > 1")
     flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")

@@ -21,6 +21,7 @@ def run_layouts(layouts: dict, timeout: int = 900) -> dict:
 def assert_same_training(got: dict, ref: dict) -> None:
     """Three steps' losses within 1e-5 relative and parameters within 1e-5 of the reference run, a
     falling loss, and every parameter sharded as the rules table declares."""
+    assert "error" not in got and "error" not in ref, got.get("error") or ref.get("error")
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     assert got["losses"][-1] < got["losses"][0]  # it trains
     for key, value in ref["params"].items():

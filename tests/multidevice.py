@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -125,6 +126,8 @@ def main():
             results.append(run_layout(layout, batches))
         except config.ConfigError as e:
             results.append({"config_error": str(e), "key": e.key})
+        except Exception:  # noqa: BLE001  (one failing layout must not hide the others' results)
+            results.append({"error": traceback.format_exc()[-3000:]})
     json.dump(results, sys.stdout)
 
 

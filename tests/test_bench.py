@@ -39,10 +39,17 @@ def hand_flops_per_token(remat):
     return model, model + extra
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
-def test_hardware_flops_hand_count(remat):
-    cfg = config.resolve(tiny(remat), num_devices=1)
+@pytest.mark.parametrize("remat, schedule", [("none", None), ("full", None), ("save_dots", None), ("none", "1f1b"),
+                                             ("full", "zb_h1"), ("none", "gpipe")])
+def test_hardware_flops_hand_count(remat, schedule):
+    cfg = tiny(remat)
+    if schedule:  # 2 pipeline stages; the 1F1B family recomputes each stage's forward once more
+        cfg.mesh.pipeline = 2
+        cfg.parallel.pipeline_schedule = schedule
+    cfg = config.resolve(cfg, num_devices=cfg.mesh.pipeline)
     model_fpt, hardware_fpt = hand_flops_per_token(remat)
+    if schedule in ("1f1b", "zb_h1"):
+        hardware_fpt += hand_flops_per_token("full")[1] - model_fpt
     assert flops.flops_per_step(cfg, recompute=False) == 8 * S * model_fpt
     assert flops.hardware_flops_per_step(cfg) == 8 * S * hardware_fpt
     out = flops.throughput(0.5, cfg, num_devices=2, peak_flops=1e9)
@@ -123,15 +130,21 @@ TINY_FLAGS = [f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}
 def test_compare_on_two_devices_writes_one_json_line_per_config(tmp_path):
     out = tmp_path / "b.jsonl"
     r = cli("--devices=2", "--config.mesh.data=2", *TINY_FLAGS, "--steps=2", "--warmup=1", f"--output={out}",
-            "--compare=mesh.data=1,mesh.tensor=2,model.remat=full")
+            "--compare=mesh.data=1,mesh.tensor=2,model.remat=full;mesh.data=1,mesh.pipeline=2,"
+            "parallel.pipeline_schedule=1f1b")
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["name"] for x in recs] == ["", "mesh.data=1,mesh.tensor=2,model.remat=full"]
-    assert [(x["mesh"]["data"], x["mesh"]["tensor"]) for x in recs] == [(2, 1), (1, 2)]
-    assert [x["remat"] for x in recs] == ["none", "full"] and all(x["devices"] == 2 for x in recs)
+    assert [x["name"] for x in recs] == ["", "mesh.data=1,mesh.tensor=2,model.remat=full",
+                                         "mesh.data=1,mesh.pipeline=2,parallel.pipeline_schedule=1f1b"]
+    assert [(x["mesh"]["data"], x["mesh"]["tensor"], x["mesh"]["pipeline"]) for x in recs] == [
+        (2, 1, 1), (1, 2, 1), (1, 1, 2)]
+    assert [x["remat"] for x in recs] == ["none", "full", "none"] and all(x["devices"] == 2 for x in recs)
+    # the pipelined config's schedule: 2 microbatches through 2 stages, bubble 1/3, both in flight
+    assert [x["pipeline_schedule"] for x in recs] == [None, None, "1f1b"]
+    assert recs[2]["pipeline_bubble"] == pytest.approx(1 / 3) and recs[2]["pipeline_in_flight"] == 2
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "x |" in ln]
-    assert len(rows) == 2
-    for row, rec in zip(rows, recs):  # the printed ratio is tokens/s against the base config
+    assert len(rows) == 3 and "pipeline2 (1f1b, bubble 33.3%, 2 in flight)" in rows[2], rows
+    for row, rec in zip(rows, recs, strict=True):  # the printed ratio is tokens/s against the base config
         assert f"{rec['tokens_per_sec'] / recs[0]['tokens_per_sec']:.2f}x" in row
 
 

@@ -36,7 +36,7 @@ def test_budget_parsing():
 def test_constraints_count_rejections_by_key():
     base = tiny()
     cands = tune.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
-                       virtual_stages=[1, 2], sequence_impls=["allgather"])
+                       virtual_stages=[1, 2], sequence_impls=["allgather"], schedules=["gpipe", "interleaved"])
     got = {}
     for c in cands:
         why = tune.constraint(tune.candidate_config(base, c), 8)
@@ -52,6 +52,17 @@ def test_constraints_count_rejections_by_key():
     # leaves 1 microbatch, not a multiple of 2 stages, on 3 meshes
     assert got["train.global_batch_size"] == 4 + 3
     assert got[None] == 100 - 2 - 7 - 40
+    # every schedule: per pipeline mesh and micro batch gpipe, 1f1b, zb_h1 (1 virtual stage), interleaved and
+    # interleaved_1f1b (2); each validates as its gpipe / interleaved twin does
+    every = tune.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
+                       virtual_stages=[1, 2], sequence_impls=["allgather"],
+                       schedules=config.choices("parallel.pipeline_schedule"))
+    assert len(every) == 20 * 2 + 15 * 2 * 5
+    twin = {"1f1b": "gpipe", "zb_h1": "gpipe", "interleaved_1f1b": "interleaved"}
+    for c in every:
+        plain = dataclasses.replace(c, schedule=twin.get(c.schedule, c.schedule))
+        assert (tune.constraint(tune.candidate_config(base, c), 8)
+                == tune.constraint(tune.candidate_config(base, plain), 8)), c
     ulysses = tune.Candidate((1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
     assert tune.constraint(tune.candidate_config(base, ulysses), 8) == "model.num_attention_heads"
     allgather = dataclasses.replace(ulysses, sequence_impl="allgather")
@@ -80,7 +91,7 @@ def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     limit = (small + large) / 2
     tuner = tune.Tuner(base, 1, memory_limit=limit, steps=1, warmup=0, log=lambda line: None)
     tuner.filter(tune.space(base, 1, axes=config.MESH_AXES, micro_batches=[1, 3, 8], remats=["none"],
-                            attentions=["xla"], virtual_stages=[1], sequence_impls=["allgather"]))
+                            attentions=["xla"], virtual_stages=[1], sequence_impls=["allgather"], schedules=["gpipe"]))
     assert tuner.space_size == 3 and tuner.rejected == {"train.global_batch_size": 1}  # 8 % 3
     tuner.run(trials=5, seconds=None, sampler="auto", confirm=0)
     assert tuner.sampler == "grid"
