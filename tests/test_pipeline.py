@@ -31,23 +31,21 @@ LAYOUTS = {
 
 FULL = {"remat": "full"}
 DROPOUT = {"dropout": 0.1}  # only where the data-parallel size is 1: it sets the microbatches, hence the keys
-# The 1F1B family: each schedule against the single-device run, on layouts that share out the acceptance list
-# (pipeline 2 and 4, x data 2, x tensor 2, x fsdp 2 x sequence 2 (ring), 2 virtual stages; no remat, full
-# remat and save_dots), with dropout, ZeRO 2 and megatron_sp riding along.  Few layouts, as each compiles its
-# own fused loop: this module must stay quick on 2 cores.
+# The 1F1B family: each schedule once against the single-device run, the three layouts sharing out the
+# acceptance list (pipeline 2 and 4, x data 2, x tensor 2, x sequence 2 (ring; allgather), 2 virtual
+# stages; no remat, full remat, save_dots) with dropout (the keys of every chunk), ZeRO-3 and megatron_sp
+# riding along.  Only three, as each compiles its own fused loop: this module must stay quick on 2 cores.
+# (Ring attention reorders the tokens, so its dropout masks differ from one device's: no dropout with ring.)
 FUSED = {
-    "1f1b_pipeline4_data2_zero2": {"mesh": {"pipeline": 4, "data": 2}, "model": L4, "eval": True,
-                                   "parallel": {"pipeline_schedule": "1f1b", "zero_stage": 2}},
-    "1f1b_pipeline2_tensor2_megatron_sp_remat_full_dropout": {
-        "mesh": {"pipeline": 2, "tensor": 2}, "parallel": {"pipeline_schedule": "1f1b", "megatron_sp": True},
-        "model": {**L4, **FULL, **DROPOUT}},
-    "zb_h1_pipeline4_tensor2_save_dots_dropout": {
-        "mesh": {"pipeline": 4, "tensor": 2}, "parallel": {"pipeline_schedule": "zb_h1"},
+    "1f1b_pipeline2_data2_sequence2_ring_zero3": {
+        "mesh": {"pipeline": 2, "data": 2, "sequence": 2}, "model": L4,
+        "parallel": {"pipeline_schedule": "1f1b", "zero_stage": 3, "sequence_impl": "ring"}},
+    "zb_h1_pipeline4_tensor2_megatron_sp_save_dots_dropout": {
+        "mesh": {"pipeline": 4, "tensor": 2}, "parallel": {"pipeline_schedule": "zb_h1", "megatron_sp": True},
         "model": {**L4, "remat": "save_dots", **DROPOUT}},
-    "interleaved_1f1b_pipeline2_fsdp2_sequence2_ring_remat_full": {
-        "mesh": {"pipeline": 2, "fsdp": 2, "sequence": 2},
-        "parallel": {**INTERLEAVED2, "pipeline_schedule": "interleaved_1f1b", "sequence_impl": "ring"},
-        "model": {**L4, **FULL}},
+    "interleaved_1f1b_pipeline2_tensor2_sequence2_remat_full_dropout": {
+        "mesh": {"pipeline": 2, "tensor": 2, "sequence": 2},
+        "parallel": {**INTERLEAVED2, "pipeline_schedule": "interleaved_1f1b"}, "model": {**L4, **FULL, **DROPOUT}},
 }
 LAYOUTS.update(FUSED)
 
@@ -63,9 +61,8 @@ def test_pipeline_matches_single_device(results, name):
     assert_same_training(got, ref)
 
 
-@pytest.mark.parametrize("name", ["pipeline2", "1f1b_pipeline4_data2_zero2"])
-def test_pipelined_eval_step_matches_single_device(results, name):
-    assert results[name]["eval_loss"] == pytest.approx(results["single"]["eval_loss"], rel=1e-5)
+def test_pipelined_eval_step_matches_single_device(results):
+    assert results["pipeline2"]["eval_loss"] == pytest.approx(results["single"]["eval_loss"], rel=1e-5)
 
 
 def test_bubble_fraction():
