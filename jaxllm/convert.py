@@ -497,8 +497,8 @@ def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[co
     Raises:
       ConvertError: missing or pickle-only files, an unsupported config.json (``keys`` names the
         key), tensors missing, of the wrong shape or left over, or a model key that may not be set.
-      ConfigError: an unknown key or unparsable value, or an invalid resulting config (e.g. a
-        missing ``data.input``).
+      ConfigError: an unknown key or unparsable value, or an invalid resulting config (e.g. an
+        empty ``data.input``; its files are read by training, not here).
     """
     return _import(directory, dict(overrides or {}))[1:]
 

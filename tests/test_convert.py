@@ -353,7 +353,7 @@ def test_import_options_are_checked(hf_dir, tmp_path):
     with pytest.raises(config.ConfigError, match="train.train_iters.*must be an integer"):
         convert.from_hf(d, {"train.train_iters": "many"})
     with pytest.raises(config.ConfigError, match="data.input"):
-        convert.from_hf(d, {"data.input": str(tmp_path / "missing.txt")})
+        convert.from_hf(d, {"data.input": " "})
     convert.import_to_workdir(d, str(tmp_path / "w"))
     with pytest.raises(convert.ConvertError, match="already holds checkpoints"):
         convert.import_to_workdir(d, str(tmp_path / "w"))
