@@ -254,19 +254,19 @@ def train(cfg, workdir: str) -> dict:
 
     if primary and cfg.log.samples:
         split = "valid" if t.eval_interval else "train"
-        print_samples(cfg, run.spec.graphdef, state["params"], data.tokenizer, Batches(data).batch(split, 0)[0, :8],
-                      workdir)
+        print_samples(cfg, state["params"], data.tokenizer, Batches(data).batch(split, 0)[0, :8], workdir)
     return {**last, **last_eval, "compile_s": compile_s}
 
 
-def print_samples(cfg, graphdef, params, tokenizer, default_prompt, workdir):
-    """Prints ``log.samples`` continuations of ``log.sample_prompt`` (default: ``default_prompt`` tokens)."""
+def print_samples(cfg, params, tokenizer, default_prompt, workdir):
+    """Prints ``log.samples`` continuations of ``log.sample_prompt`` (default: ``default_prompt`` tokens),
+    on this host with the model's local operations (the run's are bound to its mesh)."""
     if jax.process_count() > 1:  # the parameters span other hosts' devices: device_get cannot fetch them
         print(f"samples skipped (multi-process run): python -m jaxllm.generate --workdir={workdir}")
         return
     log = cfg.log
     tokens = tokenizer.encode(log.sample_prompt) if log.sample_prompt else default_prompt
-    sampler = Sampler(cfg.model, graphdef, jax.device_get(params), cfg.train.seq_length)
+    sampler = Sampler(cfg.model, model.describe(cfg.model).graphdef, jax.device_get(params), cfg.train.seq_length)
     rows = sampler(np.tile(np.asarray(tokens)[None], (log.samples, 1)), log.sample_tokens,
                    temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
     for row in rows:
