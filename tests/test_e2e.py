@@ -61,8 +61,10 @@ def test_readme_end_to_end_shortened(tmp_path):
     # 1. the first run, stopped by Ctrl-C once step 5 is logged (the save of step 4 has started; Orbax renames
     # its directory only when every process has committed, which may come later)
     assert first.startswith("launch/local.sh 2 "), first
+    # as from a terminal: Ctrl-C's signal not ignored (a background job, e.g. a CI runner's, inherits it ignored)
     proc = subprocess.Popen(["bash", "-c", small(first)], cwd=box, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stdout:  # until step 5's line, or the end of the output
         seen.append(line)
