@@ -155,6 +155,8 @@ def submission(text: str, sandbox: Path) -> tuple[dict[str, str], list[str]] | N
             env.update(kv.split("=", 1) for kv in value.split(","))
     script, args = words[0], words[1:]
     env["DRY_RUN"] = "1"
+    if "PYTHON" in env:  # the cluster's environment (e.g. /eagle/PROJECT/envs/...): this one checks the config
+        env["PYTHON"] = sys.executable
     if tool == "sbatch":
         env["SLURM_JOB_NUM_NODES"] = str(nodes)
     else:
