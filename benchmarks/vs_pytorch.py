@@ -111,27 +111,31 @@ def jax_worker(shape: str, total: int, init_path: str):
     x, y = batches(tokens, total, t.global_batch_size, t.seq_length)
     data = [run.global_batch(x[i], y[i]) for i in range(total)]
     step = run.train_step.lower(state, *data[0]).compile()
-    serve(lambda i: step, data, state)
+    holder = {"state": state}
+
+    def train(i):
+        holder["state"], m = step(holder["state"], *data[i])
+        return m["loss"]
+
+    serve(train, lambda losses: jax.block_until_ready((holder["state"], losses[-1])),
+          lambda losses: jax.device_get(losses))
 
 
-def serve(get_step, data, state):
-    """The jaxllm worker's command loop: ``{"run": K}`` -> seconds for K steps; ``{"losses": 1}`` -> all."""
-    import jax  # noqa: PLC0415
-
-    losses, i = [], 0
+def serve(train, sync, fetch):
+    """A worker's command loop: ``{"run": K}`` -> seconds for K more steps (``train(i)`` -> loss of
+    step ``i``; ``sync(losses)`` waits for them); ``{"losses": 1}`` -> all losses (``fetch(losses)``)."""
+    losses = []
     reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if "run" in cmd:
             t0 = time.perf_counter()
             for _ in range(cmd["run"]):
-                state, m = get_step(i)(state, *data[i])
-                losses.append(m["loss"])
-                i += 1
-            jax.block_until_ready((state, losses[-1]))
+                losses.append(train(len(losses)))
+            sync(losses)
             reply({"seconds": time.perf_counter() - t0})
         else:
-            reply({"losses": [float(v) for v in jax.device_get(losses)]})
+            reply({"losses": [float(v) for v in fetch(losses)]})
             return
 
 
@@ -160,19 +164,8 @@ def torch_worker(shape: str, total: int, init_path: str, threads: int = 0):
         group["eps"] = meta["eps"]
     x, y = batches(tokens_for(shape)[0], total, s.batch, s.context)
     x, y = torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64))
-    losses, i = [], 0
-    reply({"ready": True})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if "run" in cmd:
-            t0 = time.perf_counter()
-            for _ in range(cmd["run"]):
-                losses.append(ref.train_step(model, opt, x[i], y[i], meta["lr"][i], clip=meta["clip"]))
-                i += 1
-            reply({"seconds": time.perf_counter() - t0})
-        else:
-            reply({"losses": [float(v) for v in losses]})
-            return
+    serve(lambda i: ref.train_step(model, opt, x[i], y[i], meta["lr"][i], clip=meta["clip"]),
+          lambda losses: None, lambda losses: losses)
 
 
 def load_jaxllm_params(model, init, s):
