@@ -60,7 +60,7 @@ def measure(args, m, stages, schedule, virtual):
     cfg.mesh.update(pipeline=stages, data=args.data)
     cfg.parallel.update(pipeline_schedule=schedule, pipeline_virtual_stages=virtual)
     n = stages * args.data
-    cfg = config.resolve(cfg, num_devices=n)
+    cfg = config.resolve(cfg, num_devices=n, data_files=False)
     run = Run(cfg, devices=jax.devices()[:n])
     tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch_size, args.seq + 1), dtype=np.int32)
     batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])

@@ -79,13 +79,14 @@ def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", w
     """
     if data not in DATA_MODES:
         raise ValueError(f"--data={data!r}: choose synthetic or real")
-    config.resolve(spec, num_devices=num_devices)  # every config error before the data is read
-    tokens = None
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
-    if data == "real" or (not spec.model.vocab_size and vocab is None):
+    read = data == "real" or (not spec.model.vocab_size and vocab is None)
+    config.resolve(spec, num_devices=num_devices, data_files=read)  # every config error before the data is read
+    tokens = None
+    if read:
         tokens = Data(spec, workdir, splits=("train",))
         vocab = tokens.vocab_size
-    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab)
+    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=read)
     return cfg, (tokens if data == "real" else None)
 
 
@@ -199,19 +200,26 @@ def _mesh_text(r: dict) -> str:
 
 
 def table(records: list[dict]) -> str:
-    """Records side by side (Markdown); the ratio column is tokens/s against the first record."""
+    """Records side by side (Markdown); the ratio column is tokens/s against the first record that ran
+    (a record with an ``error``, e.g. out of memory, is a row saying so)."""
     head = ("| config | mesh | tokens/s | vs first | s/step (median) | TFLOP/s/dev | MFU | HFU | "
             "peak mem/dev GiB | compile s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    base = records[0]["tokens_per_sec"]
+    ran = [r for r in records if "error" not in r]
+    if not ran:
+        return "\n".join(lines + [f"| {r['name'] or 'base'} | {r['error']} |" for r in records])
+    base = ran[0]["tokens_per_sec"]
     for r in records:
+        if "error" in r:
+            lines.append(f"| {r['name'] or 'base'} | {r['error']} |" + " |" * 8)
+            continue
         lines.append(f"| {r['name'] or 'base'} | {_mesh_text(r)} | {r['tokens_per_sec']:,.0f} | "
                      f"{r['tokens_per_sec'] / base:.2f}x | {r['step_time_s']:.4g} ({r['step_time_median_s']:.4g}) | "
                      f"{r['tflops_per_device']:.4g} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | "
                      f"{r['peak_memory_bytes'] / 2**30:.3f} | {r['compile_s']:.1f} |")
-    sources = sorted({r["peak_memory_source"] for r in records})
-    lines.append(f"\npeak memory: {', '.join(sources)}; peak FLOP/s: {records[0]['peak_flops_source']} "
-                 f"= {records[0]['peak_flops_per_device'] / 1e12:.3g} TFLOP/s/device")
+    sources = sorted({r["peak_memory_source"] for r in ran})
+    lines.append(f"\npeak memory: {', '.join(sources)}; peak FLOP/s: {ran[0]['peak_flops_source']} "
+                 f"= {ran[0]['peak_flops_per_device'] / 1e12:.3g} TFLOP/s/device")
     return "\n".join(lines)
 
 
@@ -245,7 +253,14 @@ def main(argv):
     if F.output:
         os.makedirs(os.path.dirname(os.path.abspath(F.output)), exist_ok=True)
     for name, (cfg, data) in configs:
-        r = benchmark(cfg, num_devices=n, steps=F.steps, warmup=F.warmup, data=data, name=name)
+        try:
+            r = benchmark(cfg, num_devices=n, steps=F.steps, warmup=F.warmup, data=data, name=name)
+        except jax.errors.JaxRuntimeError as e:  # one variant out of memory is a result; the others still run
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            records.append({"name": name, "error": "out of memory"})
+            print(f"{name or 'base'}: out of memory ({str(e).splitlines()[0][:200]})", flush=True)
+            continue
         records.append(r)
         print(f"{name or 'base'}: {r['tokens_per_sec']:,.0f} tokens/s, {r['step_time_s']:.4g} s/step, "
               f"{r['tflops_per_device']:.4g} TFLOP/s/device, MFU {100 * r['mfu']:.2f}% HFU {100 * r['hfu']:.2f}%, "
@@ -256,7 +271,9 @@ def main(argv):
                 f.write(json.dumps(r) + "\n")
     print(table(records))
     if F.output:
-        print(f"wrote {len(records)} JSON line(s) to {F.output}")
+        print(f"wrote {sum('error' not in r for r in records)} JSON line(s) to {F.output}")
+    if all("error" in r for r in records):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -463,7 +463,9 @@ def _check_values(cfg: Config) -> None:
     fill = [a for a in MESH_AXES if getattr(cfg.mesh, a) == -1]
     if len(fill) > 1:
         raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
-    d = cfg.data
+
+
+def _check_data_files(d: Data) -> None:
     if not (d.input.strip() or d.file_list):
         raise ConfigError("data.input", d.input, "name text files or directories (comma-separated), or "
                           "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
@@ -541,7 +543,7 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
 
 
 def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
-            backend: str | None = None) -> Resolved:
+            backend: str | None = None, data_files: bool = True) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
 
     Args:
@@ -552,11 +554,15 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
         known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
       backend: the JAX backend (kind) the run is for: the attention implementation must run on it, and
         ``model.dtype="auto"`` resolves for it; None: the default.
+      data_files: check that the data section names input and tokenizer files that exist; False for
+        tools that read no data (planning, benchmarks on synthetic batches).
     Raises:
       ConfigError: the first bad value: its key, the value and the fix.
     """
     cfg = from_dict(spec.to_dict())  # a copy that may be written, also of a resolved config
     _check_values(cfg)
+    if data_files:
+        _check_data_files(cfg.data)
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
     if num_devices is None:
         num_devices = math.prod(abs(n) for n in mesh.to_dict().values())

@@ -62,7 +62,7 @@ def plan(spec: config.Config, num_devices: int) -> dict:
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
     if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
-    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab)
+    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False)
     run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     t0 = time.perf_counter()

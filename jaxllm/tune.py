@@ -137,7 +137,7 @@ def constraint(cfg: config.Config, num_devices: int) -> str | None:
     """None if ``cfg`` can run on ``num_devices``, else the key that rejects it
     (:func:`jaxllm.config.resolve`'s: the mesh, divisibility, pipeline, sequence and attention checks)."""
     try:
-        config.resolve(cfg, num_devices=num_devices)
+        config.resolve(cfg, num_devices=num_devices, data_files=False)
     except config.ConfigError as e:
         return e.key
     return None
@@ -509,7 +509,7 @@ def main(argv):
         if not base.model.vocab_size:  # the candidates are planned and measured without reading data
             base.model.vocab_size = KNOWN_VOCAB_SIZES.get(base.data.tokenizer) or bench.prepare(
                 base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
-        config.resolve(base, num_devices=n)  # the baseline must be valid as given
+        config.resolve(base, num_devices=n, data_files=False)  # the baseline must be valid as given
     except config.ConfigError as e:
         cli.fail(e)
     except DataError as e:

@@ -146,6 +146,11 @@ def test_compare_on_two_devices_writes_one_json_line_per_config(tmp_path):
     assert len(rows) == 3 and "pipeline2 (1f1b, bubble 33.3%, 2 in flight)" in rows[2], rows
     for row, rec in zip(rows, recs, strict=True):  # the printed ratio is tokens/s against the base config
         assert f"{rec['tokens_per_sec'] / recs[0]['tokens_per_sec']:.2f}x" in row
+    # a variant out of memory (on a GPU: xla attention at long sequences) is a row; ratios are to the first that ran
+    oom = {"name": "model.attention_impl=xla", "error": "out of memory"}
+    rows = bench.table([oom, *recs[1:]]).splitlines()
+    assert rows[2] == "| model.attention_impl=xla | out of memory |" + " |" * 8 and "| 1.00x |" in rows[3]
+    assert f"{recs[2]['tokens_per_sec'] / recs[1]['tokens_per_sec']:.2f}x" in rows[4]
 
 
 @pytest.mark.parametrize("flag,message", [("--steps=0", "--steps=0"), ("--steps=abc", "steps"),

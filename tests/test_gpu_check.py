@@ -35,5 +35,5 @@ def test_dry_run_writes_the_report(tmp_path):
         "attention benchmark", "jaxllm.bench GPT125M", "jaxllm.bench GPT1_5B"]
     assert "16 skipped" in text  # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN
     assert "| 128 | xla | " in text and "| 128 | pallas | " in text  # the attention table, both rows measured
-    assert text.count("| config | mesh | tokens/s |") == 2 and "| model.attention_impl=auto | 1 device |" in text
+    assert text.count("| config | mesh | tokens/s |") == 2 and "| model.attention_impl=xla | 1 device |" in text
     assert not list(out.parent.glob("*.tmp"))

@@ -54,6 +54,16 @@ def test_each_config_error_names_its_key(first, second, key):
     assert e.value.fix and str(e.value).startswith(f"config error: {key}=")
 
 
+def test_tools_that_read_no_data_need_no_data_files():
+    # GPU machines that plan or benchmark on synthetic batches have no GPT-2 files: only training checks them
+    cfg = config.get_config()
+    for override in ("data.tokenizer=gpt2", "data.gpt2_dir=/tmp", "data.input=/no/such/corpus"):
+        config.override(cfg, *override.split("="))
+    assert config.resolve(cfg, num_devices=1, vocab_size=50257, data_files=False).model.padded_vocab_size == 50304
+    with pytest.raises(config.ConfigError, match="data.gpt2_dir"):
+        config.resolve(cfg, num_devices=1, vocab_size=50257)
+
+
 def test_vocab_smaller_than_tokenizer_is_a_config_error():
     cfg = config.get_config()
     cfg.model.vocab_size = 100
