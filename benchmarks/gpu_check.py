@@ -17,23 +17,25 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
    recomputation) with ``attention_impl`` auto (cuDNN on NVIDIA), pallas and xla side by side (xla
    runs out of memory there on an 80 GB H100: the row says so), and GPT1_5B (all 48 layers, micro
    batch 4, global batch 8 = 2 microbatches, ``model.remat=full``) with auto and xla, both bfloat16,
-   sequence 2048, one device, 10 timed steps after 3 warm-up steps.  GPT1_5B's step compiles to
-   36.9 GiB by ``python -m jaxllm.plan --config=configs/gpt3.py:GPT1_5B --devices=1 --device=H100
-   --config.model.remat=full --config.train.micro_batch_size=4 --config.train.global_batch_size=8``
-   (XLA's CPU compiler, an estimate): half of an H100's 80 GB.
+   sequence 2048, one device, 10 timed steps after 3 warm-up steps; synthetic batches (no data
+   files).  GPT1_5B's step compiles to 36.9 GiB by ``python -m jaxllm.plan
+   --config=configs/gpt3.py:GPT1_5B --devices=1 --device=H100 --config.model.remat=full
+   --config.train.micro_batch_size=4 --config.train.global_batch_size=8`` (XLA's CPU compiler, an
+   estimate; 29.4 GiB peak measured on an H100).
 
 ``--dry-run`` runs the same steps on whatever backend JAX has (the CPU here) with tiny sizes, to
 check the script and the report; its report says DRY RUN and its figures are not GPU figures.
 
 On the lent GPU machines (their own Python 3.12 with jax, jaxlib, the CUDA plugin, flax, optax,
-orbax, tensorstore, triton, pytest; no network): carry the two missing pure-Python wheels,
-``ml-collections`` (jaxllm.config) and ``jax-triton`` (``attention_impl=triton``; without it the
-Triton rows are skipped and say so).  Once, in the repository root of the checkout that travels::
+orbax, tensorstore, triton, pytest; no network): carry the missing pure-Python wheels,
+``ml-collections`` (jaxllm.config), ``jax-triton`` (``attention_impl=triton``; without it the
+Triton rows are skipped and say so) and ``tensorboardX`` (what ``jaxllm.train`` logs with).
+Once, in the repository root of the checkout that travels::
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
-        ml-collections==1.1.0 jax-triton==0.3.1
+        ml-collections==1.1.0 jax-triton==0.3.1 tensorboardX==2.6.5
 
 and run with ``.whl`` carried::
 
