@@ -48,21 +48,26 @@ def memory_report(compiled) -> dict:
             - mem.alias_size_in_bytes}
 
 
-def plan(spec: config.Config, num_devices: int) -> dict:
+def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> dict:
     """Compiles ``spec``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
+
+    ``backend`` is the kind of machine planned for (``"cuda"``, ``"rocm"``; None: this one): it
+    decides what ``model.dtype="auto"`` is (bfloat16 on GPUs) and which attention implementations
+    the config may name; the step is compiled by this machine's XLA either way.
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
     to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.flops.flops_per_step`),
-    ``compile_s``, ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary:
-    bubble and activations in flight, :func:`jaxllm.pipeline.summary`).
+    ``compile_s``, ``dtype`` (the compute dtype planned), ``pipeline`` (stages, virtual stages,
+    microbatches, and the schedule's summary: bubble and activations in flight,
+    :func:`jaxllm.pipeline.summary`).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
     if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
-    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False)
+    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
     run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     t0 = time.perf_counter()
@@ -81,6 +86,7 @@ def plan(spec: config.Config, num_devices: int) -> dict:
         "total": mem["total"],
         "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
+        "dtype": cfg.model.dtype,
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, pipeline.summary(cfg)),
@@ -92,7 +98,7 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
     gib = lambda b: f"{b / GiB:10.2f} GiB"  # noqa: E731
     state = p["params"] + p["grads"] + p["opt_state"]
     lines = [
-        f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters; compiled in {p['compile_s']:.1f} s",
+        f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters; {p['dtype']}; compiled in {p['compile_s']:.1f} s",
         "per device:",
         f"  parameters            {gib(p['params'])}",
         f"  gradients             {gib(p['grads'])}",
@@ -125,7 +131,9 @@ def main(argv):
             memory = DEVICE_MEMORY[F.device]
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
-        p = plan(F.config, F.devices)
+        # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
+        backend = ("rocm" if name.startswith("MI") else "cuda") if name else None
+        p = plan(F.config, F.devices, backend=backend)
     except (config.ConfigError, ValueError) as e:
         cli.fail(e)
     print(report(p, memory, name))

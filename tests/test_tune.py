@@ -83,6 +83,15 @@ def tiny():
     return c
 
 
+def test_plan_for_a_gpu_resolves_auto_dtype_for_it():
+    c = tiny()
+    c.model.dtype = "auto"
+    cpu, gpu = plan.plan(c, 1), plan.plan(c, 1, backend="cuda")
+    assert (cpu["dtype"], gpu["dtype"]) == ("float32", "bfloat16")
+    assert gpu["params"] == cpu["params"]  # float32 master weights either way
+    assert gpu["temp"] != cpu["temp"]  # a different program (XLA:CPU's bfloat16 temporaries are no GPU's figure)
+
+
 def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     base = tiny()
     small, large = (plan.plan(tune.candidate_config(base, tune.Candidate((1,) * 5, mb, "none", "xla")), 1)["total"]
