@@ -542,6 +542,20 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     return m
 
 
+def _check_documents(cfg: Resolved) -> None:
+    """Megatron's document options run on every mesh axis but ``pipeline`` (its schedules take one
+    set of positions for all microbatches, and no segment ids or loss mask yet).
+
+    Raises:
+      ConfigError: one of the options with ``mesh.pipeline`` (ICI x DCN) > 1.
+    """
+    on = [key for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg.data, key)]
+    if on and cfg.stages > 1:
+        raise ConfigError(f"data.{on[0]}", True, f"not supported with pipeline parallelism yet (mesh.pipeline over "
+                          f"{cfg.stages} devices); set mesh.pipeline=1 (use the data, fsdp, tensor and sequence "
+                          f"axes) or turn data.{on[0]} off")
+
+
 def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
             backend: str | None = None, data_files: bool = True) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
@@ -588,6 +602,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     out = Resolved(**fields, num_devices=num_devices, mesh_shape=shape, data_parallel=data_parallel,
                    microbatches=microbatches, stages=shape["pipeline"],
                    batch_shape=(microbatches, t.micro_batch_size * data_parallel, t.seq_length))
+    _check_documents(out)
     pipeline.check(out)
     sharding.check(out, model.logical_sizes(out.model, t.seq_length))
     context_parallel.check(out)

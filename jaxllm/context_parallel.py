@@ -95,23 +95,28 @@ def zigzag_order(seq_len: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def zigzag(layout: Layout | None, sequence_impl: str, inputs, targets):
+def zigzag(layout: Layout | None, sequence_impl: str, inputs, targets, docs=None):
     """Puts a batch in ring attention's load-balanced order (see :func:`zigzag_order`).
 
     Args:
       layout: the mesh and rules table (None: one device).
       sequence_impl: ``parallel.sequence_impl``; only ``"ring"`` reorders.
       inputs, targets: int ``[..., seq]``, permuted identically along the last axis.
+      docs: a dict of ``[..., seq]`` arrays (the data options' positions, segment ids, loss
+        mask), permuted alike, or None.
     Returns:
-      ``(inputs, targets, positions)``: positions int32 broadcast to ``inputs.shape`` (the
-      true position of each token, to pass to the model), or None where nothing is
-      reordered (not ring, or one sequence device).
+      ``(inputs, targets, order, docs)``: order int32 broadcast to ``inputs.shape`` (the
+      index in the sequence of each token, which the causal mask follows, and its position
+      unless ``docs`` holds positions), or None where nothing is reordered (not ring, or one
+      sequence device); ``docs`` ``{}`` for None.
     """
+    docs = docs or {}
     n = 1 if layout is None else layout.size("length")
     if sequence_impl != "ring" or n == 1:
-        return inputs, targets, None
+        return inputs, targets, None, docs
     order = jnp.asarray(zigzag_order(inputs.shape[-1], n))
-    return inputs[..., order], targets[..., order], jnp.broadcast_to(order, inputs.shape)
+    return (inputs[..., order], targets[..., order], jnp.broadcast_to(order, inputs.shape),
+            {k: a[..., order] for k, a in docs.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,15 +138,17 @@ class Attention:
     layout: Layout
     sequence_impl: str = "allgather"
 
-    def __call__(self, q, k, v, positions, impl="xla"):
+    def __call__(self, q, k, v, order=None, segment_ids=None, impl="xla"):
         """Attention of one layer.
 
         Args:
           q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
             (global shapes, split along ``len`` over the sequence axes).
-          positions: int ``[batch, len]``, the true position of each token (the causal mask
-            uses them, so any order works for ``allgather`` and ``ulysses``; ``ring`` expects
-            the order of :func:`zigzag`).
+          order: int ``[batch, len]``, each token's index in the sequence, which the causal mask
+            follows (so any order works for ``allgather`` and ``ulysses``; ``ring`` expects the
+            order of :func:`zigzag`); None: the array's order.
+          segment_ids: int ``[batch, len]`` (in the order of ``q``) or None: a token attends only
+            within its segment (``data.reset_attention_mask``).
           impl: ``model.attention_impl`` for the local attention.
         Returns:
           ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
@@ -150,73 +157,81 @@ class Attention:
         """
         layout = self.layout
         n = layout.size("length")
+        segments = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
         if n == 1 and attn.resolve_impl(impl) == "xla":
-            return attn.attention(q, k, v, impl=impl, causal=True)
+            return attn.attention(q, k, v, impl=impl, causal=True, **segments)
         q_spec, kv_spec = layout.spec(("batch", "length", "heads", "head_dim")), layout.spec(
             ("batch", "length", "kv_heads", "head_dim"))
         axes = layout.mesh_axes("length")
         axis = axes[0] if len(axes) == 1 else axes
         if n == 1:  # a kernel is a custom call XLA cannot partition (it would gather q, k, v): run it per shard
-            body = lambda q, k, v, positions: attn.attention(q, k, v, impl=impl, causal=True)  # noqa: E731
+            def body(q, k, v, order, segment_ids=None):
+                return attn.attention(q, k, v, impl=impl, causal=True, q_segment_ids=segment_ids,
+                                      kv_segment_ids=segment_ids)
         elif self.sequence_impl == "allgather":
             body = functools.partial(_allgather, axis=axis, impl=impl)
         elif self.sequence_impl == "ulysses":
             body = functools.partial(_ulysses, axis=axis, impl=impl)
         elif self.sequence_impl == "ring":
-            body = functools.partial(_ring, (axis, n, impl))
+            def body(q, k, v, order, segment_ids=None):
+                return _ring((axis, n, impl), q, k, v, order, segment_ids)
         else:
             raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring or ulysses")
-        run = jax.shard_map(body, mesh=layout.mesh,
-                            in_specs=(q_spec, kv_spec, kv_spec, layout.spec(("batch", "length"))),
-                            out_specs=q_spec, check_vma=False)
-        return run(q, k, v, positions.astype(jnp.int32))
+        if order is None:
+            order = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+        token_spec = layout.spec(("batch", "length"))
+        args, specs = (q, k, v, order.astype(jnp.int32)), (q_spec, kv_spec, kv_spec, token_spec)
+        if segment_ids is not None:
+            args, specs = (*args, segment_ids.astype(jnp.int32)), (*specs, token_spec)
+        return jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
-def local_attention(q, k, v, q_positions, kv_positions, impl):
-    """``(out, lse)`` of causal attention by true positions on one device's shards.
+def local_attention(q, k, v, q_positions, kv_positions, impl, q_segment_ids=None, kv_segment_ids=None):
+    """``(out, lse)`` of causal attention by true positions (and segment ids, or None) on one device's shards.
 
     The ``xla`` reference is run over query chunks of at most ``_CHUNK_SCORES / kv_len``
     rows, each under ``jax.checkpoint``, so the backward pass keeps no score matrix; kernels
     (flash attention) are called once.  Shapes as :func:`jaxllm.attention.attention`.
     """
-    def one(q, qp):
+    def one(q, qp, qs=None):
         return attn.attention(q, k, v, impl=impl, causal=True, q_positions=qp, kv_positions=kv_positions,
-                              return_lse=True)
+                              q_segment_ids=qs, kv_segment_ids=kv_segment_ids, return_lse=True)
 
     sq, sk = q.shape[1], k.shape[1]
     if attn.resolve_impl(impl) != "xla" or sq * sk <= _CHUNK_SCORES:
-        return one(q, q_positions)
+        return one(q, q_positions, q_segment_ids)
     chunk = max(1, _CHUNK_SCORES // sk)
     while sq % chunk:
         chunk -= 1
     m = sq // chunk
     b, _, h, d = q.shape
     qc = q.reshape(b, m, chunk, h, d).swapaxes(0, 1)
-    pc = q_positions.reshape(b, m, chunk).swapaxes(0, 1)
-    out, lse = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), (qc, pc))
+    pc, sc = (None if a is None else a.reshape(b, m, chunk).swapaxes(0, 1) for a in (q_positions, q_segment_ids))
+    out, lse = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), (qc, pc, sc))
     return out.swapaxes(0, 1).reshape(b, sq, h, d), lse.transpose(1, 2, 0, 3).reshape(b, h, sq)
 
 
-def _allgather(q, k, v, pos, *, axis, impl):
+def _allgather(q, k, v, pos, seg=None, *, axis, impl):
     """Local queries against all-gathered keys and values; the gather is redone in the backward pass."""
 
-    def f(q, k, v, pos):
-        gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
-        return local_attention(q, gather(k), gather(v), pos, gather(pos), impl)[0]
+    def f(q, k, v, pos, seg):
+        gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+        return local_attention(q, gather(k), gather(v), pos, gather(pos), impl, seg, gather(seg))[0]
 
-    return jax.checkpoint(f)(q, k, v, pos)
+    return jax.checkpoint(f)(q, k, v, pos, seg)
 
 
-def _ulysses(q, k, v, pos, *, axis, impl):
+def _ulysses(q, k, v, pos, seg=None, *, axis, impl):
     """All-to-all sequence-split -> head-split, full-sequence attention on 1/n of the heads, and back."""
 
-    def f(q, k, v, pos):
+    def f(q, k, v, pos, seg):
         to_heads = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
-        full = jax.lax.all_gather(pos, axis, axis=1, tiled=True)
-        out = local_attention(to_heads(q), to_heads(k), to_heads(v), full, full, impl)[0]
+        gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+        full, full_seg = gather(pos), gather(seg)
+        out = local_attention(to_heads(q), to_heads(k), to_heads(v), full, full, impl, full_seg, full_seg)[0]
         return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
-    return jax.checkpoint(f)(q, k, v, pos)
+    return jax.checkpoint(f)(q, k, v, pos, seg)
 
 
 # ----- ring attention -------------------------------------------------------------------------
@@ -228,21 +243,29 @@ def _merge(o1, l1, o2, l2):
     return o1 * w(l1) + o2 * w(l2), lse
 
 
-def _diagonal(q, k, v, qp, kp, impl):
+def _attend(q, k, v, qt, kt, impl):
+    """:func:`local_attention` with the tokens ``qt``, ``kt`` as ``(positions, segment ids or None)``."""
+    return local_attention(q, k, v, qt[0], kt[0], impl, qt[1], kt[1])
+
+
+def _diagonal(q, k, v, qt, kt, impl):
     """Ring step 0: the device's queries against its own keys (causal inside)."""
-    o, l = local_attention(q, k, v, qp, kp, impl)
+    o, l = _attend(q, k, v, qt, kt, impl)
     return o.astype(jnp.float32), l
 
 
-def _zigzag_step(q, k, v, qp, kp, before, impl):
+def _zigzag_step(q, k, v, qt, kt, before, impl):
     """A ring step t > 0 in zigzag order: queries hold chunks (a, b) = (i, 2n-1-i), keys (a', b') =
     (j, 2n-1-j) with j = i - t mod n.  Visible blocks: (b, a') always; (a, a') when j < i
-    (``before``), (b, b') when j > i; (a, b') never.  Two c x c blocks, every pair visible."""
-    half = lambda x: jnp.split(x, 2, axis=1)  # noqa: E731
-    (qa, qb), (ka, kb), (va, vb), (qpa, qpb), (kpa, kpb) = map(half, (q, k, v, qp, kp))
-    pick = lambda x, y: jnp.where(before, x, y)  # noqa: E731
-    o1, l1 = local_attention(qb, ka, va, qpb, kpa, impl)
-    o2, l2 = local_attention(pick(qa, qb), pick(ka, kb), pick(va, vb), pick(qpa, qpb), pick(kpa, kpb), impl)
+    (``before``), (b, b') when j > i; (a, b') never.  Two c x c blocks, every pair visible.
+    ``qt``, ``kt``: the tokens' ``(positions, segment ids or None)``."""
+    def half(tree):  # (first half, second half) along the sequence of every array in ``tree``
+        return tuple(jax.tree.map(lambda x, i=i: jnp.split(x, 2, axis=1)[i], tree) for i in (0, 1))
+
+    (qa, qb), (ka, kb), (va, vb), (qta, qtb), (kta, ktb) = map(half, (q, k, v, qt, kt))
+    pick = lambda x, y: jax.tree.map(lambda a, b: jnp.where(before, a, b), x, y)  # noqa: E731
+    o1, l1 = _attend(qb, ka, va, qtb, kta, impl)
+    o2, l2 = _attend(pick(qa, qb), pick(ka, kb), pick(va, vb), pick(qta, qtb), pick(kta, ktb), impl)
     o1, o2 = o1.astype(jnp.float32), o2.astype(jnp.float32)
     empty_o, empty_l = jnp.zeros_like(o2), jnp.full_like(l2, MASKED)
     oa, la = pick(o2, empty_o), pick(l2, empty_l)
@@ -254,12 +277,13 @@ def _ring_perm(n):
     return [(s, (s + 1) % n) for s in range(n)]
 
 
-def _ring_forward(static, q, k, v, pos):
+def _ring_forward(static, q, k, v, pos, seg=None):
     axis, n, impl = static
     if q.shape[1] % 2:
         raise ValueError(f"ring attention: local length {q.shape[1]} is odd; the sequence must divide by 2 x {n}")
     i = jax.lax.axis_index(axis)
     send = lambda xs: jax.lax.ppermute(xs, axis, _ring_perm(n))  # noqa: E731
+    pos = (pos, seg)  # the tokens: what the mask reads, travelling with their keys
     o, lse = _diagonal(q, k, v, pos, pos, impl)
 
     def body(carry, t):
@@ -274,14 +298,15 @@ def _ring_forward(static, q, k, v, pos):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(static, q, k, v, pos):
-    """Ring attention on one device's zigzag shards: ``[b, 2c, h, d]`` queries, ``[b, 2c, kvh, d]`` keys."""
-    return _ring_forward(static, q, k, v, pos)[0]
+def _ring(static, q, k, v, pos, seg):
+    """Ring attention on one device's zigzag shards: ``[b, 2c, h, d]`` queries, ``[b, 2c, kvh, d]`` keys,
+    positions and segment ids (or None) ``[b, 2c]``."""
+    return _ring_forward(static, q, k, v, pos, seg)[0]
 
 
-def _ring_fwd(static, q, k, v, pos):
-    out, lse = _ring_forward(static, q, k, v, pos)
-    return out, (q, k, v, pos, out, lse)
+def _ring_fwd(static, q, k, v, pos, seg):
+    out, lse = _ring_forward(static, q, k, v, pos, seg)
+    return out, (q, k, v, (pos, seg), out, lse)
 
 
 def _ring_bwd(static, res, dout):
@@ -316,7 +341,7 @@ def _ring_bwd(static, res, dout):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     (dq, _, _, _, dk, dv), _ = jax.lax.scan(body, (f32(dq), k, v, pos, f32(dk), f32(dv)), jnp.arange(1, n))
     dk, dv = send((dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -18,21 +18,25 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-# Host bytes of the stacked (inputs, targets) of one program: chunks are cut to stay under it.
+# Host bytes of the stacked (inputs, targets[, docs]) of one program: chunks are cut to stay under it.
 MAX_CHUNK_BYTES = 64 << 20
 # Programs in flight: the next chunk is dispatched before the previous one's losses are read.
 IN_FLIGHT = 2
 
 
 def batched(eval_step):
-    """``eval_step(params, [batch, seq], [batch, seq]) -> scalar`` mapped over a leading axis:
-    ``(params, inputs [chunk, batch, seq], targets [chunk, batch, seq]) -> float32 [chunk]``,
-    one loss (nats/token) per batch, computed one batch after another (``lax.map``)."""
+    """``eval_step(params, [batch, seq], [batch, seq][, docs]) -> scalar`` mapped over a leading axis:
+    ``(params, inputs [chunk, batch, seq], targets [chunk, batch, seq][, docs]) -> (float32 [chunk], counts)``,
+    one loss (nats/token) per batch, computed one batch after another (``lax.map``), and the tokens
+    each counts: float32 ``[chunk]``, the sums of ``docs["loss_mask"]``, or None without one."""
 
-    def losses(params, inputs, targets):
-        return jax.lax.map(lambda xy: eval_step(params, *xy), (inputs, targets))
+    def losses(params, *batch):
+        docs = batch[2] if len(batch) > 2 else {}
+        counts = jnp.sum(docs["loss_mask"], axis=(1, 2)) if "loss_mask" in docs else None
+        return jax.lax.map(lambda b: eval_step(params, *b), batch), counts
 
     return losses
 
@@ -54,27 +58,34 @@ def mean_loss(program, params, eval_batch, num_batches: int, sharding, max_bytes
       program: :func:`batched` eval step, jitted with ``sharding`` for its inputs and a
         replicated output.
       params: the parameters, as ``program`` expects them.
-      eval_batch: ``i -> (inputs, targets)``, this process's rows of batch ``i``, int32 ``[rows, seq]``.
+      eval_batch: ``i -> (inputs, targets[, docs])``, this process's rows of batch ``i``, int32 ``[rows, seq]``
+        (``docs``: a dict of such arrays, :meth:`jaxllm.data.Batches.eval_batch`).
       num_batches: ``train.eval_iters``.
       sharding: of a stack ``[chunk, batch, seq]`` (chunk unsplit).
       progress: called after each program's losses are read (e.g. :meth:`jaxllm.watchdog.Watchdog.alive`).
     Returns:
-      the mean over the batches of their mean token loss, nats/token (float32 mean as
-      ``np.mean`` of the per-batch losses).
+      the mean token loss over the batches, nats/token: the mean of the per-batch means (float32 mean as
+      ``np.mean``), all batches holding equally many tokens; with a loss mask (``data.eod_mask_loss``)
+      the per-batch means weighted by their counts, ``sum(loss x mask) / sum(mask)`` over every batch
+      (Megatron-LM's per-token evaluation).
     """
     first = eval_batch(0)
-    count, size = chunks(num_batches, first[0].nbytes + first[1].nbytes, max_bytes)
-    losses, pending = [], []
+    count, size = chunks(num_batches, sum(x.nbytes for x in jax.tree.leaves(first)), max_bytes)
+    losses, weights, pending = [], [], []
     for c in range(count):
         ids = range(c * size, min((c + 1) * size, num_batches))
         # The last program is padded with repeats of its last batch (one shape, one compile); their losses are dropped.
         batches = [first if i == 0 else eval_batch(i) for i in ids] + [None] * (size - len(ids))
         batches = [b if b is not None else batches[len(ids) - 1] for b in batches]
-        x, y = (jax.make_array_from_process_local_data(sharding, np.stack([b[k] for b in batches])) for k in (0, 1))
-        pending.append((program(params, x, y), len(ids)))
+        stacked = jax.tree.map(lambda *xs: jax.make_array_from_process_local_data(sharding, np.stack(xs)), *batches)
+        pending.append((program(params, *stacked), len(ids)))
         while len(pending) >= IN_FLIGHT or (pending and c == count - 1):
-            out, valid = pending.pop(0)
+            (out, counts), valid = pending.pop(0)
             losses.extend(np.asarray(jax.device_get(out))[:valid])
+            if counts is not None:
+                weights.extend(np.asarray(jax.device_get(counts), np.float64)[:valid])
             if progress is not None:
                 progress()
+    if weights:
+        return float(np.dot(np.asarray(losses, np.float64), weights) / max(sum(weights), 1.0))
     return float(np.mean(np.asarray(losses, np.float32)))

@@ -81,36 +81,38 @@ class Local:
         target = self._reduce(jax.lax.psum, jnp.sum(jnp.where(hit, logits, 0.0), axis=-1))
         return e, total, lse, target, hit
 
-    def value(self, h, table, targets):
-        """Summed loss (float32 scalar) of this device's tokens."""
+    def value(self, h, table, targets, weights=None):
+        """Summed loss (float32 scalar) of this device's tokens, each weighted by ``weights`` float32
+        ``[tokens]`` (None: all 1)."""
         start = self.start(table.shape[0])
 
-        def one(h, t):
+        def one(h, t, w=None):
             _, _, lse, target, _ = self._chunk(h, table, t, start)
-            return jnp.sum(lse - target)
+            return jnp.sum(lse - target if w is None else (lse - target) * w)
 
         c = chunk_rows(h.shape[0], table.shape[0])
         if c == h.shape[0]:
-            return one(h, targets)
-        chunks = (h.reshape(-1, c, h.shape[1]), targets.reshape(-1, c))
+            return one(h, targets, weights)
+        chunks = _chunked(c, h, targets, weights)
         return jax.lax.scan(lambda acc, x: (acc + one(*x), None), jnp.zeros((), jnp.float32), chunks)[0]
 
-    def value_and_grads(self, h, table, targets):
-        """``(loss, d loss / d h, d loss / d table)``, float32: the summed loss of this device's tokens,
-        ``[tokens, embed]`` (this vocabulary shard's part: the caller sums it over ``vocab_axes``) and
-        ``[rows, embed]`` (this device's tokens only)."""
+    def value_and_grads(self, h, table, targets, weights=None):
+        """``(loss, d loss / d h, d loss / d table)``, float32: the (weighted, as :meth:`value`) summed loss
+        of this device's tokens, ``[tokens, embed]`` (this vocabulary shard's part: the caller sums it over
+        ``vocab_axes``) and ``[rows, embed]`` (this device's tokens only)."""
         start = self.start(table.shape[0])
 
-        def one(h, t):
+        def one(h, t, w=None):
             e, total, lse, target, hit = self._chunk(h, table, t, start)
-            d = (e / total[:, None] - hit).astype(h.dtype)  # d loss / d logits, softmax - onehot
+            d = e / total[:, None] - hit  # d loss / d logits, softmax - onehot
+            d = (d if w is None else d * w[:, None]).astype(h.dtype)
             dh = jnp.einsum("cv,ve->ce", d, table, preferred_element_type=jnp.float32)
             dtable = jnp.einsum("cv,ce->ve", d, h, preferred_element_type=jnp.float32)
-            return jnp.sum(lse - target), dh, dtable
+            return jnp.sum(lse - target if w is None else (lse - target) * w), dh, dtable
 
         c = chunk_rows(h.shape[0], table.shape[0])
         if c == h.shape[0]:
-            return one(h, targets)
+            return one(h, targets, weights)
 
         def body(carry, x):
             loss, dtable = carry
@@ -118,23 +120,29 @@ class Local:
             return (loss + l, dtable + dt), dh
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros(table.shape, jnp.float32))
-        (loss, dtable), dh = jax.lax.scan(body, zeros, (h.reshape(-1, c, h.shape[1]), targets.reshape(-1, c)))
+        (loss, dtable), dh = jax.lax.scan(body, zeros, _chunked(c, h, targets, weights))
         return loss, dh.reshape(h.shape), dtable
 
 
+def _chunked(c, h, targets, weights):
+    """``h [tokens, embed]``, targets and weights (or None) ``[tokens]`` cut into chunks of ``c`` tokens."""
+    chunks = (h.reshape(-1, c, h.shape[1]), targets.reshape(-1, c))
+    return chunks if weights is None else (*chunks, weights.reshape(-1, c))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(run, h, table, targets):
-    return run.value(h, table, targets)
+def _fused(run, h, table, targets, weights):
+    return run.value(h, table, targets, weights)
 
 
-def _fused_fwd(run, h, table, targets):
-    loss, dh, dtable = run.value_and_grads(h, table, targets)
+def _fused_fwd(run, h, table, targets, weights):
+    loss, dh, dtable = run.value_and_grads(h, table, targets, weights)
     return loss, (dh, dtable, jnp.zeros((), h.dtype), jnp.zeros((), table.dtype))
 
 
 def _fused_bwd(run, res, g):
     dh, dtable, h_like, table_like = res
-    return (g * dh).astype(h_like.dtype), (g * dtable).astype(table_like.dtype), None
+    return (g * dh).astype(h_like.dtype), (g * dtable).astype(table_like.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -146,21 +154,26 @@ class _Flat:
 
     local: Local
 
-    def value(self, h, table, targets):
-        return self.local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1))
+    def value(self, h, table, targets, weights=None):
+        return self.local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), _flat(weights))
 
-    def value_and_grads(self, h, table, targets):
-        loss, dh, dtable = self.local.value_and_grads(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1))
+    def value_and_grads(self, h, table, targets, weights=None):
+        loss, dh, dtable = self.local.value_and_grads(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1),
+                                                      _flat(weights))
         return loss, dh.reshape(h.shape), dtable
 
 
-def fused(run, h, table, targets):
+def _flat(weights):
+    return None if weights is None else weights.reshape(-1)
+
+
+def fused(run, h, table, targets, weights=None):
     """The custom-VJP loss with ``run`` (an object with ``value`` and ``value_and_grads`` of
-    ``(h, table, targets)``, hashable: :class:`jaxllm.vocab_parallel.CrossEntropy` or one device's)."""
-    return _fused(run, h, table, targets)
+    ``(h, table, targets, weights)``, hashable: :class:`jaxllm.vocab_parallel.CrossEntropy` or one device's)."""
+    return _fused(run, h, table, targets, weights)
 
 
-def cross_entropy(h, table, targets, vocab_size: int):
+def cross_entropy(h, table, targets, vocab_size: int, weights=None):
     """Summed next-token cross entropy (nats, float32 scalar) on one device.
 
     Args:
@@ -168,7 +181,10 @@ def cross_entropy(h, table, targets, vocab_size: int):
       table: the output layer ``[padded_vocab, embed]`` in the compute dtype.
       targets: int32 ``[...]`` (``h``'s leading dimensions), each ``< vocab_size``.
       vocab_size: the real vocabulary; the logits of the padded rows are masked.
+      weights: float32 ``[...]`` (as targets), each token's weight (``data.eod_mask_loss``'s loss
+        mask), or None: all 1.
     Returns:
-      ``sum over tokens of logsumexp(logits) - logits[target]``; differentiable in ``h`` and ``table``.
+      ``sum over tokens of weight x (logsumexp(logits) - logits[target])``; differentiable in ``h`` and
+      ``table`` (not in ``weights``).
     """
-    return fused(_Flat(Local(vocab_size, table.shape[0])), h, table, targets)
+    return fused(_Flat(Local(vocab_size, table.shape[0])), h, table, targets, weights)

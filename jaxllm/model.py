@@ -53,8 +53,8 @@ def dense(x, w, b, spec, dtype):
     return y if b is None else y + b.astype(dtype)
 
 
-def _plain_attention(q, k, v, positions, impl):
-    return dispatch.attention(q, k, v, impl=impl, causal=True)
+def _plain_attention(q, k, v, order, segment_ids, impl):
+    return dispatch.attention(q, k, v, impl=impl, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
 
 
 def _plain_embed(table, ids):
@@ -68,16 +68,20 @@ class Ops:
     Attributes:
       constrain: ``(x, axes) -> x``: pins activation ``x``, whose dimensions have the
         logical names ``axes``, to its layout (identity on one device).
-      attention: ``(q, k, v, positions, impl) -> out``: causal self-attention of q
-        ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]`` with
-        the true positions int32 ``[batch, len]`` of the tokens, by ``model.attention_impl``
-        ``impl``; returns ``[batch, len, heads, head_dim]``.
+      attention: ``(q, k, v, order, segment_ids, impl) -> out``: causal self-attention of q
+        ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]`` by
+        ``model.attention_impl`` ``impl``; ``order`` int32 ``[batch, len]`` is each token's index
+        in the sequence, which the causal mask follows (None: the array's order; ring attention's
+        reordered batch gives it), ``segment_ids`` int32 ``[batch, len]`` or None: a token attends
+        only to tokens of its segment (its document, ``data.reset_attention_mask``); returns
+        ``[batch, len, heads, head_dim]``.
       embed: ``(table, ids) -> x``: the rows of ``table`` ``[padded_vocab, embed]`` at int32 ``ids``
         ``[batch, len]``: ``[batch, len, embed]``.
-      cross_entropy: ``(h, table, targets, vocab_size) -> float32 []``: the summed next-token cross
-        entropy of the output layer ``table`` ``[padded_vocab, embed]`` applied to ``h``
-        ``[..., batch, len, embed]``, targets int32 ``[..., batch, len]``, logits of ids
-        ``>= vocab_size`` masked (:func:`jaxllm.loss.cross_entropy`).
+      cross_entropy: ``(h, table, targets, vocab_size, weights=None) -> float32 []``: the summed
+        next-token cross entropy of the output layer ``table`` ``[padded_vocab, embed]`` applied to ``h``
+        ``[..., batch, len, embed]``, targets int32 ``[..., batch, len]``, each token's loss times
+        ``weights`` float32 ``[..., batch, len]`` (None: 1), logits of ids ``>= vocab_size`` masked
+        (:func:`jaxllm.loss.cross_entropy`).
       dense: ``(x, w, b, spec, dtype) -> y``: every layer matmul with a weight (q, k, v,
         attention output, MLP), :func:`dense` by default; ``w`` and ``b`` (or None) are the very
         parameter values of the layer (the zb_h1 pipeline schedule takes input and weight
@@ -201,7 +205,7 @@ class Attention(nnx.Module):
         else:
             self.bq = self.bk = self.bv = self.bo = None
 
-    def __call__(self, x, positions, cache=None):
+    def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
         q = _dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt)
         k = _dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt)
@@ -212,7 +216,7 @@ class Attention(nnx.Module):
         if cfg.position_embedding == "rotary":
             q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
         if cache is None:
-            out = self.ops.attention(q, k, v, positions, cfg.attention_impl)
+            out = self.ops.attention(q, k, v, order, segment_ids, cfg.attention_impl)
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.
@@ -259,9 +263,9 @@ class Block(nnx.Module):
         self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs, ops)
         self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs, ops)
 
-    def __call__(self, x, positions, key=None, cache=None):
+    def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        y, cache = self.attn(self.ln1(x), positions, cache)
+        y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
         x = self.ops.constrain(x + _dropout(y, self.dropout, k1), RESIDUAL)
         x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2)
         return self.ops.constrain(x, RESIDUAL), cache
@@ -302,12 +306,17 @@ class GPT(nnx.Module):
         self.lm_head = (None if cfg.tie_embeddings else
                         _param(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, ("embed", "vocab"), (1, padded)))
 
-    def __call__(self, tokens, *, positions=None, dropout_key=None, cache=None):
+    def __call__(self, tokens, *, positions=None, order=None, segment_ids=None, dropout_key=None, cache=None):
         """Logits of the next token.
 
         Args:
           tokens: int32 ``[batch, len]``.
-          positions: int32 ``[batch, len]``; default ``arange(len)``.
+          positions: int32 ``[batch, len]``, each token's position for the position embedding
+            (learned or rotary); default ``arange(len)``.
+          order: int32 ``[batch, len]``, each token's index in the sequence, for the causal mask,
+            when the batch is reordered (ring attention's zigzag order); None: the array's order.
+          segment_ids: int32 ``[batch, len]``: a token attends only to earlier tokens of the same
+            segment (its document); None: one segment.
           dropout_key: PRNG key; None disables dropout (evaluation, decoding).
           cache: None, or the decoding cache from :func:`init_cache`; its keys and
             values are written at ``positions`` (which must be contiguous).
@@ -317,18 +326,22 @@ class GPT(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x, keys = self.embed(tokens, positions, dropout_key)
-        x, cache_out = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, cache)
+        x, cache_out = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, cache,
+                                       order=order, segment_ids=segment_ids)
         logits = self.head(x)
         return logits if cache is None else (logits, cache_out)
 
-    def loss(self, tokens, targets, *, positions=None, dropout_key=None):
+    def loss(self, tokens, targets, *, positions=None, order=None, segment_ids=None, loss_mask=None,
+             dropout_key=None):
         """Summed next-token cross entropy (nats, float32 scalar) of ``targets`` int32 ``[batch, len]``
-        after ``tokens`` (arguments as :meth:`__call__`), without the logits (:meth:`output_loss`)."""
+        after ``tokens``, each token's loss times ``loss_mask`` float32 ``[batch, len]`` (None: 1), the
+        other arguments as :meth:`__call__`, without the logits (:meth:`output_loss`)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x, keys = self.embed(tokens, positions, dropout_key)
-        x, _ = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys)
-        return self.output_loss(x, targets)
+        x, _ = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, order=order,
+                               segment_ids=segment_ids)
+        return self.output_loss(x, targets, loss_mask)
 
     def embed(self, tokens, positions, dropout_key=None):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
@@ -344,12 +357,13 @@ class GPT(nnx.Module):
             keys = jax.random.split(dropout_key, cfg.num_layers)
         return self.ops.constrain(x, RESIDUAL), keys
 
-    def run_layers(self, x, positions, layer_params, keys=None, cache=None):
+    def run_layers(self, x, positions, layer_params, keys=None, cache=None, *, order=None, segment_ids=None):
         """Applies the layers whose parameters are ``layer_params`` (a slice of ``params["layers"]``
         along its leading ``layers`` axis: all of them, or one pipeline stage's) in order.
 
         Args:
-          x: ``[batch, len, embed]``; positions: int32 ``[batch, len]``.
+          x: ``[batch, len, embed]``; positions, order, segment_ids: int32 ``[batch, len]`` (or None
+            for the last two), as :meth:`__call__`.
           keys: dropout keys, one per layer of ``layer_params``, or None.
           cache: decoding cache of these layers, or None.
         Returns:
@@ -359,7 +373,7 @@ class GPT(nnx.Module):
 
         def layer(x, xs):
             params, key, layer_cache = xs
-            return nnx.merge(graphdef, params)(x, positions, key, layer_cache)
+            return nnx.merge(graphdef, params)(x, positions, key, layer_cache, order, segment_ids)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -380,14 +394,15 @@ class GPT(nnx.Module):
             logits = jnp.where(ids < cfg.vocab_size, logits, MASKED)
         return self.ops.constrain(logits, ("batch", "length", "vocab"))
 
-    def output_loss(self, x, targets):
+    def output_loss(self, x, targets, loss_mask=None):
         """Final norm, output layer and summed cross entropy (nats, float32 scalar) of ``targets``
-        int32 ``[..., batch, len]`` from the last layer's ``x`` ``[..., batch, len, embed]``: the loss
-        of :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
+        int32 ``[..., batch, len]`` from the last layer's ``x`` ``[..., batch, len, embed]``, each
+        token's loss times ``loss_mask`` float32 ``[..., batch, len]`` (None: 1): the loss of
+        :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
         (:func:`jaxllm.loss.cross_entropy`)."""
         dt = jnp.dtype(self.cfg.dtype)
         table = self.wte[...] if self.lm_head is None else self.lm_head[...].T
-        return self.ops.cross_entropy(self.ln_f(x), table.astype(dt), targets, self.cfg.vocab_size)
+        return self.ops.cross_entropy(self.ln_f(x), table.astype(dt), targets, self.cfg.vocab_size, loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -388,8 +388,8 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
     select = functools.partial(_select, axis=stage_axis)
     store = functools.partial(_store, axis=stage_axis)
 
-    def run_stage(w, h, keys):
-        return gpt.run_layers(h, positions, w, keys)[0]
+    def run_stage(w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
+        return gpt.run_layers(h, positions, w, keys, order=positions)[0]
 
     def iteration(carry, t):
         out, buffers = carry
@@ -496,7 +496,7 @@ class _SplitBackward:
                 return y
 
             with router.using(hook):
-                return nnx.merge(self.graphdef, params)(x, positions, None, None)[0]
+                return nnx.merge(self.graphdef, params)(x, positions, None, None, positions)[0]
 
         jax.eval_shape(probe, layer_params, x)
         self.layer = self._layer if remat == "none" else jax.checkpoint(
@@ -524,7 +524,7 @@ class _SplitBackward:
             return model.dense(xin, sg(w), None if b is None else sg(b), spec, dtype) + taps[next(count)]
 
         with self.router.using(hook):
-            y = nnx.merge(self.graphdef, params)(x, self.positions, key, None)[0]
+            y = nnx.merge(self.graphdef, params)(x, self.positions, key, None, self.positions)[0]
         return y, tuple(a.astype(s.dtype) for a, s in zip(seen, self.inputs, strict=True))
 
     def record_shapes(self, n):
@@ -598,8 +598,8 @@ def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False), w)
         return w, None if keys is None else jax.lax.dynamic_slice_in_dim(keys, (chunk * p + stage) * n, n)
 
-    def run_chunk(w, h, keys):
-        return gpt.run_layers(h, positions, w, keys)[0]
+    def run_chunk(w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
+        return gpt.run_layers(h, positions, w, keys, order=positions)[0]
 
     def take(a, index, axes):  # per stage a[index[s]]: [p, ...]
         return constrain(jnp.take(a, index, axis=0), ("stage", *axes))

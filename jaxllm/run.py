@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxllm import context_parallel, evaluation, model, optim, sharding, step, vocab_parallel
 from jaxllm.config import Resolved
+from jaxllm.data.loader import document_arrays
 
 
 class Run:
@@ -27,7 +28,9 @@ class Run:
       cfg, layout (mesh + rules table), mesh, spec (:class:`jaxllm.model.Spec`), optimizer,
       state_sharding, abstract_state (``jax.ShapeDtypeStruct`` leaves with shardings),
       batch_sharding (``[microbatches, rows, seq]``), eval_sharding (``[rows, seq]``),
-      train_step, eval_step (jitted; see :mod:`jaxllm.step`).
+      documents (the names of the batch's ``docs`` arrays the data options ask for,
+      :func:`jaxllm.data.loader.document_arrays`; ``()``: the steps take no ``docs``), train_step,
+      eval_step (jitted; see :mod:`jaxllm.step`).
     """
 
     def __init__(self, cfg: Resolved, devices=None):
@@ -45,17 +48,17 @@ class Run:
                                            abstract_state, self.state_sharding)
         self.batch_sharding = layout.sharding((None, "batch", "length"))
         self.eval_sharding = layout.sharding(("batch", "length"))
+        self.documents = document_arrays(cfg.data)
+        arrays = 3 if self.documents else 2  # inputs, targets[, docs]: no docs argument without the data options
         train_fn = step.make_train_step(cfg, spec, self.optimizer, layout,
                                         sharding.grad_shardings(cfg, spec.axes, self.mesh))
-        self.train_step = jax.jit(train_fn,
-                                  in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+        self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, *[self.batch_sharding] * arrays),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
         eval_fn = step.make_eval_step(cfg, spec, layout)
-        self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], self.eval_sharding,
-                                                        self.eval_sharding))
-        # [chunk, batch, seq] stacks of validation batches -> [chunk] losses (see jaxllm.evaluation)
+        self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], *[self.eval_sharding] * arrays))
+        # [chunk, batch, seq] stacks of validation batches -> [chunk] losses and token counts (jaxllm.evaluation)
         self.eval_losses = jax.jit(evaluation.batched(eval_fn), in_shardings=(
-            self.state_sharding["params"], self.batch_sharding, self.batch_sharding), out_shardings=layout.sharding(()))
+            self.state_sharding["params"], *[self.batch_sharding] * arrays), out_shardings=layout.sharding(()))
 
     def initial_state(self, checkpointer=None) -> dict:
         """The latest checkpoint's state, or a fresh one created directly in its sharding."""
@@ -74,15 +77,25 @@ class Run:
         rows = [i[1].indices(rows_per_microbatch)[:2] for i in index.values()]
         return slice(min(r[0] for r in rows) * m, max(r[1] for r in rows) * m)
 
-    def global_batch(self, inputs: np.ndarray, targets: np.ndarray) -> list[jax.Array]:
-        """This process's rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``.
+    def global_batch(self, inputs: np.ndarray, targets: np.ndarray, docs: dict | None = None) -> list:
+        """This process's rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``:
+        ``[inputs, targets]``, and with the data options ``docs`` (a dict of such arrays, the names
+        :attr:`documents`; :meth:`jaxllm.data.Batches.train_batch` gives them) laid out alike.
 
         Row ``r`` goes to micro batch ``r % microbatches``, so each process's contiguous
-        rows stay contiguous within every micro batch."""
+        rows stay contiguous within every micro batch.
+
+        Raises:
+          ValueError: ``docs`` does not hold exactly the arrays :attr:`documents` names.
+        """
+        if tuple(sorted(docs or ())) != tuple(sorted(self.documents)):
+            raise ValueError(f"global_batch: the data options ask for the arrays {list(self.documents)}, given "
+                             f"{sorted(docs or ())}")
         m = self.cfg.microbatches
-        return [jax.make_array_from_process_local_data(
+        put = lambda x: jax.make_array_from_process_local_data(  # noqa: E731
             self.batch_sharding, np.ascontiguousarray(x.reshape(-1, m, x.shape[-1]).swapaxes(0, 1)))
-            for x in (inputs, targets)]
+        batch = [put(inputs), put(targets)]
+        return batch + [{k: put(v) for k, v in docs.items()}] if docs else batch
 
     def evaluate(self, params, loader, progress=None) -> float:
         """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches, as few

@@ -6,7 +6,10 @@ skipped steps, see :func:`make_train_step`; they live in the state so that a
 resumed run continues them exactly).  A
 batch is a pair of int32 arrays ``inputs, targets`` of shape
 ``[microbatches, micro_batch_size x data_parallel, seq]``: the leading axis is
-the gradient-accumulation axis, scanned over inside the step.
+the gradient-accumulation axis, scanned over inside the step; with Megatron's
+document options (``data.reset_position_ids``, ``data.reset_attention_mask``,
+``data.eod_mask_loss``) a third argument ``docs``, a dict of arrays of the same
+shape holding only what the options set on need (:data:`jaxllm.data.loader.DOCUMENT_ARRAYS`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,20 @@ import optax
 from jaxllm import context_parallel, model, optim, pipeline
 
 
+def _model_kwargs(docs, order):
+    """The model's keyword arguments for a batch's ``docs`` and ring attention's ``order`` (or None)."""
+    return {"positions": docs.get("positions", order), "order": order, "segment_ids": docs.get("segment_ids"),
+            "loss_mask": docs.get("loss_mask")}
+
+
+def token_count(targets, docs):
+    """The loss's denominator: the tokens of ``targets`` (a Python int), or with a ``loss_mask`` in
+    ``docs`` its sum (float32, at least 1: an all-masked batch has loss 0)."""
+    if "loss_mask" not in docs:
+        return targets.size
+    return jnp.maximum(jnp.sum(docs["loss_mask"]), 1.0)
+
+
 def init_state(params, optimizer) -> dict:
     """The training state at step 0 around ``params`` (jit it with ``out_shardings`` to create it
     sharded; ``jax.eval_shape`` it for the shapes)."""
@@ -27,11 +44,15 @@ def init_state(params, optimizer) -> dict:
 
 
 def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
-    """``train_step(state, inputs, targets) -> (state, metrics)`` of the resolved config ``cfg``.
+    """``train_step(state, inputs, targets[, docs]) -> (state, metrics)`` of the resolved config ``cfg``.
 
     The loss is the mean over every token of the global batch: gradients of the
     ``microbatches`` micro batches are summed in float32 and divided by their
-    count, which equals one step on the whole batch.  Dropout keys are
+    count, which equals one step on the whole batch.  With ``docs["loss_mask"]``
+    (``data.eod_mask_loss``) it is ``sum(loss x mask) / sum(mask)`` over the whole
+    global batch (Megatron-LM's ``--calculate-per-token-loss``): each micro batch's
+    masked sum is divided by the global batch's count, and the micro batches' losses
+    and gradients are summed, so every micro-batch split computes the same number.  Dropout keys are
     ``fold_in(key(seed), step)``, so a step is a pure function of its inputs.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
     norm before clipping), ``lr``, and the int32 counters ``nonfinite_steps`` (total
@@ -51,33 +72,37 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     base_key = jax.random.key(cfg.train.seed)
     schedule = optim.lr_schedule(cfg.train)
 
-    def loss_fn(params, inputs, targets, positions, key):
-        return model.loss(spec.graphdef, params, inputs, targets, positions=positions, dropout_key=key) / targets.size
+    def loss_fn(params, inputs, targets, order, docs, key, count):
+        return model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order), dropout_key=key) / count
 
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def accumulated(params, inputs, targets, positions, keys):  # micro batches one after another
+    def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
+        masked = "loss_mask" in docs  # then each micro batch's sum is divided by the global batch's count
+        count = token_count(targets, docs)
+
         def micro_step(acc, xs):
-            x, y, pos, key = xs
-            loss, grads = grad_fn(params, x, y, pos, key if dropout else None)
+            x, y, pos, d, key = xs
+            loss, grads = grad_fn(params, x, y, pos, d, key if dropout else None, count if masked else y.size)
             return jax.tree.map(jnp.add, acc, (loss, pin(grads))), None
 
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, positions, keys))
-        return jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
+        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))
+        return (loss, grads) if masked else jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
 
-    def pipelined(params, inputs, targets, positions, keys):  # micro batches through the pipeline stages
-        loss, grads = jax.value_and_grad(lambda p: pipeline.loss(
-            cfg, layout, spec, p, inputs, targets, positions, keys if dropout else None))(params)
+    def pipelined(params, inputs, targets, order, docs, keys):  # micro batches through the pipeline stages
+        loss, grads = jax.value_and_grad(lambda p: pipeline.loss(  # no docs: config.resolve refuses them here
+            cfg, layout, spec, p, inputs, targets, order, keys if dropout else None))(params)
         return loss, pin(grads)
 
     loss_and_grads = pipelined if cfg.stages > 1 else accumulated
 
-    def train_step(state, inputs, targets):
+    def train_step(state, inputs, targets, docs=None):
         params = state["params"]
         keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), inputs.shape[0])
-        inputs, targets, positions = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets)
-        loss, grads = loss_and_grads(params, inputs, targets, positions, keys)
+        inputs, targets, order, docs = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets,
+                                                               docs)
+        loss, grads = loss_and_grads(params, inputs, targets, order, docs, keys)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -98,7 +123,8 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
 
 
 def make_eval_step(cfg, spec, layout=None):
-    """``eval_step(params, inputs, targets) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch.
+    """``eval_step(params, inputs, targets[, docs]) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch
+    (``docs``: as the train step's, ``[batch, seq]``; with a ``loss_mask``, ``sum(loss x mask) / sum(mask)``).
 
     Ring attention reorders the batch as the train step does; with pipeline stages the batch
     goes through the pipeline as ``cfg.microbatches`` micro batches (row ``r`` in micro batch
@@ -106,11 +132,13 @@ def make_eval_step(cfg, spec, layout=None):
     """
     m = cfg.microbatches
 
-    def eval_step(params, inputs, targets):
-        inputs, targets, positions = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets)
+    def eval_step(params, inputs, targets, docs=None):
+        inputs, targets, order, docs = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets,
+                                                               docs)
         if cfg.stages == 1:
-            return model.loss(spec.graphdef, params, inputs, targets, positions=positions) / targets.size
+            loss = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
+            return loss / token_count(targets, docs)
         split = lambda a: None if a is None else a.reshape(-1, m, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
-        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(positions), None)
+        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(order), None)
 
     return eval_step

@@ -107,9 +107,6 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
       ConfigError, DataError: with the key or file, the value and the fix.
     """
     config.resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
-    for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        if getattr(spec.data, key):  # jaxllm.data computes them (Batches.masks); the model does not take them yet
-            raise config.ConfigError(f"data.{key}", True, "not supported by the model yet; set it to False")
     data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",))
     return config.resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 

@@ -123,17 +123,18 @@ class Embed:
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropy:
-    """``cross_entropy(h, table, targets, vocab_size)``: :func:`jaxllm.loss.cross_entropy` on the
-    mesh; ``h`` ``[..., batch, len, embed]`` and ``targets`` ``[..., batch, len]`` split as the
-    rules table says (any leading dimensions unsplit), ``table`` ``[padded_vocab, embed]`` over
-    the vocabulary axes.  Returns the float32 sum over all tokens."""
+    """``cross_entropy(h, table, targets, vocab_size, weights=None)``: :func:`jaxllm.loss.cross_entropy`
+    on the mesh; ``h`` ``[..., batch, len, embed]``, ``targets`` and ``weights`` (float32, or None)
+    ``[..., batch, len]`` split as the rules table says (any leading dimensions unsplit), ``table``
+    ``[padded_vocab, embed]`` over the vocabulary axes.  Returns the float32 (weighted) sum over all
+    tokens."""
 
     layout: Layout
 
-    def __call__(self, h, table, targets, vocab_size: int):
+    def __call__(self, h, table, targets, vocab_size: int, weights=None):
         if self.layout.mesh.size == 1:
-            return loss.cross_entropy(h, table, targets, vocab_size)
-        return loss.fused(_Sharded(self.layout, vocab_size, table.shape[0], h.ndim - 3), h, table, targets)
+            return loss.cross_entropy(h, table, targets, vocab_size, weights)
+        return loss.fused(_Sharded(self.layout, vocab_size, table.shape[0], h.ndim - 3), h, table, targets, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,35 +158,37 @@ class _Sharded:
     def _sum_axes(self):
         return tuple((*self.layout.mesh_axes("batch"), *self.layout.mesh_axes("length")))
 
-    def _map(self, body, out_specs):
+    def _map(self, body, out_specs, weights):
         h_spec, table_spec, t_spec, _ = self._specs()
-        return jax.shard_map(body, mesh=self.layout.mesh, in_specs=(h_spec, table_spec, t_spec), out_specs=out_specs,
-                             check_vma=False)
+        w_spec = None if weights is None else t_spec
+        return jax.shard_map(body, mesh=self.layout.mesh, in_specs=(h_spec, table_spec, t_spec, w_spec),
+                             out_specs=out_specs, check_vma=False)
 
     def _gather(self, h):  # megatron_sp: the sequence shards of the vocabulary axes, gathered
         scatter, seq = self._specs()[3], self.lead + 1
         return jax.lax.all_gather(h, scatter, axis=seq, tiled=True) if scatter else h
 
-    def value(self, h, table, targets):
+    def value(self, h, table, targets, weights=None):
         local, axes = self._local(), self._sum_axes()
 
-        def body(h, table, targets):
+        def body(h, table, targets, weights):
             h = self._gather(h)
-            total = local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1))
+            total = local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), _flat(weights))
             return jax.lax.psum(total, axes) if axes else total
 
-        return self._map(body, PartitionSpec())(h, table, targets)
+        return self._map(body, PartitionSpec(), weights)(h, table, targets, weights)
 
-    def value_and_grads(self, h, table, targets):
+    def value_and_grads(self, h, table, targets, weights=None):
         local, axes = self._local(), self._sum_axes()
         h_spec, _, _, scatter = self._specs()
         grad_sum, grad_spec = _table_grad_sum(self.layout)
         vocab = self.layout.mesh_axes("vocab")
         rest = tuple(a for a in vocab if a not in scatter)
 
-        def body(h, table, targets):
+        def body(h, table, targets, weights):
             full = self._gather(h)
-            total, dh, dtable = local.value_and_grads(full.reshape(-1, full.shape[-1]), table, targets.reshape(-1))
+            total, dh, dtable = local.value_and_grads(full.reshape(-1, full.shape[-1]), table, targets.reshape(-1),
+                                                      _flat(weights))
             dh = dh.reshape(full.shape)
             if scatter:
                 dh = jax.lax.psum_scatter(dh, scatter, scatter_dimension=self.lead + 1, tiled=True)
@@ -193,4 +196,8 @@ class _Sharded:
                 dh = jax.lax.psum(dh, rest)
             return (jax.lax.psum(total, axes) if axes else total), dh, grad_sum(dtable)
 
-        return self._map(body, (PartitionSpec(), h_spec, grad_spec))(h, table, targets)
+        return self._map(body, (PartitionSpec(), h_spec, grad_spec), weights)(h, table, targets, weights)
+
+
+def _flat(weights):
+    return None if weights is None else weights.reshape(-1)

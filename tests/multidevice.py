@@ -3,8 +3,10 @@
 Used by tests/test_sharding.py in a subprocess, because the device count must be
 set before jax is imported:  python tests/multidevice.py '<json list of layouts>'
 
-Each layout is ``{"mesh": {...}, "parallel": {...}, "model": {...}}`` overrides
-of :func:`base_config` (``"eval": True`` adds the validation loss of 200 batches after training, as
+Each layout is ``{"mesh": {...}, "parallel": {...}, "model": {...}, "data": {...}}`` overrides
+of :func:`base_config` (with Megatron's document options in ``data`` the batches hold about one
+end-of-document token :data:`EOD` in five, and the steps take their ``docs`` arrays;
+``"eval": True`` adds the validation loss of 200 batches after training, as
 the training loop evaluates: one compiled program over the stacked batches, the case that deadlocked
 XLA:CPU when each batch was its own execution); the result holds the three losses, the parameters after
 three steps (compared by the caller against the single-device run), whether
@@ -28,21 +30,43 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import config, sharding  # noqa: E402
+from jaxllm.data.loader import DOCUMENT_ARRAYS, document_arrays, document_masks  # noqa: E402
 from jaxllm.run import Run  # noqa: E402
 
 STEPS = 3
 EVAL_BATCHES = 200
+EOD = 0  # the end-of-document token of the batches of layouts with document options
+
+
+def with_eods(tokens, rng):
+    """``tokens`` with about one in five replaced by :data:`EOD` (several documents per row)."""
+    return np.where(rng.random(tokens.shape) < 0.2, EOD, tokens).astype(np.int32)
+
+
+def documents(cfg, inputs) -> tuple:
+    """``(docs,)``, the arrays the train step takes for ``inputs`` with ``cfg``'s document options, or ``()``."""
+    names = document_arrays(cfg.data)
+    if not names:
+        return ()
+    d = cfg.data
+    arrays = dict(zip(DOCUMENT_ARRAYS.values(), document_masks(inputs, EOD, d.reset_position_ids,
+                                                               d.reset_attention_mask, d.eod_mask_loss)))
+    return ({name: arrays[name] for name in names},)
 
 
 class ValidationBatches:
     """``eval_batch(i)``: this process's rows of validation batch ``i`` (random tokens, seeded by ``i``)."""
 
     def __init__(self, cfg, rows):
-        self.shape, self.rows = (cfg.train.global_batch_size, cfg.train.seq_length + 1), rows
+        self.shape, self.rows, self.cfg = (cfg.train.global_batch_size, cfg.train.seq_length + 1), rows, cfg
 
     def eval_batch(self, i):
-        tokens = np.random.default_rng([1, i]).integers(0, 128, self.shape).astype(np.int32)[self.rows]
-        return tokens[:, :-1], tokens[:, 1:]
+        rng = np.random.default_rng([1, i])
+        tokens = rng.integers(0, 128, self.shape).astype(np.int32)
+        if document_arrays(self.cfg.data):
+            tokens = with_eods(tokens, rng)
+        tokens = tokens[self.rows]
+        return tokens[:, :-1], tokens[:, 1:], *documents(self.cfg, tokens[:, :-1])
 
 
 def base_config():
@@ -75,7 +99,7 @@ def compiled_vocab_shapes(run, batches):
             "partitioner_warnings": warnings}
 
 
-def run_layout(layout, batches):
+def run_layout(layout, batches, doc_batches):
     cfg = base_config()
     layout = dict(layout)
     evaluate = layout.pop("eval", False)  # also the validation loss of EVAL_BATCHES batches, after training
@@ -86,13 +110,15 @@ def run_layout(layout, batches):
     n = 8 if -1 in sizes else int(np.prod(sizes))
     cfg = config.resolve(cfg, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])
+    if run.documents:
+        batches = doc_batches
     if hlo:
         return compiled_vocab_shapes(run, batches)
     state = run.initial_state()
     rows = run.process_rows()
     losses = []
     for x, y in batches:
-        state, m = run.train_step(state, *run.global_batch(x[rows], y[rows]))
+        state, m = run.train_step(state, *run.global_batch(x[rows], y[rows], *documents(cfg, x[rows])))
         losses.append(float(m["loss"]))
     declared = sharding.param_specs(run.spec.axes, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
     mismatched = [
@@ -116,14 +142,18 @@ def main():
     layouts = json.loads(sys.argv[1])
     cfg = base_config()
     rng = np.random.default_rng(0)
-    batches = []
+    batches, doc_batches = [], []
     for _ in range(STEPS):
         tokens = rng.integers(0, 128, (cfg.train.global_batch_size, cfg.train.seq_length + 1)).astype(np.int32)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
+    doc_rng = np.random.default_rng(1)
+    for x, y in batches:
+        tokens = with_eods(np.concatenate([x, y[:, -1:]], axis=1), doc_rng)
+        doc_batches.append((tokens[:, :-1], tokens[:, 1:]))
     results = []
     for layout in layouts:
         try:
-            results.append(run_layout(layout, batches))
+            results.append(run_layout(layout, batches, doc_batches))
         except config.ConfigError as e:
             results.append({"config_error": str(e), "key": e.key})
         except Exception:  # noqa: BLE001  (one failing layout must not hide the others' results)

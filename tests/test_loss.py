@@ -80,3 +80,25 @@ def test_gelu_is_jax_nn_gelu_with_its_derivative(dtype, tol):
     exact = jax.grad(lambda x: jax.nn.gelu(x, approximate=True).sum())(x.astype(jnp.float32))
     assert ours.dtype == dtype
     np.testing.assert_allclose(ours.astype(jnp.float32), exact, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("chunk_logits", [loss.CHUNK_LOGITS, 16 * PADDED], ids=["one-chunk", "6-chunks"])
+def test_weighted_loss_equals_the_masked_logits_loss(monkeypatch, chunk_logits):
+    """Per-token weights (data.eod_mask_loss's loss mask): sum(weight x loss) and its gradients."""
+    monkeypatch.setattr(loss, "CHUNK_LOGITS", chunk_logits)
+    h, table, targets = inputs((4, 24))
+    weights = (jax.random.uniform(jax.random.key(5), (4, 24)) > 0.3).astype(jnp.float32)
+    f = lambda h, w: loss.cross_entropy(h, w, targets, VOCAB, weights) / weights.sum()  # noqa: E731
+
+    def ref(h, w):
+        logits = jnp.einsum("...e,ve->...v", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.where(jnp.arange(PADDED) < VOCAB, logits, MASKED)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights) / weights.sum()
+
+    (value, grads), (want, want_grads) = (jax.value_and_grad(g, (0, 1))(h, table) for g in (f, ref))
+    assert value == pytest.approx(float(want), rel=1e-6)
+    assert float(want) != pytest.approx(float(logits_loss(h, table, targets, VOCAB)) / targets.size, rel=1e-3)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    assert not np.any(grads[0][weights == 0])  # masked tokens get no gradient
+    assert jax.jit(f)(h, table) == pytest.approx(float(want), rel=1e-6)

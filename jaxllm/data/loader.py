@@ -3,7 +3,7 @@
     data = Data(cfg, workdir)              # prepares text, opens the blend, builds or loads indices
     batches = Batches(data, rows=slice(a, b))
     tokens = batches.batch("train", step)  # int32 [rows, seq_length + 1]
-    inputs, targets = batches.train_batch(step)
+    inputs, targets = batches.train_batch(step)  # + docs with data.reset_position_ids & co.
 
 Batch ``i`` of a split is a pure function of the config and ``i``: the samples
 ``[i x global_batch, (i + 1) x global_batch)`` of the split in Megatron-LM's order
@@ -291,6 +291,16 @@ class Data:
         return f"data {what} ({tokens:,} {self.tokenizer.name} tokens, vocab {self.vocab_size}; {how})"
 
 
+# data option -> the array it adds to a batch's ``docs`` (the train step's argument), from :func:`document_masks`.
+DOCUMENT_ARRAYS = {"reset_position_ids": "positions", "reset_attention_mask": "segment_ids",
+                   "eod_mask_loss": "loss_mask"}
+
+
+def document_arrays(data_cfg) -> tuple[str, ...]:
+    """The names of the ``docs`` arrays the ``data`` config section (or :class:`Data`) asks for (``()``: none)."""
+    return tuple(name for key, name in DOCUMENT_ARRAYS.items() if getattr(data_cfg, key))
+
+
 def document_masks(tokens: np.ndarray, eod_id: int | None, reset_position_ids: bool, reset_attention_mask: bool,
                    eod_mask_loss: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positions, segment ids and loss mask of input tokens, as Megatron-LM's
@@ -360,15 +370,29 @@ class Batches:
                             f"tokenizer the data was prepared with")
         return out
 
-    def train_batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Train batch ``step``: (inputs, targets), int32 [len(rows), seq_length]."""
-        tokens = self.batch("train", step)
-        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+    def train_batch(self, step: int) -> tuple:
+        """Train batch ``step``: (inputs, targets), int32 [len(rows), seq_length], and with any of
+        data.reset_position_ids, reset_attention_mask, eod_mask_loss a third element (:meth:`documents`)."""
+        return self._split(self.batch("train", step))
 
-    def eval_batch(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Validation batch ``i``: (inputs, targets), int32 [len(rows), seq_length]."""
-        tokens = self.batch("valid", i)
-        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+    def eval_batch(self, i: int) -> tuple:
+        """Validation batch ``i``, as :meth:`train_batch`."""
+        return self._split(self.batch("valid", i))
+
+    def _split(self, tokens):
+        inputs, targets = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+        docs = self.documents(tokens)
+        return (inputs, targets, docs) if docs else (inputs, targets)
+
+    def documents(self, tokens: np.ndarray) -> dict:
+        """The arrays of :meth:`masks` the run's options ask for, by the names the train step takes them
+        (:data:`DOCUMENT_ARRAYS`): ``positions`` (reset_position_ids), ``segment_ids``
+        (reset_attention_mask), ``loss_mask`` (eod_mask_loss), each [rows, seq_length]; ``{}`` for none."""
+        wanted = document_arrays(self.data)
+        if not wanted:
+            return {}
+        arrays = dict(zip(DOCUMENT_ARRAYS.values(), self.masks(tokens)))
+        return {name: np.ascontiguousarray(arrays[name]) for name in wanted}
 
     def masks(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`document_masks` of the inputs of ``tokens`` [rows, seq_length + 1] with the run's options."""
