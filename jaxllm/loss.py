@@ -83,8 +83,8 @@ class Local:
 
     def value(self, h, table, targets, weights=None):
         """Summed loss (float32 scalar) of this device's tokens, each weighted by ``weights`` float32
-        ``[tokens]`` (None: all 1)."""
-        start = self.start(table.shape[0])
+        of ``tokens`` elements, any shape (None: all 1)."""
+        start, weights = self.start(table.shape[0]), _flat(weights)
 
         def one(h, t, w=None):
             _, _, lse, target, _ = self._chunk(h, table, t, start)
@@ -100,7 +100,7 @@ class Local:
         """``(loss, d loss / d h, d loss / d table)``, float32: the (weighted, as :meth:`value`) summed loss
         of this device's tokens, ``[tokens, embed]`` (this vocabulary shard's part: the caller sums it over
         ``vocab_axes``) and ``[rows, embed]`` (this device's tokens only)."""
-        start = self.start(table.shape[0])
+        start, weights = self.start(table.shape[0]), _flat(weights)
 
         def one(h, t, w=None):
             e, total, lse, target, hit = self._chunk(h, table, t, start)
@@ -155,11 +155,10 @@ class _Flat:
     local: Local
 
     def value(self, h, table, targets, weights=None):
-        return self.local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), _flat(weights))
+        return self.local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), weights)
 
     def value_and_grads(self, h, table, targets, weights=None):
-        loss, dh, dtable = self.local.value_and_grads(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1),
-                                                      _flat(weights))
+        loss, dh, dtable = self.local.value_and_grads(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), weights)
         return loss, dh.reshape(h.shape), dtable
 
 

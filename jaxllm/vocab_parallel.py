@@ -173,7 +173,7 @@ class _Sharded:
 
         def body(h, table, targets, weights):
             h = self._gather(h)
-            total = local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), _flat(weights))
+            total = local.value(h.reshape(-1, h.shape[-1]), table, targets.reshape(-1), weights)
             return jax.lax.psum(total, axes) if axes else total
 
         return self._map(body, PartitionSpec(), weights)(h, table, targets, weights)
@@ -188,7 +188,7 @@ class _Sharded:
         def body(h, table, targets, weights):
             full = self._gather(h)
             total, dh, dtable = local.value_and_grads(full.reshape(-1, full.shape[-1]), table, targets.reshape(-1),
-                                                      _flat(weights))
+                                                      weights)
             dh = dh.reshape(full.shape)
             if scatter:
                 dh = jax.lax.psum_scatter(dh, scatter, scatter_dimension=self.lead + 1, tiled=True)
@@ -198,6 +198,3 @@ class _Sharded:
 
         return self._map(body, (PartitionSpec(), h_spec, grad_spec), weights)(h, table, targets, weights)
 
-
-def _flat(weights):
-    return None if weights is None else weights.reshape(-1)

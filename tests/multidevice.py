@@ -30,7 +30,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import config, sharding  # noqa: E402
-from jaxllm.data.loader import DOCUMENT_ARRAYS, document_arrays, document_masks  # noqa: E402
+from jaxllm.data.loader import document_arrays  # noqa: E402
+from jaxllm.data.loader import documents as document_batch  # noqa: E402
 from jaxllm.run import Run  # noqa: E402
 
 STEPS = 3
@@ -45,13 +46,8 @@ def with_eods(tokens, rng):
 
 def documents(cfg, inputs) -> tuple:
     """``(docs,)``, the arrays the train step takes for ``inputs`` with ``cfg``'s document options, or ``()``."""
-    names = document_arrays(cfg.data)
-    if not names:
-        return ()
-    d = cfg.data
-    arrays = dict(zip(DOCUMENT_ARRAYS.values(), document_masks(inputs, EOD, d.reset_position_ids,
-                                                               d.reset_attention_mask, d.eod_mask_loss)))
-    return ({name: arrays[name] for name in names},)
+    docs = document_batch(inputs, EOD, cfg.data)
+    return (docs,) if docs else ()
 
 
 class ValidationBatches:

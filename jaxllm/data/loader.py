@@ -3,7 +3,7 @@
     data = Data(cfg, workdir)              # prepares text, opens the blend, builds or loads indices
     batches = Batches(data, rows=slice(a, b))
     tokens = batches.batch("train", step)  # int32 [rows, seq_length + 1]
-    inputs, targets = batches.train_batch(step)  # + docs with data.reset_position_ids & co.
+    inputs, targets = batches.train_batch(step)  # + docs (documents()) with data.reset_position_ids & co.
 
 Batch ``i`` of a split is a pure function of the config and ``i``: the samples
 ``[i x global_batch, (i + 1) x global_batch)`` of the split in Megatron-LM's order
@@ -301,6 +301,19 @@ def document_arrays(data_cfg) -> tuple[str, ...]:
     return tuple(name for key, name in DOCUMENT_ARRAYS.items() if getattr(data_cfg, key))
 
 
+def documents(inputs: np.ndarray, eod_id: int | None, options) -> dict:
+    """The arrays of :func:`document_masks` that the options of ``options`` (the ``data`` config section,
+    or :class:`Data`) ask for, by the names the train step takes them (:data:`DOCUMENT_ARRAYS`):
+    ``positions`` (reset_position_ids), ``segment_ids`` (reset_attention_mask), ``loss_mask``
+    (eod_mask_loss), each ``[rows, seq]`` as ``inputs``; ``{}`` for none."""
+    wanted = document_arrays(options)
+    if not wanted:
+        return {}
+    arrays = dict(zip(DOCUMENT_ARRAYS.values(), document_masks(
+        inputs, eod_id, options.reset_position_ids, options.reset_attention_mask, options.eod_mask_loss)))
+    return {name: np.ascontiguousarray(arrays[name]) for name in wanted}
+
+
 def document_masks(tokens: np.ndarray, eod_id: int | None, reset_position_ids: bool, reset_attention_mask: bool,
                    eod_mask_loss: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positions, segment ids and loss mask of input tokens, as Megatron-LM's
@@ -381,24 +394,8 @@ class Batches:
 
     def _split(self, tokens):
         inputs, targets = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
-        docs = self.documents(tokens)
+        docs = documents(inputs, self.data.eod_id, self.data)
         return (inputs, targets, docs) if docs else (inputs, targets)
-
-    def documents(self, tokens: np.ndarray) -> dict:
-        """The arrays of :meth:`masks` the run's options ask for, by the names the train step takes them
-        (:data:`DOCUMENT_ARRAYS`): ``positions`` (reset_position_ids), ``segment_ids``
-        (reset_attention_mask), ``loss_mask`` (eod_mask_loss), each [rows, seq_length]; ``{}`` for none."""
-        wanted = document_arrays(self.data)
-        if not wanted:
-            return {}
-        arrays = dict(zip(DOCUMENT_ARRAYS.values(), self.masks(tokens)))
-        return {name: np.ascontiguousarray(arrays[name]) for name in wanted}
-
-    def masks(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:func:`document_masks` of the inputs of ``tokens`` [rows, seq_length + 1] with the run's options."""
-        d = self.data
-        return document_masks(tokens[:, :-1], d.eod_id, d.reset_position_ids, d.reset_attention_mask,
-                              d.eod_mask_loss)
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
