@@ -439,10 +439,9 @@ def test_document_masks_reset_at_each_eod():
 def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, peps_byte, tmp_path):
     data = Data(run_cfg(shakespeare_gpt2, cache_dir=tmp_path, seq=128, reset_position_ids=True,
                         reset_attention_mask=True, eod_mask_loss=True), str(tmp_path))
-    tokens = Batches(data).batch("train", 0)
-    pos, seg, loss = Batches(data).masks(tokens)
+    x, _, docs = Batches(data).train_batch(0)  # what the run's train step gets
+    pos, seg, loss = docs["positions"], docs["segment_ids"], docs["loss_mask"]
     assert pos.shape == seg.shape == loss.shape == (8, 128)
-    x = tokens[:, :-1]
     assert (x == 50256).sum() > 8  # speeches are short: several documents per row
     for r in range(8):  # positions count from each document's start; segments change after each EOD
         starts = np.r_[0, np.nonzero(x[r] == 50256)[0] + 1]
