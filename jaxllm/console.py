@@ -19,6 +19,10 @@ Where the chatter comes from (jaxlib 0.10.2):
   the closed loop.  Python reports those through ``sys.unraisablehook`` (no frame of ours,
   so no way to catch them), at any time after the failed restore, even after the run's
   last message.  They go to the ``jaxllm.library`` log with the full Orbax errors.
+* ``Task exception was never retrieved`` with a TensorStore traceback, from the same failed
+  restore: the reads Orbax abandoned raised too, and asyncio's default exception handler logs
+  each such task on the ``asyncio`` logger when the task is garbage-collected (any time later).
+  Those records go to the ``jaxllm.library`` log; the ``asyncio`` logger's other records stay.
 """
 
 from __future__ import annotations
@@ -68,6 +72,20 @@ def _closed_loop_callbacks_to(logger, previous):
     return hook
 
 
+class _UnretrievedTaskErrors(logging.Filter):
+    """Sends asyncio's "Task exception was never retrieved" records to ``logger``, keeps the others."""
+
+    def __init__(self, logger):
+        super().__init__()
+        self.logger = logger
+
+    def filter(self, record):
+        if record.getMessage().startswith("Task exception was never retrieved"):
+            self.logger.handle(record)
+            return False
+        return True
+
+
 def configure(workdir: str, *, process: int, verbose: bool) -> None:
     """Applies the policy of this module to this process (call it before the first collective):
     ``WORKDIR/logs/process_N.log`` receives the ``jaxllm.library`` logger (and with ``verbose``
@@ -80,6 +98,7 @@ def configure(workdir: str, *, process: int, verbose: bool) -> None:
     library.setLevel(logging.DEBUG)
     library.propagate = verbose
     sys.unraisablehook = _closed_loop_callbacks_to(library, sys.unraisablehook)
+    logging.getLogger("asyncio").addFilter(_UnretrievedTaskErrors(library))
     if verbose:
         return
     from jaxlib import utils  # noqa: PLC0415  (jax's own switch for C++ logging, see jax._src.logging_config)
