@@ -85,6 +85,9 @@ def load_config(path: Path):
 
 
 def jax_worker(shape: str, total: int, init_path: str):
+    from jaxllm import host_memory  # noqa: PLC0415
+
+    host_memory.keep_freed_memory()  # as python -m jaxllm.train does on CPUs, before XLA's threads start
     import jax  # noqa: PLC0415
 
     from jaxllm import config, optim  # noqa: PLC0415

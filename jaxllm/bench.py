@@ -26,11 +26,13 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
-    from jaxllm import gpu_env
+    from jaxllm import gpu_env, host_memory
     from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
     _gpu = gpu_env.apply()  # the same GPU settings as training
+    if _gpu.vendor is None:
+        host_memory.keep_freed_memory()  # and the same host allocator on CPUs
     if _gpu.line():
         print(_gpu.line(), flush=True)
 

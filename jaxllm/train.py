@@ -26,7 +26,20 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, cli, config, console, distributed, flops, gpu_env, hardware, metrics, model, pipeline
+from jaxllm import (
+    checkpoint,
+    cli,
+    config,
+    console,
+    distributed,
+    flops,
+    gpu_env,
+    hardware,
+    host_memory,
+    metrics,
+    model,
+    pipeline,
+)
 from jaxllm.data import Batches, Data, DataError, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.run import Run
@@ -279,6 +292,8 @@ def main(argv):
             print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
             return
         gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
+        if gpu.vendor is None:
+            host_memory.keep_freed_memory()  # XLA:CPU's buffers come from malloc: before XLA's threads start
         distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
         check_workdir(flags.FLAGS.workdir)
         console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
