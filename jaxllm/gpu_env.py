@@ -1,7 +1,7 @@
 """XLA flags and runtime variables for GPUs: the one place jaxllm sets them.
 
-:func:`apply` runs before JAX starts a backend (``python -m jaxllm.train`` and
-``python -m jaxllm.bench`` call it first).  It decides the vendor from the
+:func:`apply` runs before JAX starts a backend (``python -m jaxllm.train``, ``bench``
+and ``tune`` call it first).  It decides the vendor from the
 environment and the device files, as :func:`jaxllm.distributed.gpu_vendor` does
 (``JAX_PLATFORMS``, else ``/dev/kfd`` for AMD, ``/dev/nvidiactl`` for NVIDIA), and
 on a GPU machine adds :data:`SETTINGS` for that vendor: XLA flags to ``XLA_FLAGS``,

@@ -14,7 +14,7 @@ with the process: ``M_ARENA_MAX=1`` (one heap for every thread), ``M_MMAP_MAX=0`
 from the heap, not from ``mmap``), ``M_TRIM_THRESHOLD`` at its maximum (freed memory is not
 returned), ``M_TOP_PAD`` 64 MiB (the heap grows in large steps).  The cost: the process holds its
 peak host memory until it exits, as a caching allocator does.  It must run before XLA starts its
-threads (a thread keeps the arena it has): ``python -m jaxllm.train`` and ``jaxllm.bench`` call it
+threads (a thread keeps the arena it has): ``python -m jaxllm.train``, ``bench`` and ``tune`` call it
 before JAX starts a backend, on machines without GPUs (:func:`jaxllm.gpu_env.apply` decides);
 GPU runs leave the host allocator alone.  With a C library other than glibc nothing changes.
 """

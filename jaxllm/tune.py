@@ -38,10 +38,13 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # the CPU device count must be fixed before jax is imported
+if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
+    from jaxllm import gpu_env, host_memory
     from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
+    if gpu_env.apply().vendor is None:  # measure with training's GPU settings, or its host allocator on CPUs
+        host_memory.keep_freed_memory()
 
 import copy  # noqa: E402
 import csv  # noqa: E402
