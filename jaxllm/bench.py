@@ -31,8 +31,7 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
 
     force_host_devices(sys.argv)
     _gpu = gpu_env.apply()  # the same GPU settings as training
-    if _gpu.vendor is None:
-        host_memory.keep_freed_memory()  # and the same host allocator on CPUs
+    host_memory.keep_freed_memory()  # and the same host allocator on CPUs
     if _gpu.line():
         print(_gpu.line(), flush=True)
 

@@ -15,15 +15,19 @@ from the heap, not from ``mmap``), ``M_TRIM_THRESHOLD`` at its maximum (freed me
 returned), ``M_TOP_PAD`` 64 MiB (the heap grows in large steps).  The cost: the process holds its
 peak host memory until it exits, as a caching allocator does.  It must run before XLA starts its
 threads (a thread keeps the arena it has): ``python -m jaxllm.train``, ``bench`` and ``tune`` call it
-before JAX starts a backend, on machines without GPUs (:func:`jaxllm.gpu_env.apply` decides);
-GPU runs leave the host allocator alone.  With a C library other than glibc nothing changes.
+before JAX starts a backend; it acts on machines without GPUs only (decided as
+:func:`jaxllm.gpu_env.apply` decides), GPU runs leave the host allocator alone.  With a C
+library other than glibc nothing changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
+
+from jaxllm.distributed import gpu_vendor
 
 # mallopt parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8
@@ -32,12 +36,13 @@ SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Applies :data:`SETTINGS` to this process's glibc allocator (once).
+    """Applies :data:`SETTINGS` to this process's glibc allocator (once), on a machine without GPUs.
 
     Returns:
-      True if glibc accepted every setting; False on another C library, or if one was refused.
+      True if glibc accepted every setting; False on a GPU machine (``JAX_PLATFORMS`` or the
+      device files, :func:`jaxllm.distributed.gpu_vendor`), on another C library, or if one was refused.
     """
-    if platform.libc_ver()[0] != "glibc":
+    if gpu_vendor(os.environ) is not None or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
     return all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)

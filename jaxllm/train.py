@@ -292,8 +292,7 @@ def main(argv):
             print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
             return
         gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
-        if gpu.vendor is None:
-            host_memory.keep_freed_memory()  # XLA:CPU's buffers come from malloc: before XLA's threads start
+        host_memory.keep_freed_memory()  # CPU runs: XLA's buffers come from malloc; before XLA's threads start
         distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
         check_workdir(flags.FLAGS.workdir)
         console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)

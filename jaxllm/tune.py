@@ -43,8 +43,8 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
     from jaxllm.cli import force_host_devices
 
     force_host_devices(sys.argv)
-    if gpu_env.apply().vendor is None:  # measure with training's GPU settings, or its host allocator on CPUs
-        host_memory.keep_freed_memory()
+    gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
+    host_memory.keep_freed_memory()
 
 import copy  # noqa: E402
 import csv  # noqa: E402
