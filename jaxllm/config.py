@@ -93,6 +93,10 @@ class Model(Section):
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")
     remat: str = _key("none", choices=("none", "full", "save_dots"))
+    # the layers as one jax.lax.scan (compile time independent of depth) or written out one after another;
+    # auto: unrolled on CPUs without remat (XLA:CPU zero-fills and copies a scan's stacked activations every
+    # step; its schedule of unrolled layers keeps what remat would free), else scan
+    layer_loop: str = _key("auto", choices=("auto", "scan", "unrolled"))
     # compute dtype (parameters are float32); auto: float32 on CPUs (bfloat16 is emulated there, slower), else bfloat16
     dtype: str = _key("auto", choices=("auto", "float32", "bfloat16", "float16"))
     attention_impl: str = _key("xla", choices=("auto", "xla", "cudnn", "pallas", "triton"))
@@ -246,11 +250,12 @@ class Config(Section):
 class Resolved(Config):
     """A config after :func:`resolve`: every value checked, derived sizes filled, read-only.
 
-    Beyond the sections (where ``model.num_kv_heads``, ``model.ffn_hidden_size``,
+    Beyond the sections (where ``model.dtype``, ``model.layer_loop``, ``model.num_kv_heads``, ``model.ffn_hidden_size``,
     ``model.max_position_embeddings``, ``model.padded_vocab_size``,
     ``train.lr_decay_iters`` and any -1 mesh axis are filled in):
     """
 
+    backend: str = ""  # the kind of machine the run is for (jaxllm.hardware.backend_kind): "cpu", "cuda", "rocm", ...
     num_devices: int = 0  # devices the mesh covers
     mesh_shape: dict = dataclasses.field(default_factory=dict)  # devices along each mesh axis (ICI x DCN)
     data_parallel: int = 0  # replicas the global batch is split over: the data x fsdp axes
@@ -524,7 +529,8 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
       m: the section; seq_length: ``train.seq_length`` (the learned position table's default size).
       vocab_size: the tokenizer's vocabulary (needed when ``m.vocab_size`` is 0; None: not known yet).
       tensor: devices along the tensor axis (the tables are padded to a multiple of it).
-      backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`); None: the default backend.
+      backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`) and ``layer_loop="auto"``;
+        None: the default backend.
     Raises:
       ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary.
     """
@@ -532,6 +538,8 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     m.num_kv_heads = m.num_kv_heads or m.num_attention_heads
     m.ffn_hidden_size = _ffn_size(m)
     m.dtype = resolve_dtype(m.dtype, backend)
+    if m.layer_loop == "auto":
+        m.layer_loop = "unrolled" if hardware.backend_kind(backend) == "cpu" and m.remat == "none" else "scan"
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,
@@ -567,7 +575,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
       vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
         known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
       backend: the JAX backend (kind) the run is for: the attention implementation must run on it, and
-        ``model.dtype="auto"`` resolves for it; None: the default.
+        ``model.dtype="auto"`` and ``model.layer_loop="auto"`` resolve for it; None: the default.
       data_files: check that the data section names input and tokenizer files that exist; False for
         tools that read no data (planning, benchmarks on synthetic batches).
     Raises:
@@ -599,7 +607,8 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
             f"= {t.micro_batch_size} x {data_parallel} = {t.micro_batch_size * data_parallel}")
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
     microbatches = t.global_batch_size // (t.micro_batch_size * data_parallel)
-    out = Resolved(**fields, num_devices=num_devices, mesh_shape=shape, data_parallel=data_parallel,
+    out = Resolved(**fields, backend=hardware.backend_kind(backend), num_devices=num_devices, mesh_shape=shape,
+                   data_parallel=data_parallel,
                    microbatches=microbatches, stages=shape["pipeline"],
                    batch_shape=(microbatches, t.micro_batch_size * data_parallel, t.seq_length))
     _check_documents(out)

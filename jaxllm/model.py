@@ -4,7 +4,8 @@ Options: learned or rotary positions (Su et al. 2021), LayerNorm or RMSNorm,
 GELU or SwiGLU MLP (Shazeer 2020), multi-head or grouped-query attention
 (Ainslie et al. 2023), tied or untied embeddings, dropout on the embedding and
 on each residual branch.  Layers are stacked on a leading ``layers`` axis and
-run with ``jax.lax.scan``, so compile time does not grow with depth.
+run with ``jax.lax.scan``, so compile time does not grow with depth, or written
+out one after another (``model.layer_loop``; the default on CPUs).
 
 Parameters are float32; matmuls run in ``model.dtype``; norms, softmax and
 logits are float32.  Every parameter carries logical axis names in its
@@ -12,7 +13,8 @@ logits are float32.  Every parameter carries logical axis names in its
 ``ops.constrain(x, logical_names)``.  The model knows nothing of parallelism: the
 operations where a layout enters (that constraint; attention, which sequence
 parallelism replaces; the embedding lookup and the loss, which are split over the
-vocabulary; the layer matmuls, which the zb_h1 pipeline schedule splits) come in an
+vocabulary; the layer matmuls, which the zb_h1 pipeline schedule splits and which
+CPUs run as :func:`row_major_dense`) come in an
 :class:`Ops` object, by default the plain single-device ones; :class:`jaxllm.run.Run`
 gives the mesh's.  The loss (:meth:`GPT.loss`) is the
 output layer and cross entropy fused in chunks (:mod:`jaxllm.loss`): training never
@@ -28,6 +30,8 @@ section of a resolved config (:class:`jaxllm.config.Model`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +55,56 @@ def dense(x, w, b, spec, dtype):
     """``einsum(spec, x, w) + b`` with the matmul in ``dtype`` (``b``: an array or None)."""
     y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
     return y if b is None else y + b.astype(dtype)
+
+
+def row_major_dense(x, w, b, spec, dtype):
+    """:func:`dense`, the same function and forward matmul, whose gradient matmuls each take
+    their operands as ``[M, K] @ [K, N]`` in memory: the smaller operand of each is transposed
+    explicitly, behind an optimization barrier that keeps XLA from folding the transpose back into
+    the matmul.  On CPUs XLA otherwise runs the weight gradient ``x^T dy`` (the contraction over
+    ``[batch, len]``, the leading dimension of both operands) through Eigen at about half the
+    speed of its XNNPACK (YNN) matmuls, after a transposing copy of the larger operand, and the
+    input gradient ``dy w^T`` through YNN's slower transposed-weight path.
+
+    ``spec`` is ``"<rows><in>,<in><out>-><rows><out>"`` (each part one or more letters, the rows
+    ``batch, len``), as every layer matmul of :class:`GPT`; x ``[rows..., in...]``, w
+    ``[in..., out...]``, b ``[out...]`` or None.
+    """
+    return _row_major(spec, x.astype(dtype), w.astype(dtype), None if b is None else b.astype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _row_major(spec, x, w, b):
+    y = jnp.einsum(spec, x, w)
+    return y if b is None else y + b
+
+
+def _row_major_fwd(spec, x, w, b):
+    return _row_major(spec, x, w, b), (x, w, b)
+
+
+def _row_major_bwd(spec, residuals, dy):
+    x, w, b = residuals
+    xs, rest = spec.split(",")
+    ws, ys = rest.split("->")
+    rows = "".join(a for a in xs if a not in ws)  # batch, len
+    c, o = "".join(a for a in xs if a in ws), "".join(a for a in ws if a in ys)  # contracted, output
+
+    def transposed(a, letters, to):  # a copy of `a` with its dimensions in the order `to`
+        return jax.lax.optimization_barrier(jnp.transpose(a, [letters.index(t) for t in to]))
+
+    dx = jnp.einsum(f"{ys},{o}{c}->{xs}", dy, transposed(w, ws, o + c))
+    if math.prod(w.shape[ws.index(a)] for a in c) <= math.prod(w.shape[ws.index(a)] for a in o):
+        dw = jnp.einsum(f"{c}{rows},{ys}->{ws}", transposed(x, xs, c + rows), dy)
+    else:  # (dy^T x)^T: transposing dy and the small product moves fewer bytes than transposing x
+        dw_t = jnp.einsum(f"{o}{rows},{xs}->{o}{c}", transposed(dy, ys, o + rows), x)
+        dw_t = jax.lax.optimization_barrier(dw_t)  # or XLA folds the transpose below into the matmul
+        dw = jnp.transpose(dw_t, [(o + c).index(a) for a in ws])
+    db = None if b is None else dy.sum(tuple(range(len(rows))))
+    return dx, dw, db
+
+
+_row_major.defvjp(_row_major_fwd, _row_major_bwd)
 
 
 def _plain_attention(q, k, v, order, segment_ids, impl):
@@ -368,6 +422,10 @@ class GPT(nnx.Module):
           cache: decoding cache of these layers, or None.
         Returns:
           ``(x, cache)``.
+
+        ``model.layer_loop="scan"`` runs them as one ``jax.lax.scan``; ``"unrolled"`` one after
+        another, which XLA:CPU runs faster: it zero-fills a scan's stacked activations and copies
+        them in and out every step.
         """
         graphdef = nnx.graphdef(self.layers)
 
@@ -376,8 +434,16 @@ class GPT(nnx.Module):
             return nnx.merge(graphdef, params)(x, positions, key, layer_cache, order, segment_ids)
 
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        return jax.lax.scan(layer, x, (layer_params, keys, cache))
+            # outside a scan XLA's common-subexpression elimination would merge the recomputation back
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat],
+                                   prevent_cse=self.cfg.layer_loop == "unrolled")
+        if self.cfg.layer_loop != "unrolled":
+            return jax.lax.scan(layer, x, (layer_params, keys, cache))
+        outs = []
+        for i in range(jax.tree.leaves(layer_params)[0].shape[0]):
+            x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], (layer_params, keys, cache)))
+            outs.append(out)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     def head(self, x):
         """Final norm and output layer: float32 logits ``[batch, len, padded_vocab]`` from ``[batch, len,

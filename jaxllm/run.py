@@ -39,7 +39,8 @@ class Run:
         self.mesh = layout.mesh
         ops = model.Ops(constrain=layout.constrain,
                         attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl),
-                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout))
+                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
+                        dense=model.row_major_dense if cfg.backend == "cpu" else model.dense)
         self.spec = spec = model.describe(cfg.model, ops)
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay)
         abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)

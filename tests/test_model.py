@@ -85,10 +85,17 @@ VARIANTS = [
 ]
 
 
+MATMULS = {"dense": model.dense, "row_major_dense": model.row_major_dense}
+
+
+@pytest.mark.parametrize("matmuls", MATMULS)
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 @pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
-def test_loss_matches_plain_jax_reference(overrides):
-    cfg = small_cfg(**overrides)
-    graphdef = model.describe(cfg.model).graphdef
+def test_loss_matches_plain_jax_reference(overrides, layer_loop, matmuls):
+    """Loss and gradients of every parameter against the plain jax.numpy model, with the layers
+    scanned or written out and the matmuls' gradients as autodiff's or the row-major ones (CPUs')."""
+    cfg = small_cfg(layer_loop=layer_loop, **overrides)
+    graphdef = model.describe(cfg.model, model.Ops(dense=MATMULS[matmuls])).graphdef
     params = model.init(cfg.model, 0)
     assert params["wte"].shape[0] == cfg.model.padded_vocab_size == 128  # 97 padded: the padding is masked
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
@@ -149,8 +156,9 @@ def test_causal_masking(overrides):
         assert not np.allclose(changed[0, pos], base[0, pos])
 
 
-def test_kv_cache_decoding_matches_full_forward():
-    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2)
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_kv_cache_decoding_matches_full_forward(layer_loop):
+    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2, layer_loop=layer_loop)
     graphdef = model.describe(cfg.model).graphdef
     params = model.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)
@@ -187,6 +195,37 @@ def test_gradient_accumulation_equals_one_big_batch():
     four, m4 = train_step(step.init_state(model.init(cfg.model, 0), opt), x.reshape(4, 2, 32), y.reshape(4, 2, 32))
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one["params"], four["params"])
+
+
+def test_row_major_dense_is_dense_with_its_gradients():
+    """Every layer matmul's spec, with and without a bias, both transposition branches (the
+    contracted size below and above the output size): the same values and gradients as autodiff
+    of the einsum."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    for spec, x_shape, w_shape in [("bse,ehd->bshd", (3, 5, 8), (8, 2, 4)), ("bshd,hde->bse", (3, 5, 2, 4), (2, 4, 8)),
+                                   ("bse,ef->bsf", (3, 5, 8), (8, 32)), ("bsf,fe->bse", (3, 5, 32), (32, 8))]:
+        x, w = jax.random.normal(keys[0], x_shape), jax.random.normal(keys[1], w_shape)
+        y_shape = jnp.einsum(spec, x, w).shape
+        dy = jax.random.normal(keys[3], y_shape)
+        for b in (None, jax.random.normal(keys[2], y_shape[2:])):
+            ref, ref_vjp = jax.vjp(lambda x, w, b, s=spec: model.dense(x, w, b, s, jnp.float32), x, w, b)
+            out, out_vjp = jax.vjp(lambda x, w, b, s=spec: model.row_major_dense(x, w, b, s, jnp.float32), x, w,
+                                   b)
+            np.testing.assert_allclose(out, ref, rtol=1e-6)
+            for got, want in zip(out_vjp(dy), ref_vjp(dy)):
+                assert (got is None) == (want is None)
+                if want is not None:
+                    assert got.shape == want.shape
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_loop_auto_follows_the_backend_and_remat():
+    for backend, remat, loop in (("cpu", "none", "unrolled"), ("cpu", "full", "scan"), ("cuda", "none", "scan"),
+                                 ("rocm", "none", "scan")):
+        c = config.get_config()
+        c.model.remat = remat
+        cfg = config.resolve(c, num_devices=1, vocab_size=97, backend=backend, data_files=False)
+        assert (cfg.backend, cfg.model.layer_loop) == (backend, loop)
 
 
 def test_weight_decay_spares_norms_and_biases():
