@@ -133,10 +133,14 @@ class Attention:
     Attributes:
       layout: the mesh and rules table.
       sequence_impl: ``"allgather"``, ``"ring"`` or ``"ulysses"`` (``parallel.sequence_impl``).
+      batch_chunks: the ``xla`` attention of a mesh without sequence parallelism runs as up to
+        this many independent slices of the batch (the largest count that divides it): XLA:CPU
+        runs a batched matmul on one thread, and independent matmuls on separate threads.
     """
 
     layout: Layout
     sequence_impl: str = "allgather"
+    batch_chunks: int = 1
 
     def __call__(self, q, k, v, order=None, segment_ids=None, impl="xla"):
         """Attention of one layer.
@@ -159,7 +163,12 @@ class Attention:
         n = layout.size("length")
         segments = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
         if n == 1 and attn.resolve_impl(impl) == "xla":
-            return attn.attention(q, k, v, impl=impl, causal=True, **segments)
+            chunks = max(c for c in range(1, self.batch_chunks + 1) if q.shape[0] % c == 0)
+            if chunks == 1:
+                return attn.attention(q, k, v, impl=impl, causal=True, **segments)
+            parts = [jnp.split(a, chunks) if a is not None else [None] * chunks for a in (q, k, v, segment_ids)]
+            return jnp.concatenate([attn.attention(*qkv, impl=impl, causal=True, q_segment_ids=s, kv_segment_ids=s)
+                                    for *qkv, s in zip(*parts)])
         q_spec, kv_spec = layout.spec(("batch", "length", "heads", "head_dim")), layout.spec(
             ("batch", "length", "kv_heads", "head_dim"))
         axes = layout.mesh_axes("length")

@@ -4,11 +4,13 @@
   (vendor datasheet for known accelerators, a measured matmul otherwise), the basis of MFU.
 * :data:`DEVICE_MEMORY`: memory per device of the accelerators ``jaxllm.plan`` checks against.
 * :func:`backend_kind`: ``cpu``, ``cuda``, ``rocm`` or ``tpu`` for a running JAX backend.
+* :func:`host_threads`: the CPU cores this process may run on.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import jax
@@ -21,6 +23,12 @@ DEVICE_MEMORY = {
     "A100-40GB": 40e9, "A100-80GB": 80e9, "H100": 80e9, "H200": 141e9, "MI250X": 64 * GiB, "MI300X": 192 * GiB,
 }
 _KINDS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def host_threads() -> int:
+    """The CPU cores this process may run on (its affinity mask): the threads XLA:CPU's
+    intra-op pool has by default."""
+    return len(os.sched_getaffinity(0))
 
 
 def backend_kind(backend=None) -> str:

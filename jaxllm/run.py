@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxllm import context_parallel, evaluation, model, optim, sharding, step, vocab_parallel
+from jaxllm import context_parallel, evaluation, hardware, model, optim, sharding, step, vocab_parallel
 from jaxllm.config import Resolved
 from jaxllm.data.loader import document_arrays
 
@@ -37,10 +37,13 @@ class Run:
         self.cfg = cfg
         self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
         self.mesh = layout.mesh
+        cpu = cfg.backend == "cpu"
+        # one device's XLA:CPU runs a batched matmul on one thread: attention in a slice of the batch per thread
+        chunks = hardware.host_threads() if cpu and self.mesh.size == 1 else 1
         ops = model.Ops(constrain=layout.constrain,
-                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl),
+                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl, chunks),
                         embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
-                        dense=model.row_major_dense if cfg.backend == "cpu" else model.dense)
+                        dense=model.row_major_dense if cpu else model.dense)
         self.spec = spec = model.describe(cfg.model, ops)
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay)
         abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
