@@ -53,6 +53,18 @@ SHAPES = {"shakespeare": "configs/shakespeare_char.py", "default": "jaxllm/defau
 SEED = 0
 
 
+def cpu_model() -> str:
+    """The CPU's name and x86 family/model from ``/proc/cpuinfo`` (machines of one kind differ:
+    an "AMD EPYC" may be any generation); "unknown" where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return "unknown"
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{info.get('model name', '?')}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+
+
 def tokens_for(shape: str) -> tuple[np.ndarray, int]:
     """The token stream of a shape and its vocabulary: Tiny Shakespeare as characters (nanoGPT's
     sorted set) or as UTF-8 bytes (256)."""
@@ -296,7 +308,8 @@ def main():
     for s in shapes:
         if s not in SHAPES:
             p.error(f"--shapes: {s!r} is not one of {', '.join(SHAPES)}")
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; uptime: {os.popen('uptime').read().strip()}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs ({cpu_model()}); "
+          f"uptime: {os.popen('uptime').read().strip()}")
     ok = [compare(s, a.rounds, a.steps, a.warmup, a.threads) for s in shapes]
     sys.exit(0 if all(ok) else 1)
 
