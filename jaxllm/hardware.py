@@ -2,7 +2,8 @@
 
 * :data:`PEAK_FLOPS` / :func:`peak_flops_per_device`: the dense peak FLOP/s of one device
   (vendor datasheet for known accelerators, a measured matmul otherwise), the basis of MFU.
-* :data:`DEVICE_MEMORY`: memory per device of the accelerators ``jaxllm.plan`` checks against.
+* :data:`DEVICES` / :func:`named_device`: memory per device and backend of the accelerators
+  ``jaxllm.plan`` and ``jaxllm.tune`` check against.
 * :func:`backend_kind`: ``cpu``, ``cuda``, ``rocm`` or ``tpu`` for a running JAX backend.
 * :func:`host_threads`: the CPU cores this process may run on.
 """
@@ -18,11 +19,25 @@ import jax.extend
 import jax.numpy as jnp
 
 GiB = 2**30
-# Memory per device in bytes (vendor datasheets; MI250X: one of its two GCDs).
-DEVICE_MEMORY = {
-    "A100-40GB": 40e9, "A100-80GB": 80e9, "H100": 80e9, "H200": 141e9, "MI250X": 64 * GiB, "MI300X": 192 * GiB,
+# The accelerators that `jaxllm.plan` and `jaxllm.tune` check against (``--device``): memory
+# per device in bytes (vendor datasheets; MI250X: one of its two GCDs) and backend kind.
+DEVICES = {
+    "A100-40GB": (40e9, "cuda"), "A100-80GB": (80e9, "cuda"), "H100": (80e9, "cuda"), "H200": (141e9, "cuda"),
+    "MI250X": (64 * GiB, "rocm"), "MI300X": (192 * GiB, "rocm"),
 }
 _KINDS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def named_device(name: str) -> tuple[float, str]:
+    """Memory per device (bytes) and backend kind (``"cuda"``, ``"rocm"``) of an accelerator of
+    :data:`DEVICES`, named as a ``--device`` flag names it.
+
+    Raises:
+      ValueError: ``name`` is not in :data:`DEVICES`.
+    """
+    if name not in DEVICES:
+        raise ValueError(f"--device={name!r}: choose one of {', '.join(DEVICES)}")
+    return DEVICES[name]
 
 
 def host_threads() -> int:

@@ -24,7 +24,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from jaxllm import cli, config, flops, pipeline, sharding  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.hardware import DEVICE_MEMORY, GiB  # noqa: E402
+from jaxllm.hardware import DEVICES, GiB, named_device  # noqa: E402
 from jaxllm.run import Run  # noqa: E402
 
 
@@ -123,25 +123,21 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
-    memory, name = None, F.device
+    memory, backend = None, None  # no GPU named: plan for this machine's backend
     try:
-        if F.device:
-            if F.device not in DEVICE_MEMORY:
-                raise ValueError(f"--device={F.device!r}: choose one of {', '.join(DEVICE_MEMORY)}")
-            memory = DEVICE_MEMORY[F.device]
+        if F.device:  # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
+            memory, backend = named_device(F.device)
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
-        # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
-        backend = ("rocm" if name.startswith("MI") else "cuda") if name else None
         p = plan(F.config, F.devices, backend=backend)
     except (config.ConfigError, ValueError) as e:
         cli.fail(e)
-    print(report(p, memory, name))
+    print(report(p, memory, F.device))
 
 
 if __name__ == "__main__":
     cli.define_config_flag()
     flags.DEFINE_integer("devices", 1, "number of devices to plan for")
-    flags.DEFINE_string("device", None, f"accelerator whose memory to check against: {', '.join(DEVICE_MEMORY)}")
+    flags.DEFINE_string("device", None, f"accelerator whose memory to check against: {', '.join(DEVICES)}")
     flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
     app.run(main, flags_parser=cli.parse_flags)

@@ -46,13 +46,12 @@ def init_state(params, optimizer) -> dict:
 def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     """``train_step(state, inputs, targets[, docs]) -> (state, metrics)`` of the resolved config ``cfg``.
 
-    The loss is the mean over every token of the global batch: gradients of the
-    ``microbatches`` micro batches are summed in float32 and divided by their
-    count, which equals one step on the whole batch.  With ``docs["loss_mask"]``
-    (``data.eod_mask_loss``) it is ``sum(loss x mask) / sum(mask)`` over the whole
-    global batch (Megatron-LM's ``--calculate-per-token-loss``): each micro batch's
-    masked sum is divided by the global batch's count, and the micro batches' losses
-    and gradients are summed, so every micro-batch split computes the same number.  Dropout keys are
+    The loss is the mean over every token of the global batch: each of the
+    ``microbatches`` micro batches' summed token losses is divided by the global batch's
+    token count, and their losses and gradients are summed in float32, which equals one
+    step on the whole batch for every micro-batch split.  With ``docs["loss_mask"]``
+    (``data.eod_mask_loss``) the count is ``sum(mask)`` over the whole global batch
+    (Megatron-LM's ``--calculate-per-token-loss``).  Dropout keys are
     ``fold_in(key(seed), step)``, so a step is a pure function of its inputs.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
     norm before clipping), ``lr``, and the int32 counters ``nonfinite_steps`` (total
@@ -78,17 +77,15 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     grad_fn = jax.value_and_grad(loss_fn)
 
     def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
-        masked = "loss_mask" in docs  # then each micro batch's sum is divided by the global batch's count
-        count = token_count(targets, docs)
+        count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
 
         def micro_step(acc, xs):
             x, y, pos, d, key = xs
-            loss, grads = grad_fn(params, x, y, pos, d, key if dropout else None, count if masked else y.size)
+            loss, grads = grad_fn(params, x, y, pos, d, key if dropout else None, count)
             return jax.tree.map(jnp.add, acc, (loss, pin(grads))), None
 
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))
-        return (loss, grads) if masked else jax.tree.map(lambda g: g / inputs.shape[0], (loss, grads))
+        return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
 
     def pipelined(params, inputs, targets, order, docs, keys):  # micro batches through the pipeline stages
         loss, grads = jax.value_and_grad(lambda p: pipeline.loss(  # no docs: config.resolve refuses them here

@@ -59,7 +59,7 @@ import jax  # noqa: E402
 from jaxllm import attention, bench, cli, config, plan  # noqa: E402
 from jaxllm.data import DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.hardware import DEVICE_MEMORY, GiB  # noqa: E402
+from jaxllm.hardware import DEVICES, GiB, named_device  # noqa: E402
 
 AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
 
@@ -499,9 +499,7 @@ def main(argv):
             raise ValueError("tune lays out one node's devices: set every mesh.dcn_* to 1")
         memory = None
         if F.device:
-            if F.device not in DEVICE_MEMORY:
-                raise ValueError(f"--device={F.device!r}: choose one of {', '.join(DEVICE_MEMORY)}")
-            memory = DEVICE_MEMORY[F.device]
+            memory = named_device(F.device)[0]
         if F.device_memory:
             memory = plan.parse_bytes(F.device_memory)
         if memory is None:
@@ -550,7 +548,7 @@ if __name__ == "__main__":
     cli.define_config_flag()
     flags.DEFINE_integer("devices", 0, "devices to lay out (CPU: fake devices); 0: all")
     flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)")
-    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICE_MEMORY)}")
+    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICES)}")
     flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)")
     flags.DEFINE_string("axes", ",".join(AXES), "mesh axes to factorize the devices over")
     flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)")
