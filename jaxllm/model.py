@@ -213,11 +213,25 @@ def _gelu_jvp(primals, tangents):
     return gelu(x), (slope * dx).astype(x.dtype)
 
 
-def _dropout(x, rate, key):
-    if key is None or rate == 0.0:
+def _dropout(x, rate, keys, order=None):
+    """Inverted dropout of ``x`` ``[batch, len, ...]`` with one key per row ``keys`` ``[batch]``.
+
+    Each token's mask is drawn from ``fold_in(its row's key, its index in the sequence)``
+    (``order`` int32 ``[batch, len]``, ring attention's reordering; None: ``arange(len)``), so
+    that how the batch is split into micro batches, devices or a reordered sequence does not
+    change which activations are dropped.
+    """
+    if keys is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    index = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) if order is None else order
+    token_mask = lambda key, i: jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - rate, x.shape[2:])  # noqa: E731
+    keep = jax.vmap(jax.vmap(token_mask, in_axes=(None, 0)))(keys, index)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _split_rows(keys, n):
+    """Per-row keys ``[batch]`` -> ``n`` of them ``[n, batch]``."""
+    return jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(keys)
 
 
 class Norm(nnx.Module):
@@ -318,10 +332,10 @@ class Block(nnx.Module):
         self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs, ops)
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
-        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        k1, k2 = _split_rows(key, 2) if key is not None else (None, None)
         y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
-        x = self.ops.constrain(x + _dropout(y, self.dropout, k1), RESIDUAL)
-        x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2)
+        x = self.ops.constrain(x + _dropout(y, self.dropout, k1, order), RESIDUAL)
+        x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2, order)
         return self.ops.constrain(x, RESIDUAL), cache
 
 
@@ -371,7 +385,8 @@ class GPT(nnx.Module):
             when the batch is reordered (ring attention's zigzag order); None: the array's order.
           segment_ids: int32 ``[batch, len]``: a token attends only to earlier tokens of the same
             segment (its document); None: one segment.
-          dropout_key: PRNG key; None disables dropout (evaluation, decoding).
+          dropout_key: PRNG keys ``[batch]``, one per row (the training step derives each from the
+            row's index in the global batch); None disables dropout (evaluation, decoding).
           cache: None, or the decoding cache from :func:`init_cache`; its keys and
             values are written at ``positions`` (which must be contiguous).
         Returns:
@@ -379,7 +394,7 @@ class GPT(nnx.Module):
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x, keys = self.embed(tokens, positions, dropout_key)
+        x, keys = self.embed(tokens, positions, dropout_key, order)
         x, cache_out = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, cache,
                                        order=order, segment_ids=segment_ids)
         logits = self.head(x)
@@ -392,23 +407,23 @@ class GPT(nnx.Module):
         other arguments as :meth:`__call__`, without the logits (:meth:`output_loss`)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x, keys = self.embed(tokens, positions, dropout_key)
+        x, keys = self.embed(tokens, positions, dropout_key, order)
         x, _ = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, order=order,
                                segment_ids=segment_ids)
         return self.output_loss(x, targets, loss_mask)
 
-    def embed(self, tokens, positions, dropout_key=None):
+    def embed(self, tokens, positions, dropout_key=None, order=None):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
-        dropout, and the per-layer dropout keys ``[layers]`` (None without ``dropout_key``)."""
+        dropout, and the per-layer dropout keys ``[layers, batch]`` (None without ``dropout_key``;
+        the arguments as :meth:`__call__`)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = self.ops.embed(self.wte[...].astype(dt), tokens)
         if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)
             x = x + self.ops.constrain(self.wpe[...].astype(dt), (None, None))[positions]
         keys = None
         if dropout_key is not None:
-            dropout_key, emb_key = jax.random.split(dropout_key)
-            x = _dropout(x, cfg.dropout, emb_key)
-            keys = jax.random.split(dropout_key, cfg.num_layers)
+            keys = _split_rows(dropout_key, cfg.num_layers + 1)
+            x, keys = _dropout(x, cfg.dropout, keys[0], order), keys[1:]
         return self.ops.constrain(x, RESIDUAL), keys
 
     def run_layers(self, x, positions, layer_params, keys=None, cache=None, *, order=None, segment_ids=None):
@@ -418,7 +433,7 @@ class GPT(nnx.Module):
         Args:
           x: ``[batch, len, embed]``; positions, order, segment_ids: int32 ``[batch, len]`` (or None
             for the last two), as :meth:`__call__`.
-          keys: dropout keys, one per layer of ``layer_params``, or None.
+          keys: dropout keys ``[layers, batch]``, per layer of ``layer_params`` and row, or None.
           cache: decoding cache of these layers, or None.
         Returns:
           ``(x, cache)``.

@@ -339,7 +339,8 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
         multiple of the stages (checked by :func:`check`).
       positions: int32 ``[microbatches, micro_batch, seq]``, the same in every microbatch (ring
         attention's order, :func:`jaxllm.context_parallel.zigzag`), or None: ``arange(seq)``.
-      dropout_keys: one PRNG key per microbatch ``[microbatches]``, or None (no dropout).
+      dropout_keys: one PRNG key per row ``[microbatches, micro_batch]``
+        (:func:`jaxllm.step.row_keys`), or None (no dropout).
     Returns:
       float32 scalar: the mean cross entropy over every token (the model's fused output loss,
       :meth:`jaxllm.model.GPT.output_loss`), as the same batch gives without pipeline.  Its
@@ -375,9 +376,9 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
 
     if dropout_keys is None:
         x, layer_keys = jax.vmap(lambda t: gpt.embed(t, positions)[0])(inputs), None
-    else:  # [m, layers] -> per stage [p, m, v, layers / (p v)]
-        x, layer_keys = jax.vmap(lambda t, k: gpt.embed(t, positions, k))(inputs, dropout_keys)
-        layer_keys = _stage_layout(layer_keys.swapaxes(0, 1), p, v).transpose(0, 3, 1, 2)
+    else:  # [m, layers, mb] -> per stage [p, m, v, layers / (p v), mb]
+        x, layer_keys = jax.vmap(lambda t, k: gpt.embed(t, positions, k, positions))(inputs, dropout_keys)
+        layer_keys = _stage_layout(layer_keys.swapaxes(0, 1), p, v).transpose(0, 3, 1, 2, 4)
 
     stage_params = jax.tree.map(lambda w, axes: constrain(_stage_layout(w, p, v), _stage_axes(axes)),
                                 params["layers"], spec.axes["layers"])
@@ -588,8 +589,8 @@ def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
         split = _SplitBackward(layer_graphdef, router, one_layer, jax.ShapeDtypeStruct((mb, seq, hidden), dtype),
                                positions, cfg.model.remat, layer_axes)
 
-    def embed(rest, tokens, key):  # -> [mb, seq, embed], dropout keys of every layer [layers] or None
-        return nnx.merge(spec.graphdef, {**rest, "layers": layers}).embed(tokens, positions, key)
+    def embed(rest, tokens, key):  # -> [mb, seq, embed], dropout keys of every layer [layers, mb] or None
+        return nnx.merge(spec.graphdef, {**rest, "layers": layers}).embed(tokens, positions, key, positions)
 
     def head_loss(rest, h, y):  # summed token losses of one microbatch (the model's fused output loss)
         return nnx.merge(spec.graphdef, {**rest, "layers": layers}).output_loss(h, y)

@@ -35,6 +35,15 @@ def token_count(targets, docs):
     return jnp.maximum(jnp.sum(docs["loss_mask"]), 1.0)
 
 
+def row_keys(key, shape):
+    """One PRNG key per row of a batch ``[microbatches, rows]`` (``shape``): ``fold_in(key, r)``
+    with ``r`` the row's index in the global batch, whose row ``r`` is in micro batch
+    ``r % microbatches`` (:meth:`jaxllm.run.Run.global_batch`)."""
+    m, rows = shape
+    index = jnp.arange(m * rows).reshape(rows, m).T
+    return jax.vmap(jax.vmap(lambda r: jax.random.fold_in(key, r)))(index)
+
+
 def init_state(params, optimizer) -> dict:
     """The training state at step 0 around ``params`` (jit it with ``out_shardings`` to create it
     sharded; ``jax.eval_shape`` it for the shapes)."""
@@ -52,7 +61,9 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     step on the whole batch for every micro-batch split.  With ``docs["loss_mask"]``
     (``data.eod_mask_loss``) the count is ``sum(mask)`` over the whole global batch
     (Megatron-LM's ``--calculate-per-token-loss``).  Dropout keys are
-    ``fold_in(key(seed), step)``, so a step is a pure function of its inputs.
+    ``fold_in(fold_in(key(seed), step), row)`` for each row of the global batch (its
+    index before the split into micro batches, see :func:`row_keys`), so a step is a pure
+    function of its inputs, and its dropout masks do not depend on the layout.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
     norm before clipping), ``lr``, and the int32 counters ``nonfinite_steps`` (total
     skipped steps of the run) and ``nonfinite_in_a_row`` (consecutive ones, ending at
@@ -96,7 +107,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
 
     def train_step(state, inputs, targets, docs=None):
         params = state["params"]
-        keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), inputs.shape[0])
+        keys = row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
         inputs, targets, order, docs = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets,
                                                                docs)
         loss, grads = loss_and_grads(params, inputs, targets, order, docs, keys)

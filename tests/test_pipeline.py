@@ -30,15 +30,16 @@ LAYOUTS = {
 
 
 FULL = {"remat": "full"}
-DROPOUT = {"dropout": 0.1}  # only where the data-parallel size is 1: it sets the microbatches, hence the keys
+DROPOUT = {"dropout": 0.1}
 # The 1F1B family: each schedule once against the single-device run, the three layouts sharing out the
 # acceptance list (pipeline 2 and 4, x data 2, x tensor 2, x sequence 2 (ring; allgather), 2 virtual
-# stages; no remat, full remat, save_dots) with dropout (the keys of every chunk), ZeRO-3 and megatron_sp
-# riding along.  Only three, as each compiles its own fused loop: this module must stay quick on 2 cores.
-# (Ring attention reorders the tokens, so its dropout masks differ from one device's: no dropout with ring.)
+# stages; no remat, full remat, save_dots) with dropout (the keys of every chunk, row and token: the
+# same masks with 4 microbatches of 4 rows as with 8 of 2, and in ring attention's reordered sequence),
+# ZeRO-3 and megatron_sp riding along.  Only three, as each compiles its own fused loop: this module
+# must stay quick on 2 cores.
 FUSED = {
-    "1f1b_pipeline2_data2_sequence2_ring_zero3": {
-        "mesh": {"pipeline": 2, "data": 2, "sequence": 2}, "model": L4,
+    "1f1b_pipeline2_data2_sequence2_ring_zero3_dropout": {
+        "mesh": {"pipeline": 2, "data": 2, "sequence": 2}, "model": {**L4, **DROPOUT},
         "parallel": {"pipeline_schedule": "1f1b", "zero_stage": 3, "sequence_impl": "ring"}},
     "zb_h1_pipeline4_tensor2_megatron_sp_save_dots_dropout": {
         "mesh": {"pipeline": 4, "tensor": 2}, "parallel": {"pipeline_schedule": "zb_h1", "megatron_sp": True},

@@ -21,13 +21,15 @@ LAYOUTS = {
     "single": {"eval": True},
     "single_rotary": {"model": {"position_embedding": "rotary"}},
     "single_gqa": {"model": {"num_kv_heads": 4}},
+    "single_dropout": {"model": {"dropout": 0.1}},
     **{f"sequence8_{impl}": {"mesh": {"sequence": 8}, **SP(impl), "eval": True} for impl in IMPLS},
     "sequence8_ring_rotary": {"mesh": {"sequence": 8}, **SP("ring"), "model": {"position_embedding": "rotary"}},
     "sequence4_tensor2_allgather": {"mesh": {"sequence": 4, "tensor": 2}, **SP("allgather")},
     "sequence4_tensor2_ring_megatron_sp": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ring", megatron_sp=True)},
     "sequence4_tensor2_ulysses": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ulysses")},
     "sequence2_data2_tensor2_allgather": {"mesh": {"sequence": 2, "data": 2, "tensor": 2}, **SP("allgather")},
-    "sequence2_data2_tensor2_ring": {"mesh": {"sequence": 2, "data": 2, "tensor": 2}, **SP("ring")},
+    "sequence2_data2_tensor2_ring_dropout": {"mesh": {"sequence": 2, "data": 2, "tensor": 2}, **SP("ring"),
+                                             "model": {"dropout": 0.1}},
     "sequence2_data2_tensor2_ulysses_gqa": {"mesh": {"sequence": 2, "data": 2, "tensor": 2}, **SP("ulysses"),
                                             "model": {"num_kv_heads": 4}},
     "sequence2_pipeline2_data2_ring": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ring"), "eval": True},
@@ -38,7 +40,7 @@ LAYOUTS = {
                             "model": {"num_attention_heads": 4, "num_kv_heads": 4}},
     "error_ring_length": {"mesh": {"sequence": 8}, **SP("ring"), "train": {"seq_length": 24}},
 }
-REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa"}
+REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa", "dropout": "single_dropout"}
 
 
 @pytest.fixture(scope="module")
