@@ -386,7 +386,8 @@ class GPT(nnx.Module):
           segment_ids: int32 ``[batch, len]``: a token attends only to earlier tokens of the same
             segment (its document); None: one segment.
           dropout_key: PRNG keys ``[batch]``, one per row (the training step derives each from the
-            row's index in the global batch); None disables dropout (evaluation, decoding).
+            row's index in the global batch), or one key, folded with each row's index here;
+            None disables dropout (evaluation, decoding).
           cache: None, or the decoding cache from :func:`init_cache`; its keys and
             values are written at ``positions`` (which must be contiguous).
         Returns:
@@ -422,6 +423,8 @@ class GPT(nnx.Module):
             x = x + self.ops.constrain(self.wpe[...].astype(dt), (None, None))[positions]
         keys = None
         if dropout_key is not None:
+            if dropout_key.ndim == 0:
+                dropout_key = jax.vmap(jax.random.fold_in, (None, 0))(dropout_key, jnp.arange(tokens.shape[0]))
             keys = _split_rows(dropout_key, cfg.num_layers + 1)
             x, keys = _dropout(x, cfg.dropout, keys[0], order), keys[1:]
         return self.ops.constrain(x, RESIDUAL), keys

@@ -208,6 +208,18 @@ def test_gradient_accumulation_equals_one_big_batch(dropout):
         assert abs(float(m1["loss"]) - float(plain)) > 1e-4, (m1["loss"], plain)
 
 
+def test_one_dropout_key_is_one_key_per_row_folded_in():
+    """The model takes one dropout key (other programs) or one per row (the train step): the same masks."""
+    cfg = small_cfg(dropout=0.1)
+    spec, params = model.describe(cfg.model), model.init(cfg.model, 0)
+    tokens = np.random.default_rng(0).integers(0, 97, (3, 32)).astype(np.int32)
+    key = jax.random.key(5)
+    per_row = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(3))
+    one = model.loss(spec.graphdef, params, tokens, tokens, dropout_key=key)
+    np.testing.assert_array_equal(one, model.loss(spec.graphdef, params, tokens, tokens, dropout_key=per_row))
+    assert abs(float(one - model.loss(spec.graphdef, params, tokens, tokens))) > 1e-2  # it dropped something
+
+
 def test_row_major_dense_is_dense_with_its_gradients():
     """Every layer matmul's spec, with and without a bias, both transposition branches (the
     contracted size below and above the output size): the same values and gradients as autodiff
