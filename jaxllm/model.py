@@ -229,6 +229,12 @@ def _dropout(x, rate, keys, order=None):
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
+def row_keys(key, rows):
+    """``fold_in(key, r)`` for every row index ``r`` of the int array ``rows`` (any shape): the
+    dropout keys ``[*rows.shape]`` of those rows."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, rows.reshape(-1)).reshape(rows.shape)
+
+
 def _split_rows(keys, n):
     """Per-row keys ``[batch]`` -> ``n`` of them ``[n, batch]``."""
     return jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(keys)
@@ -424,7 +430,7 @@ class GPT(nnx.Module):
         keys = None
         if dropout_key is not None:
             if dropout_key.ndim == 0:
-                dropout_key = jax.vmap(jax.random.fold_in, (None, 0))(dropout_key, jnp.arange(tokens.shape[0]))
+                dropout_key = row_keys(dropout_key, jnp.arange(tokens.shape[0]))
             keys = _split_rows(dropout_key, cfg.num_layers + 1)
             x, keys = _dropout(x, cfg.dropout, keys[0], order), keys[1:]
         return self.ops.constrain(x, RESIDUAL), keys

@@ -40,8 +40,7 @@ def row_keys(key, shape):
     with ``r`` the row's index in the global batch, whose row ``r`` is in micro batch
     ``r % microbatches`` (:meth:`jaxllm.run.Run.global_batch`)."""
     m, rows = shape
-    index = jnp.arange(m * rows).reshape(rows, m).T
-    return jax.vmap(jax.vmap(lambda r: jax.random.fold_in(key, r)))(index)
+    return model.row_keys(key, jnp.arange(m * rows).reshape(rows, m).T)
 
 
 def init_state(params, optimizer) -> dict:
