@@ -80,7 +80,7 @@ def _peak_bytes():
 
 def run_case(impl, seq, a):
     """Measure one (impl, seq) case; returns a dict of results (or ``error``)."""
-    from jaxllm.attention import attention
+    from jaxllm.model.attention import attention
 
     kvh = a.kv_heads or a.heads
     dtype = jnp.dtype(a.dtype)
@@ -170,7 +170,7 @@ def main():
         impl, seq = a._case.split(",")
         print(json.dumps(run_case(impl, int(seq), a)))
         return
-    from jaxllm.attention import available_impls, resolve_impl
+    from jaxllm.model.attention import available_impls, resolve_impl
 
     impls = [s for s in a.impls.split(",") if s] or available_impls()
     for impl in impls:

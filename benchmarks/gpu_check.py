@@ -7,7 +7,7 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
 
 1. versions (Python, jax, jaxlib and its GPU plugins, flax, optax, orbax, triton, jax_triton,
    ml_collections), the devices JAX sees, ``nvidia-smi``/``rocm-smi`` and the GPU settings of
-   :mod:`jaxllm.gpu_env`;
+   :mod:`jaxllm.platform.gpu_env`;
 2. the GPU tests: ``tests/test_kernels.py`` compiled Pallas, Triton (where ``jax_triton``
    imports) and cuDNN attention against the XLA reference, forward and backward (the tests that
    skip on a CPU);
@@ -122,7 +122,8 @@ def run_step(title, cmd, env, timeout) -> dict:
 
 _DEVICES = """
 import json, jax
-from jaxllm import attention, hardware
+from jaxllm.model import attention
+from jaxllm.platform import hardware
 from jaxllm_kernels import pallas_attention, triton_attention
 d = jax.devices()[0]
 peak, source = hardware.peak_flops_per_device(d, "bfloat16") if d.platform != "cpu" else (None, "cpu")
@@ -209,7 +210,7 @@ def report(a, results, started, total_s) -> str:
                   + (f"{dev['peak'] / 1e12:.1f} TFLOP/s ({dev['peak_source']})" if dev["peak"] else "n/a"), ""]
     lines += ["| package | version |", "|---|---|"] + [f"| {n} | {v} |" for n, v in versions()] + [""]
     lines += [_fence(smi()), ""]
-    from jaxllm import gpu_env  # noqa: PLC0415
+    from jaxllm.platform import gpu_env  # noqa: PLC0415
 
     vendor = dev.get("kind") if dev.get("kind") in ("cuda", "rocm") else None
     line = gpu_env.apply(dict(os.environ), vendor).line() if vendor else ""
@@ -226,7 +227,8 @@ def report(a, results, started, total_s) -> str:
         else:
             table = _table_lines(r["stdout"])
             lines.append(table if table else _fence(r["stdout"][-3000:]))
-            heads = [ln for ln in r["stdout"].splitlines() if ln.startswith(("#", "batch=", "FLOPs", "jaxllm.gpu_env"))]
+            starts = ("#", "batch=", "FLOPs", "jaxllm.platform.gpu_env")
+            heads = [ln for ln in r["stdout"].splitlines() if ln.startswith(starts)]
             if heads:
                 lines += ["", _fence("\n".join(heads))]
         if r["rc"] != 0:

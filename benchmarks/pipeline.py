@@ -7,7 +7,7 @@
 For each microbatch count ``m`` and each schedule (gpipe, interleaved and interleaved_1f1b
 with ``--virtual`` chunks per stage, 1f1b, zb_h1) it compiles the train step of a small GPT
 (``--layers`` layers, float32, no remat) and prints one Markdown row: the schedule's bubble
-and activations in flight per stage (:func:`jaxllm.pipeline.stats`), XLA's per-device
+and activations in flight per stage (:func:`jaxllm.parallel.schedules.stats`), XLA's per-device
 temporaries (``Compiled.memory_analysis().temp_size_in_bytes``: activations kept for the
 backward pass, gradients in flight, collective buffers) and their ratio to the same
 schedule at the first ``m``, the whole executable's bytes, and the median step time of
@@ -31,8 +31,10 @@ if __name__ == "__main__":  # the device count must be fixed before jax is impor
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import config, pipeline, plan  # noqa: E402
-from jaxllm.run import Run  # noqa: E402
+from jaxllm import config, plan  # noqa: E402
+from jaxllm.parallel import schedules  # noqa: E402
+from jaxllm.resolve import resolve
+from jaxllm.runtime.run import Run  # noqa: E402
 
 
 def _parse():
@@ -60,7 +62,7 @@ def measure(args, m, stages, schedule, virtual):
     cfg.mesh.update(pipeline=stages, data=args.data)
     cfg.parallel.update(pipeline_schedule=schedule, pipeline_virtual_stages=virtual)
     n = stages * args.data
-    cfg = config.resolve(cfg, num_devices=n, data_files=False)
+    cfg = resolve(cfg, num_devices=n, data_files=False)
     run = Run(cfg, devices=jax.devices()[:n])
     tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.global_batch_size, args.seq + 1), dtype=np.int32)
     batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])
@@ -93,7 +95,7 @@ def main():
         for name, stages, v in rows:
             schedule = "gpipe" if stages == 1 else name
             temp, total, secs = measure(args, m, stages, schedule, v)
-            st = pipeline.stats(schedule, stages, v, m)
+            st = schedules.stats(schedule, stages, v, m)
             bubble = f"{st.bubble:.1%}" if stages > 1 else "-"
             flight = "-" if stages == 1 else f"{st.in_flight}" + (f" + {st.deferred} awaiting W" if st.deferred else "")
             ratio = f"{temp / first.setdefault(name, temp):.2f}"

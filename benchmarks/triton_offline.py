@@ -42,7 +42,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from jaxllm import attention
+from jaxllm.model import attention
 from jaxllm_kernels import lowering
 from jaxllm_kernels import pallas_attention as pa
 

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.resolve import resolve
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 SHAPES = {"shakespeare": "configs/shakespeare_char.py", "default": "jaxllm/default_config.py"}
@@ -97,17 +99,17 @@ def load_config(path: Path):
 
 
 def jax_worker(shape: str, total: int, init_path: str):
-    from jaxllm import host_memory  # noqa: PLC0415
+    from jaxllm.platform import host_memory  # noqa: PLC0415
 
     host_memory.keep_freed_memory()  # as python -m jaxllm.train does on CPUs, before XLA's threads start
     import jax  # noqa: PLC0415
 
-    from jaxllm import config, optim  # noqa: PLC0415
-    from jaxllm.run import Run  # noqa: PLC0415
+    from jaxllm.runtime import optim  # noqa: PLC0415
+    from jaxllm.runtime.run import Run  # noqa: PLC0415
 
     tokens, vocab = tokens_for(shape)
     spec = load_config(ROOT / SHAPES[shape])
-    cfg = config.resolve(spec, num_devices=1, vocab_size=vocab)
+    cfg = resolve(spec, num_devices=1, vocab_size=vocab)
     m, t = cfg.model, cfg.train
     if m.padded_vocab_size != m.vocab_size:
         raise SystemExit(f"{shape}: padded vocabulary {m.padded_vocab_size} != {m.vocab_size}; "

@@ -1,1 +1,1 @@
-"""jaxllm: GPT training in JAX. ``jaxllm.model`` holds the model, ``jaxllm.sharding`` the rules table."""
+"""jaxllm: GPT training in JAX. ``jaxllm.model`` holds the model, ``jaxllm.parallel.sharding`` the rules table."""

@@ -1,10 +1,10 @@
 """Throughput benchmark: ``python -m jaxllm.bench --config=FILE.py[:KEY] [--config.S.K=V ...] [flags]``.
 
-Compiles the training step of :class:`jaxllm.run.Run` (timed: compile time), runs
+Compiles the training step of :class:`jaxllm.runtime.run.Run` (timed: compile time), runs
 ``--warmup`` steps that are not timed, then ``--steps`` timed steps, each ended by
 reading its metrics back (as the training loop does every step), and reports
 tokens/s, step time, model TFLOP/s per device, MFU and HFU (with the matmuls that
-``model.remat`` recomputes: :func:`jaxllm.flops.hardware_flops_per_step`), peak
+``model.remat`` recomputes: :func:`jaxllm.runtime.flops.hardware_flops_per_step`), peak
 memory per device and compile time.  One JSON line per benchmarked config is
 appended to ``--output``.
 
@@ -26,8 +26,8 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
-    from jaxllm import gpu_env, host_memory
     from jaxllm.cli import force_host_devices
+    from jaxllm.platform import gpu_env, host_memory
 
     force_host_devices(sys.argv)
     _gpu = gpu_env.apply()  # the same GPU settings as training
@@ -43,10 +43,14 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import cli, config, flops, hardware, model, pipeline, plan  # noqa: E402
+from jaxllm import cli, config, model, plan  # noqa: E402
 from jaxllm.data import Batches, Data, DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.run import Run  # noqa: E402
+from jaxllm.parallel import schedules  # noqa: E402
+from jaxllm.platform import hardware  # noqa: E402
+from jaxllm.resolve import resolve
+from jaxllm.runtime import flops  # noqa: E402
+from jaxllm.runtime.run import Run  # noqa: E402
 
 DATA_MODES = ("synthetic", "real")
 
@@ -82,12 +86,12 @@ def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", w
         raise ValueError(f"--data={data!r}: choose synthetic or real")
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
     read = data == "real" or (not spec.model.vocab_size and vocab is None)
-    config.resolve(spec, num_devices=num_devices, data_files=read)  # every config error before the data is read
+    resolve(spec, num_devices=num_devices, data_files=read)  # every config error before the data is read
     tokens = None
     if read:
         tokens = Data(spec, workdir, splits=("train",))
         vocab = tokens.vocab_size
-    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=read)
+    cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=read)
     return cfg, (tokens if data == "real" else None)
 
 
@@ -109,7 +113,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       it, a process-lifetime maximum, else ``compiled memory_analysis``) and
       ``compiled_memory_bytes`` (always the compiled executable's total); ``step_times_s``:
       every timed step; ``pipeline_schedule`` (None without pipeline), ``pipeline_bubble``,
-      ``pipeline_in_flight``, ``pipeline_awaiting_w`` (:func:`jaxllm.pipeline.stats`).
+      ``pipeline_in_flight``, ``pipeline_awaiting_w`` (:func:`jaxllm.parallel.schedules.stats`).
     Raises:
       ValueError: ``steps < 1`` or ``warmup < 0``.
     """
@@ -149,7 +153,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
             times.append(time.perf_counter() - start)
 
     step_time = float(np.mean(times))
-    schedule = pipeline.schedule_stats(cfg)
+    schedule = schedules.schedule_stats(cfg)
     out = flops.throughput(step_time, cfg, num_devices=n, peak_flops=peak)
     stats = devices[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:

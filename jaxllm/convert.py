@@ -50,8 +50,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxllm import checkpoint, cli, config, model, optim, step
+from jaxllm import cli, config, model
 from jaxllm.data.tokenizers import GPT2_EOT_ID, GPT2_FILES, GPT2_VOCAB_SIZE, DataError, GPT2Tokenizer
+from jaxllm.resolve import resolve, resolve_model
+from jaxllm.runtime import checkpoint, optim, step
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -257,7 +259,7 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     """A jaxllm model as a Hugging Face GPT-2 or Llama model.
 
     Args:
-      m: the resolved ``model`` section (:func:`jaxllm.config.resolve_model`).
+      m: the resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`).
       params: the nested parameters of :func:`jaxllm.model.init` (jax or numpy arrays), shaped
         as ``model.describe(m).params``: ``wte [vocab, h]``, ``wpe [positions, h]`` (learned),
         ``layers/attn/wq [L, h, heads, d]``, ``wk``/``wv [L, h, kv_heads, d]``, ``wo [L, heads, d, h]``,
@@ -343,7 +345,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
     if os.path.isdir(out) and os.listdir(out):
         raise ConvertError(f"{out} exists and is not empty: export into a new directory")
     cfg = checkpoint.load_config(workdir, step)
-    m = config.resolve_model(cfg.model, seq_length=cfg.train.seq_length)  # the run's padding is restored away
+    m = resolve_model(cfg.model, seq_length=cfg.train.seq_length)  # the run's padding is restored away
     hf_architecture(m)  # fail before reading the parameters
     return save_hf(m, checkpoint.restore_params(m, workdir, step), out, data=cfg.data)
 
@@ -478,7 +480,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
                            f"config.json", keys=("train.seq_length",))
     # The checkpoint fits any mesh: check the config on the devices its mesh names (a -1 axis as 1),
     # whatever this machine has.
-    cfg = config.resolve(given, num_devices=math.prod(max(n, 1) for n in dataclasses.asdict(given.mesh).values()))
+    cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in dataclasses.asdict(given.mesh).values()))
     return given, cfg, _params_from_hf(arch, cfg.model, read_safetensors(directory))
 
 
@@ -545,8 +547,8 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
     """``--from-hf``: a step-0 training checkpoint of the Hugging Face model in ``directory``,
     written to ``workdir`` (which must hold no checkpoint), plus ``workdir/config.py``.
 
-    The state is :func:`jaxllm.step.init_state`'s around HF's parameters (a fresh optimizer
-    state), saved by :class:`jaxllm.checkpoint.Checkpointer` as training saves it.  Unless
+    The state is :func:`jaxllm.runtime.step.init_state`'s around HF's parameters (a fresh optimizer
+    state), saved by :class:`jaxllm.runtime.checkpoint.Checkpointer` as training saves it.  Unless
     ``overrides`` set ``data.tokenizer`` or ``data.gpt2_dir``, GPT-2's tokenizer found in
     ``directory`` is copied to ``workdir/tokenizer`` and used (``data.tokenizer=gpt2``).
     ``config.py`` holds the config as given (derived sizes left to ``jaxllm.train``).

@@ -1,6 +1,6 @@
 """Text generation CLI: ``python -m jaxllm.generate --workdir DIR --prompt "..."``.
 
-Samples from the last checkpoint of a training run (see :mod:`jaxllm.sampling`), on this
+Samples from the last checkpoint of a training run (see :mod:`jaxllm.runtime.sampling`), on this
 host whatever mesh the run used.
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import checkpoint, cli, config, model
+from jaxllm import cli, model
 from jaxllm.data import Data, DataError
-from jaxllm.sampling import Sampler
+from jaxllm.resolve import resolve_model
+from jaxllm.runtime import checkpoint
+from jaxllm.runtime.sampling import Sampler
 
 
 def main(argv):
@@ -27,7 +29,7 @@ def main(argv):
         cli.fail(f"error: {e}")
     except DataError as e:
         cli.fail(f"data error: {e}")
-    model_cfg = config.resolve_model(saved.model, seq_length=saved.train.seq_length)
+    model_cfg = resolve_model(saved.model, seq_length=saved.train.seq_length)
     params = checkpoint.restore_params(model_cfg, F.workdir)
     prompt = tokenizer.encode(F.prompt or "\n")
     sampler = Sampler(model_cfg, model.describe(model_cfg).graphdef, params, saved.train.seq_length)

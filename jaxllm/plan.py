@@ -22,10 +22,13 @@ if __name__ == "__main__":  # the device count must be fixed before jax is impor
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxllm import cli, config, flops, pipeline, sharding  # noqa: E402
+from jaxllm import cli, config  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.hardware import DEVICES, GiB, named_device  # noqa: E402
-from jaxllm.run import Run  # noqa: E402
+from jaxllm.parallel import schedules, sharding  # noqa: E402
+from jaxllm.platform.hardware import DEVICES, GiB, named_device  # noqa: E402
+from jaxllm.resolve import resolve
+from jaxllm.runtime import flops  # noqa: E402
+from jaxllm.runtime.run import Run  # noqa: E402
 
 
 def parse_bytes(text: str) -> float:
@@ -57,17 +60,17 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
-    to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.flops.flops_per_step`),
+    to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.runtime.flops.flops_per_step`),
     ``compile_s``, ``dtype`` (the compute dtype planned), ``pipeline`` (stages, virtual stages,
     microbatches, and the schedule's summary: bubble and activations in flight,
-    :func:`jaxllm.pipeline.summary`).
+    :func:`jaxllm.parallel.schedules.summary`).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
     if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
-    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+    cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
     run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     t0 = time.perf_counter()
@@ -89,7 +92,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
         "dtype": cfg.model.dtype,
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
-        "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, pipeline.summary(cfg)),
+        "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
     }
 
 
@@ -107,7 +110,7 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
-        f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.flops.flops_per_step)",
+        f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.runtime.flops.flops_per_step)",
     ]
     stages, virtual, microbatches, schedule = p["pipeline"]
     if stages > 1:

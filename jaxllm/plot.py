@@ -1,6 +1,6 @@
 """Loss curve of a run: ``python -m jaxllm.plot WORKDIR [--output FILE.png]``.
 
-Reads ``WORKDIR/metrics.jsonl`` (see :class:`jaxllm.metrics.MetricsLogger`) and draws the
+Reads ``WORKDIR/metrics.jsonl`` (see :class:`jaxllm.runtime.metrics.MetricsLogger`) and draws the
 training loss and the validation loss (nats/token) against the step, with the validation
 split's unigram entropy (the best context-free model's loss, logged with each evaluation)
 as a horizontal line.  A resumed run appends to the file; where a step was logged twice

@@ -2,11 +2,11 @@
 
 With no flags it trains the default config (:mod:`jaxllm.config`) on the Python
 standard library's sources.  Rerunning with the same ``--workdir`` resumes from
-the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.checkpoint`).
+the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.runtime.checkpoint`).
 
 Exit codes: 0 done; 1 an unexpected error, or :class:`NonFiniteError` (the loss or
 gradient norm was NaN/inf for ``train.max_nonfinite_steps`` steps in a row), or
-:class:`jaxllm.checkpoint.CheckpointError` (checkpoints exist but none can be read);
+:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read);
 2 bad config or data, one line naming the key, the value and the fix, before
 anything is compiled; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
 made the run save a checkpoint at the next step boundary and stop; rerun the same
@@ -26,25 +26,16 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import (
-    checkpoint,
-    cli,
-    config,
-    console,
-    distributed,
-    flops,
-    gpu_env,
-    hardware,
-    host_memory,
-    metrics,
-    model,
-    pipeline,
-)
+from jaxllm import cli, config, model
 from jaxllm.data import Batches, Data, DataError, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
-from jaxllm.run import Run
-from jaxllm.sampling import Sampler
-from jaxllm.watchdog import Watchdog
+from jaxllm.parallel import schedules
+from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
+from jaxllm.resolve import resolve
+from jaxllm.runtime import checkpoint, flops, metrics
+from jaxllm.runtime.run import Run
+from jaxllm.runtime.sampling import Sampler
+from jaxllm.runtime.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
@@ -119,9 +110,9 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
     Raises:
       ConfigError, DataError: with the key or file, the value and the fix.
     """
-    config.resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
+    resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
     data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",))
-    return config.resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
+    return resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
 
 def check(spec: config.Config, num_devices: int) -> str:
@@ -131,10 +122,10 @@ def check(spec: config.Config, num_devices: int) -> str:
     The attention implementation is checked against the backend ``JAX_PLATFORMS`` or the
     machine names (CPU if none); the data are read when the job starts.
     Raises:
-      ConfigError: as :func:`jaxllm.config.resolve`.
+      ConfigError: as :func:`jaxllm.resolve.resolve`.
     """
     backend = distributed.gpu_vendor(os.environ) or "cpu"
-    cfg = config.resolve(spec, num_devices=num_devices, vocab_size=KNOWN_VOCAB_SIZES.get(spec.data.tokenizer),
+    cfg = resolve(spec, num_devices=num_devices, vocab_size=KNOWN_VOCAB_SIZES.get(spec.data.tokenizer),
                          backend=backend)
     mesh = " x ".join(f"{a} {n}" for a, n in cfg.mesh_shape.items() if n > 1) or "one device"
     return (f"config ok for {num_devices} {backend} devices: {mesh}, "
@@ -148,7 +139,7 @@ def pipeline_note(cfg) -> str:
     if p == 1:
         return ""
     chunks = f" x {v} virtual" if v > 1 else ""
-    return f" through {p}{chunks} pipeline stages ({pipeline.summary(cfg)})"
+    return f" through {p}{chunks} pipeline stages ({schedules.summary(cfg)})"
 
 
 def train(cfg, workdir: str) -> dict:
@@ -158,7 +149,7 @@ def train(cfg, workdir: str) -> dict:
     Raises:
       Preempted: SIGTERM/SIGUSR1 arrived; a checkpoint was saved at the next step boundary.
       NonFiniteError: ``train.max_nonfinite_steps`` skipped (non-finite) steps in a row.
-      jaxllm.checkpoint.CheckpointError: checkpoints exist and none can be restored.
+      jaxllm.runtime.checkpoint.CheckpointError: checkpoints exist and none can be restored.
       ConfigError, DataError: see :func:`setup`.
     """
     check_workdir(workdir)
@@ -201,7 +192,7 @@ def train(cfg, workdir: str) -> dict:
     logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
                                    progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
     last, last_eval = {}, {}
-    bubble = pipeline.schedule_bubble(cfg)
+    bubble = schedules.schedule_bubble(cfg)
     tick, steps_since = time.perf_counter(), 0
     batch = run.global_batch(*loader.train_batch(start))
     nonfinite = NonFiniteStop(t.max_nonfinite_steps)

@@ -6,7 +6,7 @@ Search space: every ordered factorization of N devices over the mesh axes in ``-
 ``--pipeline_schedules`` x ``--virtual_stages``, the interleaved schedules with > 1 virtual
 stages, the others with 1) x ``--sequence_impls`` (only with sequence > 1).
 
-1. Constraints: each candidate goes through :func:`jaxllm.config.resolve` (heads,
+1. Constraints: each candidate goes through :func:`jaxllm.resolve.resolve` (heads,
    FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
    global batch by micro batch x data-parallel size; pipeline: layers divisible by stages
    x virtual stages, microbatches a multiple of the stages; ulysses: heads and key/value
@@ -39,8 +39,8 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
-    from jaxllm import gpu_env, host_memory
     from jaxllm.cli import force_host_devices
+    from jaxllm.platform import gpu_env, host_memory
 
     force_host_devices(sys.argv)
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
@@ -56,10 +56,12 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxllm import attention, bench, cli, config, plan  # noqa: E402
+from jaxllm import bench, cli, config, plan  # noqa: E402
 from jaxllm.data import DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.hardware import DEVICES, GiB, named_device  # noqa: E402
+from jaxllm.model import attention  # noqa: E402
+from jaxllm.platform.hardware import DEVICES, GiB, named_device  # noqa: E402
+from jaxllm.resolve import mesh_shape, resolve
 
 AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
 
@@ -138,9 +140,9 @@ def candidate_config(base: config.Config, c: Candidate) -> config.Config:
 
 def constraint(cfg: config.Config, num_devices: int) -> str | None:
     """None if ``cfg`` can run on ``num_devices``, else the key that rejects it
-    (:func:`jaxllm.config.resolve`'s: the mesh, divisibility, pipeline, sequence and attention checks)."""
+    (:func:`jaxllm.resolve.resolve`'s: the mesh, divisibility, pipeline, sequence and attention checks)."""
     try:
-        config.resolve(cfg, num_devices=num_devices, data_files=False)
+        resolve(cfg, num_devices=num_devices, data_files=False)
     except config.ConfigError as e:
         return e.key
     return None
@@ -167,7 +169,7 @@ def space(base, num_devices: int, *, axes, micro_batches, remats, attentions, vi
 
 def baseline_candidate(base, num_devices: int) -> Candidate:
     """The base config as a candidate (its -1 mesh axis filled)."""
-    sizes = config.mesh_shape(base.mesh, num_devices)
+    sizes = mesh_shape(base.mesh, num_devices)
     return Candidate(tuple(sizes[a] for a in AXES), base.train.micro_batch_size, base.model.remat,
                      base.model.attention_impl, base.parallel.pipeline_virtual_stages, base.parallel.sequence_impl,
                      base.parallel.pipeline_schedule)
@@ -510,7 +512,7 @@ def main(argv):
         if not base.model.vocab_size:  # the candidates are planned and measured without reading data
             base.model.vocab_size = KNOWN_VOCAB_SIZES.get(base.data.tokenizer) or bench.prepare(
                 base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
-        config.resolve(base, num_devices=n, data_files=False)  # the baseline must be valid as given
+        resolve(base, num_devices=n, data_files=False)  # the baseline must be valid as given
     except config.ConfigError as e:
         cli.fail(e)
     except DataError as e:

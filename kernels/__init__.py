@@ -4,5 +4,5 @@
 - ``pallas_attention``: FlashAttention-2 in Pallas (Triton lowering: NVIDIA and AMD GPUs; interpreted on CPU);
 - ``triton_attention``: the same algorithm in the Triton language through ``jax_triton`` (GPUs only).
 
-``jaxllm.attention`` dispatches between them by ``model.attention_impl``.
+``jaxllm.model.attention`` dispatches between them by ``model.attention_impl``.
 """

@@ -4,7 +4,7 @@ JAX lowers for any platform without its hardware: ``jax.export`` with
 ``platforms=["cuda"]`` or ``["rocm"]`` turns every Pallas call into a custom call
 ``__gpu$xla.gpu.triton`` whose backend config carries the kernel's Triton IR (TTIR,
 as MLIR bytecode) and its launch parameters.  :func:`export_for` lowers a function
-that way (with :func:`jaxllm.attention.lowering_target` the model's attention is
+that way (with :func:`jaxllm.model.attention.lowering_target` the model's attention is
 traced for that GPU), and :func:`triton_kernels` takes the kernels back out, so that
 the tests can check what a GPU would be given and ``benchmarks/triton_offline.py``
 can compile the IR to machine code with the Triton compiler.

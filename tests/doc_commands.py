@@ -195,13 +195,14 @@ _VALIDATE = """
 import os, sys
 from absl import app, flags
 from jaxllm import cli, config
+from jaxllm.resolve import resolve
 cli.define_config_flag()
 flags.DEFINE_string("workdir", "", "")
 def main(argv):
     cfg = flags.FLAGS.config
     if not all(os.path.exists(p) for p in cfg.data.input.split(",")):  # a cluster path
         cfg.data.input = config.default_corpus()
-    config.resolve(cfg, num_devices=int(argv[1]), backend="cuda")
+    resolve(cfg, num_devices=int(argv[1]), backend="cuda")
 app.run(main, argv=[sys.argv[0], *sys.argv[2:], sys.argv[1]])
 """
 

@@ -2,8 +2,8 @@
 
 Used by tests/test_gpu_lowering.py in a subprocess (the device count is fixed before jax starts):
 ``python tests/gpu_lowering_steps.py``.  For each layout, ``jax.export`` of
-``jaxllm.run.Run(cfg).train_step`` for ``cuda`` or ``rocm`` (inside
-``jaxllm.attention.lowering_target``), summarised as its custom calls, Triton kernel names,
+``jaxllm.runtime.run.Run(cfg).train_step`` for ``cuda`` or ``rocm`` (inside
+``jaxllm.model.attention.lowering_target``), summarised as its custom calls, Triton kernel names,
 device count, ``shard_map`` regions (``sdy.manual_computation``) and whether inputs are sharded.
 """
 
@@ -19,8 +19,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxllm import attention, config  # noqa: E402
-from jaxllm.run import Run  # noqa: E402
+from jaxllm import config  # noqa: E402
+from jaxllm.model import attention  # noqa: E402
+from jaxllm.resolve import resolve
+from jaxllm.runtime.run import Run  # noqa: E402
 from jaxllm_kernels import lowering  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ def small_config(platform, impl, mesh, parallel):
     n = 1
     for v in mesh.values():
         n *= v
-    return config.resolve(c, num_devices=n, backend=platform), n
+    return resolve(c, num_devices=n, backend=platform), n
 
 
 def export_step(platform, impl, mesh, parallel):

@@ -29,10 +29,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import config, sharding  # noqa: E402
+from jaxllm import config  # noqa: E402
 from jaxllm.data.loader import document_arrays  # noqa: E402
 from jaxllm.data.loader import documents as document_batch  # noqa: E402
-from jaxllm.run import Run  # noqa: E402
+from jaxllm.parallel import sharding  # noqa: E402
+from jaxllm.resolve import resolve
+from jaxllm.runtime.run import Run  # noqa: E402
 
 STEPS = 3
 EVAL_BATCHES = 200
@@ -104,7 +106,7 @@ def run_layout(layout, batches, doc_batches):
         getattr(cfg, section).update(**values)
     sizes = list(cfg.mesh.to_dict().values())
     n = 8 if -1 in sizes else int(np.prod(sizes))
-    cfg = config.resolve(cfg, num_devices=n)
+    cfg = resolve(cfg, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])
     if run.documents:
         batches = doc_batches

@@ -19,8 +19,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import checkpoint, config  # noqa: E402
-from jaxllm.run import Run  # noqa: E402
+from jaxllm import config  # noqa: E402
+from jaxllm.resolve import resolve
+from jaxllm.runtime import checkpoint  # noqa: E402
+from jaxllm.runtime.run import Run  # noqa: E402
 
 
 def restore(saved_cfg, workdir, mesh):
@@ -28,7 +30,7 @@ def restore(saved_cfg, workdir, mesh):
     spec.mesh = config.Mesh(**mesh)
     spec.train.update(micro_batch_size=1, global_batch_size=8)  # divisible on every layout below
     n = int(np.prod(list(mesh.values())))
-    cfg = config.resolve(spec, num_devices=n)
+    cfg = resolve(spec, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])
     ckpt = checkpoint.Checkpointer(workdir, cfg)
     state = ckpt.restore(run.abstract_state)

@@ -30,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxllm import config, context_parallel, sharding  # noqa: E402
+from jaxllm import config  # noqa: E402
+from jaxllm.parallel import context_parallel, sharding  # noqa: E402
 
 N, SEQ, HEADS, HEAD_DIM = 8, 64, 2, 8
 

@@ -13,8 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm import bench, config, flops, train
-from jaxllm.run import Run
+from jaxllm import bench, config, train
+from jaxllm.resolve import resolve
+from jaxllm.runtime import flops
+from jaxllm.runtime.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -46,7 +48,7 @@ def test_hardware_flops_hand_count(remat, schedule):
     if schedule:  # 2 pipeline stages; the 1F1B family recomputes each stage's forward once more
         cfg.mesh.pipeline = 2
         cfg.parallel.pipeline_schedule = schedule
-    cfg = config.resolve(cfg, num_devices=cfg.mesh.pipeline)
+    cfg = resolve(cfg, num_devices=cfg.mesh.pipeline)
     model_fpt, hardware_fpt = hand_flops_per_token(remat)
     if schedule in ("1f1b", "zb_h1"):
         hardware_fpt += hand_flops_per_token("full")[1] - model_fpt

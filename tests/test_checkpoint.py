@@ -15,10 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm import checkpoint, config, train
+from jaxllm import config, train
 from jaxllm.data import Batches
 from jaxllm.data.prepare import ensure_prepared
-from jaxllm.run import Run
+from jaxllm.resolve import resolve
+from jaxllm.runtime import checkpoint
+from jaxllm.runtime.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -287,7 +289,7 @@ def test_nonfinite_step_is_skipped_and_counted(data_dir, tmp_path):
         np.testing.assert_array_equal(a, b)
 
     # A finite step after them updates, resets the run of skipped steps and keeps the total.
-    normal = Run(config.resolve(make_config(overrides(data_dir)), num_devices=1,
+    normal = Run(resolve(make_config(overrides(data_dir)), num_devices=1,
                                 vocab_size=data.vocab_size)).initial_state()
     state = {**state, "params": normal["params"], "opt_state": normal["opt_state"]}
     opt0 = jax.device_get(state["opt_state"])
@@ -314,22 +316,22 @@ def test_checkpoint_config_errors(key, value):
     section, name = key.split(".")
     setattr(getattr(cfg, section), name, value)
     with pytest.raises(config.ConfigError) as e:
-        config.resolve(cfg, num_devices=1)
+        resolve(cfg, num_devices=1)
     assert e.value.key == key and str(e.value).startswith(f"config error: {key}={value}")
 
 
 def test_resuming_with_another_model_is_a_clear_error(tmp_path):
     """A checkpoint of another model is not "damaged": the error names the keys that differ."""
-    from jaxllm.checkpoint import Checkpointer, CheckpointError
+    from jaxllm.runtime.checkpoint import Checkpointer, CheckpointError
 
     spec = config.get_config()
     spec.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32")
-    cfg = config.resolve(spec, num_devices=1)
+    cfg = resolve(spec, num_devices=1)
     ckpt = Checkpointer(str(tmp_path), cfg)
     ckpt.maybe_save(1, Run(cfg).initial_state(), force=True)
     ckpt.close()
     spec.model.hidden_size = 64
-    cfg = config.resolve(spec, num_devices=1)
+    cfg = resolve(spec, num_devices=1)
     ckpt = Checkpointer(str(tmp_path), cfg)
     with pytest.raises(CheckpointError, match=r"another model: model.hidden_size=32 \(this run: 64\)"):
         ckpt.restore(Run(cfg).abstract_state)

@@ -21,8 +21,10 @@ import pytest
 import torch
 import transformers
 
-from jaxllm import checkpoint, config, convert, model, optim, step
-from jaxllm.run import Run
+from jaxllm import config, convert, model
+from jaxllm.resolve import resolve
+from jaxllm.runtime import checkpoint, optim, step
+from jaxllm.runtime.run import Run
 from jaxllm_kernels.reference import MASKED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +165,7 @@ def test_cli_round_trip_through_workdir(arch, tmp_path):
     assert saved.train.train_iters == 5 and saved.model.vocab_size == VOCAB
     assert saved.data.to_dict() == config.get_config().data.to_dict()  # no tokenizer in the dir: the defaults
     # The checkpoint is what training resumes from: full state, step 0, HF's parameters.
-    cfg = config.resolve(saved, num_devices=jax.device_count())
+    cfg = resolve(saved, num_devices=jax.device_count())
     ckpt = checkpoint.Checkpointer(str(work), cfg)
     state = Run(cfg).initial_state(ckpt)
     ckpt.close()
@@ -177,7 +179,7 @@ def test_cli_round_trip_through_workdir(arch, tmp_path):
     loaded = config_file(work / "config.py", "--config.train.lr=0.005")
     assert loaded.train.lr == 0.005
     loaded.train.lr = saved.train.lr
-    assert config.resolve(loaded, num_devices=jax.device_count()).to_dict() == cfg.to_dict()
+    assert resolve(loaded, num_devices=jax.device_count()).to_dict() == cfg.to_dict()
 
     r = cli("--to-hf", str(work), str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
@@ -211,7 +213,7 @@ def small_cfg(**changes):
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=100, **changes)
     c.train.seq_length = SEQ
-    return config.resolve(c, num_devices=1)
+    return resolve(c, num_devices=1)
 
 
 LLAMA_CFG = dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxllm.distributed import LaunchError, Topology, detect, device_env, expand_nodelist, jax_local_device_ids
+from jaxllm.platform.distributed import LaunchError, Topology, detect, device_env, expand_nodelist, jax_local_device_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -302,7 +302,7 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path):
     r = subprocess.run(["bash", "launch/local.sh", "2", f"--workdir={two}", *TINY, "--config.train.train_iters=5"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "jaxllm.distributed: 2 processes" in r.stdout and "4 local of 8 global cpu device(s)" in r.stdout
+    assert "jaxllm.platform.distributed: 2 processes" in r.stdout and "4 local of 8 global cpu device(s)" in r.stdout
     assert "samples skipped (multi-process run)" in r.stdout
     assert r.stdout.count("jaxllm: 0.") == 1  # only process 0 prints
     # quiet by default: Gloo's connection lines and XLA's warnings go to WORKDIR/logs, not the console

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 from harness import assert_same_training, run_layouts
 
-from jaxllm import config, model, optim, step
+from jaxllm import config, model
 from jaxllm.data import document_masks
-from jaxllm.run import Run
+from jaxllm.resolve import resolve
+from jaxllm.runtime import optim, step
+from jaxllm.runtime.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 EOD = 0
@@ -35,7 +37,7 @@ def small_cfg(data=None, train=None, **model_overrides):
     c.train.update(seq_length=24, micro_batch_size=8, global_batch_size=8, warmup_iters=0, lr=1e-3, min_lr=1e-3)
     c.train.update(**(train or {}))
     c.data.update(**(data or {}))
-    return config.resolve(c, num_devices=1)
+    return resolve(c, num_devices=1)
 
 
 def packed_batch(seed, rows=8, seq=24):
@@ -160,7 +162,7 @@ def test_pipeline_parallelism_refuses_the_options():
     c.data.reset_attention_mask = True
     c.mesh.pipeline = 2
     with pytest.raises(config.ConfigError) as e:
-        config.resolve(c, num_devices=2)
+        resolve(c, num_devices=2)
     assert e.value.key == "data.reset_attention_mask" and "mesh.pipeline=1" in str(e.value)
 
 

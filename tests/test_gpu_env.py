@@ -1,4 +1,4 @@
-"""jaxllm.gpu_env: the GPU settings are known to this jaxlib, applied per vendor, the user's win;
+"""jaxllm.platform.gpu_env: the GPU settings are known to this jaxlib, applied per vendor, the user's win;
 and the warning when GPUs are on the machine but JAX runs on the CPU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import stat
 import subprocess
 import sys
 
-from jaxllm import gpu_env
+from jaxllm.platform import gpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = sorted({s.text() for s in gpu_env.SETTINGS if s.is_flag})
@@ -61,8 +61,8 @@ def test_apply_cuda_and_rocm():
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in words and "--xla_gpu_enable_cublaslt=true" not in words
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9" and "HIP_FORCE_DEV_KERNARG" not in env
     assert applied.vendor == "cuda" and not applied.kept
-    assert applied.line().startswith("jaxllm.gpu_env: cuda settings (jaxllm/gpu_env.py, from sources, not measured): "
-                                     "--xla_gpu_enable_latency_hiding_scheduler=true ")
+    assert applied.line().startswith("jaxllm.platform.gpu_env: cuda settings (jaxllm/platform/gpu_env.py, from "
+                                     "sources, not measured): --xla_gpu_enable_latency_hiding_scheduler=true ")
 
     env = {}
     gpu_env.apply(env, "rocm")

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm import attention
+from jaxllm.model import attention
 from jaxllm_kernels import lowering
 from jaxllm_kernels import pallas_attention as pa
 

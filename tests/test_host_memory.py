@@ -1,4 +1,4 @@
-"""jaxllm.host_memory: a block freed and allocated again costs no page faults, in any thread."""
+"""jaxllm.platform.host_memory: a block freed and allocated again costs no page faults, in any thread."""
 
 import os
 import subprocess
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAULTS = r"""
 import ctypes, resource, sys, threading
 if sys.argv[1] == "keep":
-    from jaxllm import host_memory
+    from jaxllm.platform import host_memory
     assert host_memory.keep_freed_memory()
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import attention as dispatch
 from jaxllm import config as jaxllm_config
-from jaxllm import hardware
+from jaxllm.model import attention as dispatch
+from jaxllm.platform import hardware
 from jaxllm_kernels import pallas_attention as pa
 from jaxllm_kernels import reference, triton_attention
 

@@ -1,4 +1,4 @@
-"""The fused, chunked loss (jaxllm.loss) against the logits loss it replaces, and GPT-2's GELU with its
+"""The fused, chunked loss (jaxllm.model.fused_loss) against the logits loss it replaces, and GPT-2's GELU with its
 one-residual derivative against autodiff of jax.nn.gelu."""
 
 import jax
@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxllm import loss, model
+from jaxllm import model
+from jaxllm.model import fused_loss as loss
 from jaxllm_kernels.reference import MASKED
 
 VOCAB, PADDED, EMBED = 97, 128, 32

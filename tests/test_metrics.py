@@ -1,5 +1,5 @@
-"""jaxllm.flops, jaxllm.hardware, jaxllm.metrics: FLOP counts against hand counts and Megatron-LM's
-formulas, the peak table, the measured CPU peak, and MetricsLogger's files and lines."""
+"""jaxllm.runtime.flops, jaxllm.platform.hardware, jaxllm.runtime.metrics: FLOP counts against hand counts and
+Megatron-LM's formulas, the peak table, the measured CPU peak, and MetricsLogger's files and lines."""
 
 import glob
 import io
@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jaxllm import config, flops, hardware, metrics
+from jaxllm import config
+from jaxllm.platform import hardware
+from jaxllm.resolve import resolve
+from jaxllm.runtime import flops, metrics
 
 
 def make_cfg(activation="gelu", remat="none", train=None, **model):
@@ -24,7 +27,7 @@ def make_cfg(activation="gelu", remat="none", train=None, **model):
     cfg = config.get_config()
     cfg.model.update(activation=activation, remat=remat, make_vocab_size_divisible_by=1, **model)
     cfg.train.update(**(train or {}))
-    return config.resolve(cfg, num_devices=1)
+    return resolve(cfg, num_devices=1)
 
 
 TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, ffn_hidden_size=32, vocab_size=10)

@@ -157,7 +157,7 @@ def test_abandoned_restore_reads_go_to_the_log_not_the_console(tmp_path):
     With the run's console policy that record lands in WORKDIR/logs, and other asyncio errors stay."""
     code = f"""
 import asyncio, gc, logging
-from jaxllm import console
+from jaxllm.platform import console
 console.configure({str(tmp_path)!r}, process=0, verbose=False)
 
 async def read():

@@ -10,7 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxllm import config, context_parallel, model, optim, sharding, step
+from jaxllm import config, model
+from jaxllm.parallel import context_parallel, sharding
+from jaxllm.resolve import resolve
+from jaxllm.runtime import cpu, optim, step
 from jaxllm_kernels import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +25,7 @@ def small_cfg(train=None, **model_overrides):
     c.model.update(**model_overrides)
     c.train.update(seq_length=32, micro_batch_size=4, global_batch_size=4, warmup_iters=0, lr=1e-3, min_lr=1e-3)
     c.train.update(**(train or {}))
-    return config.resolve(c, num_devices=1)
+    return resolve(c, num_devices=1)
 
 
 def loss_and_grads(graphdef, params, tokens):
@@ -86,7 +89,7 @@ VARIANTS = [
 ]
 
 
-MATMULS = {"dense": model.dense, "row_major_dense": model.row_major_dense}
+MATMULS = {"dense": model.dense, "row_major_dense": cpu.row_major_dense}
 
 
 @pytest.mark.parametrize("matmuls", MATMULS)
@@ -196,7 +199,7 @@ def test_gradient_accumulation_equals_one_big_batch(dropout):
     train_step = jax.jit(step.make_train_step(cfg, spec, opt))
     tokens = np.random.default_rng(0).integers(0, 97, (8, 33)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    split = lambda a: a.reshape(2, 4, 32).swapaxes(0, 1)  # noqa: E731  (jaxllm.run.Run.global_batch)
+    split = lambda a: a.reshape(2, 4, 32).swapaxes(0, 1)  # noqa: E731  (jaxllm.runtime.run.Run.global_batch)
     one, m1 = train_step(step.init_state(model.init(cfg.model, 0), opt), x[None], y[None])
     four, m4 = train_step(step.init_state(model.init(cfg.model, 0), opt), split(x), split(y))
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
@@ -232,7 +235,7 @@ def test_row_major_dense_is_dense_with_its_gradients():
         dy = jax.random.normal(keys[3], y_shape)
         for b in (None, jax.random.normal(keys[2], y_shape[2:])):
             ref, ref_vjp = jax.vjp(lambda x, w, b, s=spec: model.dense(x, w, b, s, jnp.float32), x, w, b)
-            out, out_vjp = jax.vjp(lambda x, w, b, s=spec: model.row_major_dense(x, w, b, s, jnp.float32), x, w,
+            out, out_vjp = jax.vjp(lambda x, w, b, s=spec: cpu.row_major_dense(x, w, b, s, jnp.float32), x, w,
                                    b)
             np.testing.assert_allclose(out, ref, rtol=1e-6)
             for got, want in zip(out_vjp(dy), ref_vjp(dy)):
@@ -243,8 +246,9 @@ def test_row_major_dense_is_dense_with_its_gradients():
 
 
 def test_attention_in_batch_chunks_is_attention():
-    """CPUs' attention in independent slices of the batch (4 asked for, 3 taken: they divide 6 rows)
-    against one call of the plain reference: values and gradients, with and without segment ids."""
+    """CPUs' attention in independent slices of the batch (jaxllm.runtime.cpu.BatchSlices; 4 asked for, 3
+    taken: they divide 6 rows) against one call of the plain reference: values and gradients, with and without
+    segment ids."""
     cfg = small_cfg()
     layout = sharding.Layout(sharding.make_mesh(cfg, jax.devices()[:1]), sharding.rules(cfg))
     keys = jax.random.split(jax.random.key(0), 5)
@@ -253,7 +257,7 @@ def test_attention_in_batch_chunks_is_attention():
     dout = jax.random.normal(keys[3], q.shape)
     segments = jnp.cumsum(jax.random.bernoulli(keys[4], 0.2, (6, 16)), axis=1).astype(jnp.int32)
     for segment_ids in (None, segments):
-        ours, ours_vjp = jax.vjp(lambda q, k, v, s=segment_ids: context_parallel.Attention(layout, batch_chunks=4)(
+        ours, ours_vjp = jax.vjp(lambda q, k, v, s=segment_ids: cpu.BatchSlices(context_parallel.Attention(layout), 4)(
             q, k, v, segment_ids=s), q, k, v)
         ref, ref_vjp = jax.vjp(lambda q, k, v, s=segment_ids: reference.attention(
             q, k, v, causal=True, q_segment_ids=s, kv_segment_ids=s), q, k, v)
@@ -261,7 +265,7 @@ def test_attention_in_batch_chunks_is_attention():
         for got, want in zip(ours_vjp(dout), ref_vjp(dout)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(ours - context_parallel.Attention(layout)(q, k, v)).max()) > 1e-3  # the segments count
-    chunked = jax.make_jaxpr(context_parallel.Attention(layout, batch_chunks=4))(q, k, v)
+    chunked = jax.make_jaxpr(cpu.BatchSlices(context_parallel.Attention(layout), 4))(q, k, v)
     assert str(chunked).count("dot_general") == 2 * 3  # scores and output per slice
 
 
@@ -270,7 +274,7 @@ def test_layer_loop_auto_follows_the_backend_and_remat():
                                  ("rocm", "none", "scan")):
         c = config.get_config()
         c.model.remat = remat
-        cfg = config.resolve(c, num_devices=1, vocab_size=97, backend=backend, data_files=False)
+        cfg = resolve(c, num_devices=1, vocab_size=97, backend=backend, data_files=False)
         assert (cfg.backend, cfg.model.layer_loop) == (backend, loop)
 
 
@@ -289,7 +293,7 @@ def _gpt3_sizes():
 
 @pytest.mark.parametrize("key", list(_gpt3_sizes().SIZES))
 def test_gpt3_parameter_counts(key):
-    cfg = config.resolve(_gpt3_sizes().get_config(key), num_devices=1, vocab_size=50257)
+    cfg = resolve(_gpt3_sizes().get_config(key), num_devices=1, vocab_size=50257)
     n = model.num_params(model.describe(cfg.model).params)
     layers, h, _ = _gpt3_sizes().SIZES[key]
     expected = 12 * layers * h * h + cfg.model.padded_vocab_size * h

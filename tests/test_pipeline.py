@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from harness import assert_same_training, run_layouts
 
-from jaxllm import config, pipeline, train
+from jaxllm import config, train
+from jaxllm.parallel import schedules
+from jaxllm.resolve import resolve
 
 L4 = {"num_layers": 4}
 INTERLEAVED2 = {"pipeline_schedule": "interleaved", "pipeline_virtual_stages": 2}
@@ -67,9 +69,9 @@ def test_pipelined_eval_step_matches_single_device(results):
 
 
 def test_bubble_fraction():
-    assert pipeline.bubble_fraction(4, 1, 4) == pytest.approx(3 / 7)
-    assert pipeline.bubble_fraction(4, 2, 8) == pytest.approx(3 / 19)
-    assert pipeline.bubble_fraction(1, 1, 8) == 0
+    assert schedules.bubble_fraction(4, 1, 4) == pytest.approx(3 / 7)
+    assert schedules.bubble_fraction(4, 2, 8) == pytest.approx(3 / 19)
+    assert schedules.bubble_fraction(1, 1, 8) == 0
 
 
 CASES = [("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 9), ("interleaved_1f1b", 2, 2, 4),
@@ -80,7 +82,7 @@ CASES = [("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 9), ("interleaved_
 def test_timetable_respects_the_dependencies(schedule, p, v, m):
     """Every (microbatch, virtual stage) is forwarded and backwarded exactly once, each after what it
     depends on; the stash slots never hold two items at once; W follows its B on the same stage."""
-    tt = pipeline.timetable(schedule, p, v, m)
+    tt = schedules.timetable(schedule, p, v, m)
     f_at, b_at, w_at = {}, {}, {}
     for t in range(len(tt.forward)):
         for s in range(p):
@@ -124,12 +126,12 @@ def test_timetable_respects_the_dependencies(schedule, p, v, m):
 def test_stats_against_hand_formulas(p, m):
     """1F1B's lockstep bubble is GPipe's; zb_h1 (slot costs F 1, recomputed F + B 2, W 1) takes W out of
     the warm-up and cool-down: 3 (p - 1) / (4 m + 3 (p - 1)); interleaving divides by v."""
-    assert pipeline.stats("1f1b", p, 1, m).bubble == pytest.approx((p - 1) / (m + p - 1))
-    assert pipeline.stats("interleaved_1f1b", p, 2, m).bubble == pytest.approx((p - 1) / (2 * m + p - 1))
-    assert pipeline.stats("zb_h1", p, 1, m).bubble == pytest.approx(3 * (p - 1) / (4 * m + 3 * (p - 1)))
-    assert pipeline.stats("gpipe", p, 1, m).in_flight == m  # all of them, as residuals
-    assert pipeline.stats("1f1b", p, 1, m).in_flight == min(m, 2 * p - 1)  # independent of m
-    assert pipeline.stats("zb_h1", p, 1, m).deferred == p
+    assert schedules.stats("1f1b", p, 1, m).bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert schedules.stats("interleaved_1f1b", p, 2, m).bubble == pytest.approx((p - 1) / (2 * m + p - 1))
+    assert schedules.stats("zb_h1", p, 1, m).bubble == pytest.approx(3 * (p - 1) / (4 * m + 3 * (p - 1)))
+    assert schedules.stats("gpipe", p, 1, m).in_flight == m  # all of them, as residuals
+    assert schedules.stats("1f1b", p, 1, m).in_flight == min(m, 2 * p - 1)  # independent of m
+    assert schedules.stats("zb_h1", p, 1, m).deferred == p
 
 
 def _config(**sections):
@@ -162,7 +164,7 @@ def _config(**sections):
 ])
 def test_pipeline_config_errors(sections, key, words):
     with pytest.raises(config.ConfigError) as e:
-        config.resolve(_config(**sections), num_devices=8)
+        resolve(_config(**sections), num_devices=8)
     assert e.value.key == key and words in str(e.value), str(e.value)
 
 
@@ -177,7 +179,7 @@ def test_pipeline_config_errors(sections, key, words):
 def test_log_line_reports_bubble_and_stash(parallel, note):
     cfg = _config(mesh={"pipeline": 4, "data": 2}, parallel=parallel, model={"num_layers": 8},
                   train={"micro_batch_size": 1})
-    assert train.pipeline_note(config.resolve(cfg, num_devices=8)) == " through " + note
+    assert train.pipeline_note(resolve(cfg, num_devices=8)) == " through " + note
 
 
 def test_plan_reports_the_schedule():

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from harness import assert_same_training, run_layouts
 
-from jaxllm import config, sharding
+from jaxllm import config
+from jaxllm.parallel import sharding
 
 LAYOUTS = {
     "single": {"eval": True},
@@ -53,7 +54,7 @@ def test_evaluation_of_200_batches_matches_single_device(results, name):
 def test_embedding_and_output_layer_are_not_replicated(results):
     """On tensor 2 x fsdp 2 x data 2 no per-device array of the train step spans the whole padded
     vocabulary (96 rows): the embedding lookup, output layer and loss, and their gradients, see only
-    the device's 48-row shard (Megatron-LM's vocabulary-parallel layers, jaxllm.vocab_parallel).  A
+    the device's 48-row shard (Megatron-LM's vocabulary-parallel layers, jaxllm.parallel.vocab_parallel).  A
     plain ``table[ids]`` gather makes the SPMD partitioner replicate the table ("Involuntary full
     rematerialization", an all-gather to f32[96,64]), which fails both assertions."""
     got = results["hlo_tensor2_fsdp2_data2"]

@@ -12,6 +12,7 @@ import pytest
 from conftest import optimized_env
 
 from jaxllm import config, train
+from jaxllm.resolve import resolve, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -49,7 +50,7 @@ def test_each_config_error_names_its_key(first, second, key):
     for override in filter(None, (first, second)):
         config.override(cfg, *override.split("="))
     with pytest.raises(config.ConfigError) as e:
-        config.resolve(cfg, num_devices=1)
+        resolve(cfg, num_devices=1)
     assert e.value.key == key
     assert e.value.fix and str(e.value).startswith(f"config error: {key}=")
 
@@ -59,16 +60,16 @@ def test_tools_that_read_no_data_need_no_data_files():
     cfg = config.get_config()
     for override in ("data.tokenizer=gpt2", "data.gpt2_dir=/tmp", "data.input=/no/such/corpus"):
         config.override(cfg, *override.split("="))
-    assert config.resolve(cfg, num_devices=1, vocab_size=50257, data_files=False).model.padded_vocab_size == 50304
+    assert resolve(cfg, num_devices=1, vocab_size=50257, data_files=False).model.padded_vocab_size == 50304
     with pytest.raises(config.ConfigError, match="data.gpt2_dir"):
-        config.resolve(cfg, num_devices=1, vocab_size=50257)
+        resolve(cfg, num_devices=1, vocab_size=50257)
 
 
 def test_vocab_smaller_than_tokenizer_is_a_config_error():
     cfg = config.get_config()
     cfg.model.vocab_size = 100
     with pytest.raises(config.ConfigError, match="model.vocab_size=100.*256"):
-        config.resolve(cfg, num_devices=1, vocab_size=256)
+        resolve(cfg, num_devices=1, vocab_size=256)
 
 
 @pytest.mark.parametrize("flag,key", [("--config.model.hidden_size=102", "model.hidden_size"),
@@ -154,12 +155,12 @@ def test_host_runs_ahead_of_the_device():
     """The loop's non-finite check (train.NonFiniteStop, lag 2) reads only steps two back or older:
     after each step's dispatch and check the host goes on while that step is still computing, with
     the last two steps unread; settling (at a log, evaluation or checkpoint step) reads all."""
-    from jaxllm.run import Run  # noqa: PLC0415
+    from jaxllm.runtime.run import Run  # noqa: PLC0415
 
     spec = config.get_config()
     spec.model.update(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=256, dtype="float32")
     spec.train.update(seq_length=128, micro_batch_size=8, global_batch_size=8)
-    run = Run(config.resolve(spec, num_devices=1))
+    run = Run(resolve(spec, num_devices=1))
     state = run.initial_state()
     tokens = np.random.default_rng(0).integers(0, 256, (8, 129)).astype(np.int32)
     batch = run.global_batch(tokens[:, :-1], tokens[:, 1:])
@@ -178,8 +179,8 @@ def test_model_dtype_auto_is_float32_on_cpus_only():
     an explicit dtype is kept."""
     spec = config.get_config()
     assert spec.model.dtype == "auto"
-    assert config.resolve(spec, num_devices=1).model.dtype == "float32"  # this machine's CPU
+    assert resolve(spec, num_devices=1).model.dtype == "float32"  # this machine's CPU
     for backend, dtype in (("cpu", "float32"), ("cuda", "bfloat16"), ("rocm", "bfloat16"), ("tpu", "bfloat16")):
-        assert config.resolve_model(spec.model, seq_length=64, backend=backend).dtype == dtype
+        assert resolve_model(spec.model, seq_length=64, backend=backend).dtype == dtype
     spec.model.dtype = "bfloat16"
-    assert config.resolve(spec, num_devices=1).model.dtype == "bfloat16"
+    assert resolve(spec, num_devices=1).model.dtype == "bfloat16"

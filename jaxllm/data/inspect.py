@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from jaxllm import cli, config
 from jaxllm.data.loader import Batches, Data
 from jaxllm.data.tokenizers import DataError
+from jaxllm.resolve import resolve
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -71,7 +72,7 @@ def main(argv):
         if not F.output.endswith(".npy"):
             raise DataError(f"--output={F.output!r}: give a FILE.npy")
         cfg = F.config
-        config.resolve(cfg, num_devices=None)  # the data do not depend on the devices: the mesh as written
+        resolve(cfg, num_devices=None)  # the data do not depend on the devices: the mesh as written
         data = Data(cfg, F.workdir, splits=(F.split,))
         out = write_batches(data, F.split, steps, F.output)
     except config.ConfigError as e:

@@ -18,7 +18,7 @@ With ``vocab_axes`` the table is one device's vocabulary shard (rows ``vocab_sta
 ``vocab_start + rows``) and the softmax statistics are reduced over those mesh axes:
 Megatron-LM's vocabulary-parallel cross entropy (Shoeybi et al. 2019, section 3: each
 device holds a slice of the logits; only per-token maxima, sums and target logits
-cross the network).  :mod:`jaxllm.vocab_parallel` runs it under ``shard_map``; with no
+cross the network).  :mod:`jaxllm.parallel.vocab_parallel` runs it under ``shard_map``; with no
 axes it is the single-device loss (:data:`jaxllm.model.LOCAL`).
 """
 
@@ -168,7 +168,8 @@ def _flat(weights):
 
 def fused(run, h, table, targets, weights=None):
     """The custom-VJP loss with ``run`` (an object with ``value`` and ``value_and_grads`` of
-    ``(h, table, targets, weights)``, hashable: :class:`jaxllm.vocab_parallel.CrossEntropy` or one device's)."""
+    ``(h, table, targets, weights)``, hashable: :class:`jaxllm.parallel.vocab_parallel.CrossEntropy` or one
+    device's)."""
     return _fused(run, h, table, targets, weights)
 
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
-from jaxllm.hardware import backend_kind
+from jaxllm.platform.hardware import backend_kind
 from jaxllm_kernels import pallas_attention, reference, triton_attention
 
 AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
@@ -79,7 +79,7 @@ def lowering_target(kind: str, family: str | None = None):
 
 
 def _backend_kind(backend=None) -> str:
-    """:func:`jaxllm.hardware.backend_kind`, or the kind of an enclosing :func:`lowering_target`."""
+    """:func:`jaxllm.platform.hardware.backend_kind`, or the kind of an enclosing :func:`lowering_target`."""
     target = _TARGET.get()
     return target[0] if backend is None and target is not None else backend_kind(backend)
 
@@ -103,7 +103,7 @@ def _why_not(impl, kind):
 
 
 def available_impls(backend=None) -> list[str]:
-    """The concrete implementations that run on ``backend`` (see :func:`jaxllm.hardware.backend_kind`), in
+    """The concrete implementations that run on ``backend`` (see :func:`jaxllm.platform.hardware.backend_kind`), in
     preference order.
 
     ``"auto"`` is always accepted as well and resolves to one of these.

@@ -5,7 +5,7 @@ GELU or SwiGLU MLP (Shazeer 2020), multi-head or grouped-query attention
 (Ainslie et al. 2023), tied or untied embeddings, dropout on the embedding and
 on each residual branch.  Layers are stacked on a leading ``layers`` axis and
 run with ``jax.lax.scan``, so compile time does not grow with depth, or written
-out one after another (``model.layer_loop``; the default on CPUs).
+out one after another (``model.layer_loop``).
 
 Parameters are float32; matmuls run in ``model.dtype``; norms, softmax and
 logits are float32.  Every parameter carries logical axis names in its
@@ -13,11 +13,10 @@ logits are float32.  Every parameter carries logical axis names in its
 ``ops.constrain(x, logical_names)``.  The model knows nothing of parallelism: the
 operations where a layout enters (that constraint; attention, which sequence
 parallelism replaces; the embedding lookup and the loss, which are split over the
-vocabulary; the layer matmuls, which the zb_h1 pipeline schedule splits and which
-CPUs run as :func:`row_major_dense`) come in an
-:class:`Ops` object, by default the plain single-device ones; :class:`jaxllm.run.Run`
+vocabulary; the layer matmuls, which the zb_h1 pipeline schedule splits) come in an
+:class:`Ops` object, by default the plain single-device ones; :class:`jaxllm.runtime.run.Run`
 gives the mesh's.  The loss (:meth:`GPT.loss`) is the
-output layer and cross entropy fused in chunks (:mod:`jaxllm.loss`): training never
+output layer and cross entropy fused in chunks (:mod:`jaxllm.model.fused_loss`): training never
 holds the ``[batch, len, vocab]`` logits; :meth:`GPT.__call__` gives them (sampling).
 
 Parameters are handled as a plain nested dict (``params``) outside this file:
@@ -30,8 +29,6 @@ section of a resolved config (:class:`jaxllm.config.Model`).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import attention as dispatch
-from jaxllm import loss as fused_loss
+from jaxllm.model import attention as dispatch
+from jaxllm.model import fused_loss
 from jaxllm_kernels.reference import MASKED
 
 if TYPE_CHECKING:
@@ -55,56 +52,6 @@ def dense(x, w, b, spec, dtype):
     """``einsum(spec, x, w) + b`` with the matmul in ``dtype`` (``b``: an array or None)."""
     y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
     return y if b is None else y + b.astype(dtype)
-
-
-def row_major_dense(x, w, b, spec, dtype):
-    """:func:`dense`, the same function and forward matmul, whose gradient matmuls each take
-    their operands as ``[M, K] @ [K, N]`` in memory: the smaller operand of each is transposed
-    explicitly, behind an optimization barrier that keeps XLA from folding the transpose back into
-    the matmul.  On CPUs XLA otherwise runs the weight gradient ``x^T dy`` (the contraction over
-    ``[batch, len]``, the leading dimension of both operands) through Eigen at about half the
-    speed of its XNNPACK (YNN) matmuls, after a transposing copy of the larger operand, and the
-    input gradient ``dy w^T`` through YNN's slower transposed-weight path.
-
-    ``spec`` is ``"<rows><in>,<in><out>-><rows><out>"`` (each part one or more letters, the rows
-    ``batch, len``), as every layer matmul of :class:`GPT`; x ``[rows..., in...]``, w
-    ``[in..., out...]``, b ``[out...]`` or None.
-    """
-    return _row_major(spec, x.astype(dtype), w.astype(dtype), None if b is None else b.astype(dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _row_major(spec, x, w, b):
-    y = jnp.einsum(spec, x, w)
-    return y if b is None else y + b
-
-
-def _row_major_fwd(spec, x, w, b):
-    return _row_major(spec, x, w, b), (x, w, b)
-
-
-def _row_major_bwd(spec, residuals, dy):
-    x, w, b = residuals
-    xs, rest = spec.split(",")
-    ws, ys = rest.split("->")
-    rows = "".join(a for a in xs if a not in ws)  # batch, len
-    c, o = "".join(a for a in xs if a in ws), "".join(a for a in ws if a in ys)  # contracted, output
-
-    def transposed(a, letters, to):  # a copy of `a` with its dimensions in the order `to`
-        return jax.lax.optimization_barrier(jnp.transpose(a, [letters.index(t) for t in to]))
-
-    dx = jnp.einsum(f"{ys},{o}{c}->{xs}", dy, transposed(w, ws, o + c))
-    if math.prod(w.shape[ws.index(a)] for a in c) <= math.prod(w.shape[ws.index(a)] for a in o):
-        dw = jnp.einsum(f"{c}{rows},{ys}->{ws}", transposed(x, xs, c + rows), dy)
-    else:  # (dy^T x)^T: transposing dy and the small product moves fewer bytes than transposing x
-        dw_t = jnp.einsum(f"{o}{rows},{xs}->{o}{c}", transposed(dy, ys, o + rows), x)
-        dw_t = jax.lax.optimization_barrier(dw_t)  # or XLA folds the transpose below into the matmul
-        dw = jnp.transpose(dw_t, [(o + c).index(a) for a in ws])
-    db = None if b is None else dy.sum(tuple(range(len(rows))))
-    return dx, dw, db
-
-
-_row_major.defvjp(_row_major_fwd, _row_major_bwd)
 
 
 def _plain_attention(q, k, v, order, segment_ids, impl):
@@ -135,11 +82,11 @@ class Ops:
         next-token cross entropy of the output layer ``table`` ``[padded_vocab, embed]`` applied to ``h``
         ``[..., batch, len, embed]``, targets int32 ``[..., batch, len]``, each token's loss times
         ``weights`` float32 ``[..., batch, len]`` (None: 1), logits of ids ``>= vocab_size`` masked
-        (:func:`jaxllm.loss.cross_entropy`).
+        (:func:`jaxllm.model.fused_loss.cross_entropy`).
       dense: ``(x, w, b, spec, dtype) -> y``: every layer matmul with a weight (q, k, v,
         attention output, MLP), :func:`dense` by default; ``w`` and ``b`` (or None) are the very
         parameter values of the layer (the zb_h1 pipeline schedule takes input and weight
-        gradients apart here, :mod:`jaxllm.pipeline`).
+        gradients apart here, :mod:`jaxllm.parallel.pipeline`).
     """
 
     constrain: Callable = _unconstrained
@@ -447,9 +394,8 @@ class GPT(nnx.Module):
         Returns:
           ``(x, cache)``.
 
-        ``model.layer_loop="scan"`` runs them as one ``jax.lax.scan``; ``"unrolled"`` one after
-        another, which XLA:CPU runs faster: it zero-fills a scan's stacked activations and copies
-        them in and out every step.
+        ``model.layer_loop="scan"`` runs them as one ``jax.lax.scan`` (compile time independent of
+        depth); ``"unrolled"`` one after another (which backend gets which: :mod:`jaxllm.runtime.cpu`).
         """
         graphdef = nnx.graphdef(self.layers)
 
@@ -489,7 +435,7 @@ class GPT(nnx.Module):
         int32 ``[..., batch, len]`` from the last layer's ``x`` ``[..., batch, len, embed]``, each
         token's loss times ``loss_mask`` float32 ``[..., batch, len]`` (None: 1): the loss of
         :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
-        (:func:`jaxllm.loss.cross_entropy`)."""
+        (:func:`jaxllm.model.fused_loss.cross_entropy`)."""
         dt = jnp.dtype(self.cfg.dtype)
         table = self.wte[...] if self.lm_head is None else self.lm_head[...].T
         return self.ops.cross_entropy(self.ln_f(x), table.astype(dt), targets, self.cfg.vocab_size, loss_mask)
@@ -527,7 +473,7 @@ def describe(cfg: ModelConfig, ops: Ops = LOCAL) -> Spec:
 
 def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str]]:
     """Each logical axis the rules table may split: ``{name: (size, the config key that sets it)}``
-    (for the divisibility checks of :func:`jaxllm.sharding.check`)."""
+    (for the divisibility checks of :func:`jaxllm.parallel.sharding.check`)."""
     return {
         "heads": (cfg.num_attention_heads, "model.num_attention_heads"),
         "kv_heads": (cfg.num_kv_heads, "model.num_kv_heads"),

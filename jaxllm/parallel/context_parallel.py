@@ -12,7 +12,7 @@ the one layer whose tokens talk to each other; :func:`attention` runs it under
     DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns the sequence-split
     q, k, v into head-split ones over the full sequence, attention runs locally,
     and a second all-to-all turns the output back.  Needs the heads (and key/value
-    heads) of each tensor shard divisible by n (:func:`jaxllm.config.resolve`).
+    heads) of each tensor shard divisible by n (:func:`jaxllm.resolve.resolve`).
 ``ring``
     Ring attention / context parallelism (Liu et al. 2023, "Ring Attention with
     Blockwise Transformers"; Megatron-LM CP): key/value blocks travel around the
@@ -30,7 +30,7 @@ The shard_map is manual over every mesh axis, with in/out specs derived from the
 rules table (batch over the data axes, heads over ``tensor``, length over the
 sequence axes), and the collectives run over the mesh axes the table assigns to
 ``length``: model code names no mesh axis.  Local attention goes through
-:func:`jaxllm.attention.attention` (``return_lse`` where ring merges), so a
+:func:`jaxllm.model.attention.attention` (``return_lse`` where ring merges), so a
 kernel serves all three; with the ``xla`` reference the queries are processed in
 rematerialized chunks so no ``[seq, seq]`` score matrix is kept for the backward
 pass.  With one device on the sequence axes and the ``xla`` implementation,
@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import attention as attn
 from jaxllm.errors import ConfigError
-from jaxllm.sharding import Layout, rules
+from jaxllm.model import attention as attn
+from jaxllm.parallel.sharding import Layout, rules
 from jaxllm_kernels.reference import MASKED
 
 _CHUNK_SCORES = 1 << 22  # query chunk x key length of the xla reference's rematerialized chunks
@@ -133,14 +133,10 @@ class Attention:
     Attributes:
       layout: the mesh and rules table.
       sequence_impl: ``"allgather"``, ``"ring"`` or ``"ulysses"`` (``parallel.sequence_impl``).
-      batch_chunks: the ``xla`` attention of a mesh without sequence parallelism runs as up to
-        this many independent slices of the batch (the largest count that divides it): XLA:CPU
-        runs a batched matmul on one thread, and independent matmuls on separate threads.
     """
 
     layout: Layout
     sequence_impl: str = "allgather"
-    batch_chunks: int = 1
 
     def __call__(self, q, k, v, order=None, segment_ids=None, impl="xla"):
         """Attention of one layer.
@@ -163,12 +159,7 @@ class Attention:
         n = layout.size("length")
         segments = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
         if n == 1 and attn.resolve_impl(impl) == "xla":
-            chunks = max(c for c in range(1, self.batch_chunks + 1) if q.shape[0] % c == 0)
-            if chunks == 1:
-                return attn.attention(q, k, v, impl=impl, causal=True, **segments)
-            parts = [jnp.split(a, chunks) if a is not None else [None] * chunks for a in (q, k, v, segment_ids)]
-            return jnp.concatenate([attn.attention(*qkv, impl=impl, causal=True, q_segment_ids=s, kv_segment_ids=s)
-                                    for *qkv, s in zip(*parts)])
+            return attn.attention(q, k, v, impl=impl, causal=True, **segments)
         q_spec, kv_spec = layout.spec(("batch", "length", "heads", "head_dim")), layout.spec(
             ("batch", "length", "kv_heads", "head_dim"))
         axes = layout.mesh_axes("length")
@@ -200,7 +191,7 @@ def local_attention(q, k, v, q_positions, kv_positions, impl, q_segment_ids=None
 
     The ``xla`` reference is run over query chunks of at most ``_CHUNK_SCORES / kv_len``
     rows, each under ``jax.checkpoint``, so the backward pass keeps no score matrix; kernels
-    (flash attention) are called once.  Shapes as :func:`jaxllm.attention.attention`.
+    (flash attention) are called once.  Shapes as :func:`jaxllm.model.attention.attention`.
     """
     def one(q, qp, qs=None):
         return attn.attention(q, k, v, impl=impl, causal=True, q_positions=qp, kv_positions=kv_positions,

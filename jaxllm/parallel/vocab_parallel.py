@@ -14,7 +14,7 @@ names no mesh axis):
     XLA's partitioner cannot split a gather along the gathered (vocabulary)
     dimension: it would replicate the table ("Involuntary full rematerialization").
 :class:`CrossEntropy`
-    :func:`jaxllm.loss.cross_entropy` with the logits of each device's vocabulary
+    :func:`jaxllm.model.fused_loss.cross_entropy` with the logits of each device's vocabulary
     shard: chunked and fused with its gradient; only per-token maxima, sums and
     target logits cross the vocabulary axes, and the table's gradient is summed
     over the batch and sequence axes once per call.
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxllm import loss
-from jaxllm.sharding import Layout
+from jaxllm.model import fused_loss
+from jaxllm.parallel.sharding import Layout
 
 
 def _scatter_axes(layout: Layout) -> tuple[str, ...]:
@@ -123,7 +123,7 @@ class Embed:
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropy:
-    """``cross_entropy(h, table, targets, vocab_size, weights=None)``: :func:`jaxllm.loss.cross_entropy`
+    """``cross_entropy(h, table, targets, vocab_size, weights=None)``: :func:`jaxllm.model.fused_loss.cross_entropy`
     on the mesh; ``h`` ``[..., batch, len, embed]``, ``targets`` and ``weights`` (float32, or None)
     ``[..., batch, len]`` split as the rules table says (any leading dimensions unsplit), ``table``
     ``[padded_vocab, embed]`` over the vocabulary axes.  Returns the float32 (weighted) sum over all
@@ -133,13 +133,14 @@ class CrossEntropy:
 
     def __call__(self, h, table, targets, vocab_size: int, weights=None):
         if self.layout.mesh.size == 1:
-            return loss.cross_entropy(h, table, targets, vocab_size, weights)
-        return loss.fused(_Sharded(self.layout, vocab_size, table.shape[0], h.ndim - 3), h, table, targets, weights)
+            return fused_loss.cross_entropy(h, table, targets, vocab_size, weights)
+        sharded = _Sharded(self.layout, vocab_size, table.shape[0], h.ndim - 3)
+        return fused_loss.fused(sharded, h, table, targets, weights)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Sharded:
-    """The ``value`` and ``value_and_grads`` of :func:`jaxllm.loss.fused` under ``shard_map``."""
+    """The ``value`` and ``value_and_grads`` of :func:`jaxllm.model.fused_loss.fused` under ``shard_map``."""
 
     layout: Layout
     vocab_size: int
@@ -153,7 +154,7 @@ class _Sharded:
         return h_spec, layout.spec(("vocab", None)), layout.spec((*lead, "batch", "length")), scatter
 
     def _local(self):
-        return loss.Local(self.vocab_size, self.padded_vocab_size, self.layout.mesh_axes("vocab"))
+        return fused_loss.Local(self.vocab_size, self.padded_vocab_size, self.layout.mesh_axes("vocab"))
 
     def _sum_axes(self):
         return tuple((*self.layout.mesh_axes("batch"), *self.layout.mesh_axes("length")))

@@ -2,7 +2,7 @@
 
 :func:`apply` runs before JAX starts a backend (``python -m jaxllm.train``, ``bench``
 and ``tune`` call it first).  It decides the vendor from the
-environment and the device files, as :func:`jaxllm.distributed.gpu_vendor` does
+environment and the device files, as :func:`jaxllm.platform.distributed.gpu_vendor` does
 (``JAX_PLATFORMS``, else ``/dev/kfd`` for AMD, ``/dev/nvidiactl`` for NVIDIA), and
 on a GPU machine adds :data:`SETTINGS` for that vendor: XLA flags to ``XLA_FLAGS``,
 the others as environment variables.  The user's own values win: a flag already in
@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, MutableMapping
 
-from jaxllm.distributed import gpu_vendor
+from jaxllm.platform.distributed import gpu_vendor
 
 JAX_TOOLBOX = "https://github.com/NVIDIA/JAX-Toolbox/blob/main/rosetta/docs/GPU_performance.md"
 JAX_TIPS = "https://docs.jax.dev/en/latest/gpu_performance_tips.html"
@@ -153,7 +153,8 @@ class Applied:
             return ""
         ours = " ".join(s.text() for s in self.set) or "nothing"
         kept = f"; yours kept: {' '.join(self.kept)}" if self.kept else ""
-        return f"jaxllm.gpu_env: {self.vendor} settings (jaxllm/gpu_env.py, from sources, not measured): {ours}{kept}"
+        return (f"jaxllm.platform.gpu_env: {self.vendor} settings (jaxllm/platform/gpu_env.py, from sources, "
+                f"not measured): {ours}{kept}")
 
 
 def apply(environ: MutableMapping[str, str] | None = None, vendor: str | None = None) -> Applied:
@@ -161,7 +162,7 @@ def apply(environ: MutableMapping[str, str] | None = None, vendor: str | None = 
 
     Args:
       environ: the environment to update (default ``os.environ``).
-      vendor: ``"cuda"``, ``"rocm"``, or None to detect it (:func:`jaxllm.distributed.gpu_vendor`).
+      vendor: ``"cuda"``, ``"rocm"``, or None to detect it (:func:`jaxllm.platform.distributed.gpu_vendor`).
     Returns:
       :class:`Applied`: what was set and which of the user's values were kept.
     """
@@ -230,7 +231,7 @@ def cpu_warning(platform: str, environ: Mapping[str, str], dev: str = "/dev") ->
 def report(applied: Applied) -> None:
     """Prints the start-up lines on process 0: the settings :func:`apply` made, and :func:`cpu_warning`.
 
-    Call it after :func:`jaxllm.distributed.initialize` (it starts the JAX backend)."""
+    Call it after :func:`jaxllm.platform.distributed.initialize` (it starts the JAX backend)."""
     import jax  # noqa: PLC0415 - apply() must stay importable and runnable before jax starts
 
     if jax.process_index() != 0:

@@ -371,7 +371,8 @@ def initialize(environ: Mapping[str, str] | None = None) -> Topology | None:
         local, devices = jax.local_devices(), jax.devices()
         per_node = f", {topology.local_size} per node" if topology.local_size else ""
         visible = f", set {' '.join(f'{k}={v}' for k, v in updates.items())}" if updates else ""
-        print(f"jaxllm.distributed: {topology.num_processes} processes{per_node} (detected: {topology.source}), "
+        print(f"jaxllm.platform.distributed: {topology.num_processes} processes{per_node} "
+              f"(detected: {topology.source}), "
               f"{len(topology.nodes) or '?'} node(s), coordinator {topology.coordinator_address}; "
               f"{len(local)} local of {len(devices)} global {devices[0].platform} device(s) on process 0{visible}; "
               f"heartbeat timeout {heartbeat} s", flush=True)

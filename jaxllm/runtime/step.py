@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import context_parallel, model, optim, pipeline
+from jaxllm import model
+from jaxllm.parallel import context_parallel, pipeline
+from jaxllm.runtime import optim
 
 
 def _model_kwargs(docs, order):
@@ -38,7 +40,7 @@ def token_count(targets, docs):
 def row_keys(key, shape):
     """One PRNG key per row of a batch ``[microbatches, rows]`` (``shape``): ``fold_in(key, r)``
     with ``r`` the row's index in the global batch, whose row ``r`` is in micro batch
-    ``r % microbatches`` (:meth:`jaxllm.run.Run.global_batch`)."""
+    ``r % microbatches`` (:meth:`jaxllm.runtime.run.Run.global_batch`)."""
     m, rows = shape
     return model.row_keys(key, jnp.arange(m * rows).reshape(rows, m).T)
 

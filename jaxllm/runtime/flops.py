@@ -4,7 +4,7 @@
   training step of the GPT in :mod:`jaxllm.model` (forward + backward, optionally
   the recomputed forward of ``model.remat="full"``).
 * :func:`throughput` turns a step time into tokens/s, TFLOP/s per device, MFU and HFU
-  against a device's peak (:func:`jaxllm.hardware.peak_flops_per_device`).
+  against a device's peak (:func:`jaxllm.platform.hardware.peak_flops_per_device`).
 
 Units: FLOPs are floating-point operations (a multiply-add counts 2), FLOP/s are
 FLOPs per second, throughput is tokens/s, times are seconds.
@@ -12,7 +12,7 @@ FLOPs per second, throughput is tokens/s, times are seconds.
 
 from __future__ import annotations
 
-from jaxllm import pipeline
+from jaxllm.parallel import schedules
 
 
 def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> float:
@@ -55,7 +55,7 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     every row of its table.
 
     Args:
-      model_cfg: the ``model`` section of a resolved config (:func:`jaxllm.config.resolve`).
+      model_cfg: the ``model`` section of a resolved config (:func:`jaxllm.resolve.resolve`).
       seq_length: tokens per sequence ``s``.
       recompute: add one forward of the transformer layers (activation recomputation).
     Returns:
@@ -136,7 +136,7 @@ def hardware_flops_per_step(cfg) -> float:
     """Matmul FLOPs one step actually executes, all devices: :func:`flops_per_step` without
     recomputation plus :func:`recompute_flops_per_token` of ``cfg.model.remat`` per token,
     plus one more forward of the layers per pipeline recomputation
-    (:func:`jaxllm.pipeline.recomputed_forwards`: the 1F1B-family schedules) (the basis of HFU;
+    (:func:`jaxllm.parallel.schedules.recomputed_forwards`: the 1F1B-family schedules) (the basis of HFU;
     MFU uses the model FLOPs alone).
 
     Args:
@@ -146,7 +146,7 @@ def hardware_flops_per_step(cfg) -> float:
     """
     tokens, seq = cfg.train.global_batch_size * cfg.train.seq_length, cfg.train.seq_length
     extra = (recompute_flops_per_token(cfg.model, seq, cfg.model.remat)
-             + pipeline.recomputed_forwards(cfg) * recompute_flops_per_token(cfg.model, seq, "full"))
+             + schedules.recomputed_forwards(cfg) * recompute_flops_per_token(cfg.model, seq, "full"))
     return flops_per_step(cfg, recompute=False) + tokens * extra
 
 
@@ -157,7 +157,7 @@ def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) 
       step_time_s: wall time of the step, seconds.
       cfg: the resolved config (global batch, sequence length, model, ``model.remat``).
       num_devices: devices the step ran on.
-      peak_flops: peak FLOP/s of one device (:func:`jaxllm.hardware.peak_flops_per_device`).
+      peak_flops: peak FLOP/s of one device (:func:`jaxllm.platform.hardware.peak_flops_per_device`).
     Returns:
       ``step_time_s``; ``tokens_per_sec`` (all devices) and ``tokens_per_sec_per_device``
       (tokens/s); ``tflops_per_device``: model TFLOP/s (1e12 FLOP/s) per device;

@@ -1,10 +1,10 @@
 """A run's compiled pieces on a device mesh: :class:`Run`.
 
-From a resolved config (:func:`jaxllm.config.resolve`) it builds, once: the mesh and
-rules table (:class:`jaxllm.sharding.Layout`), the model's description with the
+From a resolved config (:func:`jaxllm.resolve.resolve`) it builds, once: the mesh and
+rules table (:class:`jaxllm.parallel.sharding.Layout`), the model's description with the
 mesh's operations (:func:`jaxllm.model.describe`: graph definition, shapes, logical
 axes, weight-decay mask), the optimizer, the shardings of the training state, batch
-and gradients, and the jitted train and eval steps (:mod:`jaxllm.step`).  The
+and gradients, and the jitted train and eval steps (:mod:`jaxllm.runtime.step`).  The
 training CLI, ``plan``, ``bench`` and ``tune`` all use it.
 """
 
@@ -13,9 +13,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxllm import context_parallel, evaluation, hardware, model, optim, sharding, step, vocab_parallel
+from jaxllm import model
 from jaxllm.config import Resolved
 from jaxllm.data.loader import document_arrays
+from jaxllm.parallel import context_parallel, sharding, vocab_parallel
+from jaxllm.runtime import cpu, evaluation, optim, step
 
 
 class Run:
@@ -30,20 +32,18 @@ class Run:
       batch_sharding (``[microbatches, rows, seq]``), eval_sharding (``[rows, seq]``),
       documents (the names of the batch's ``docs`` arrays the data options ask for,
       :func:`jaxllm.data.loader.document_arrays`; ``()``: the steps take no ``docs``), train_step,
-      eval_step (jitted; see :mod:`jaxllm.step`).
+      eval_step (jitted; see :mod:`jaxllm.runtime.step`).
     """
 
     def __init__(self, cfg: Resolved, devices=None):
         self.cfg = cfg
         self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
         self.mesh = layout.mesh
-        cpu = cfg.backend == "cpu"
-        # one device's XLA:CPU runs a batched matmul on one thread: attention in a slice of the batch per thread
-        chunks = hardware.host_threads() if cpu and self.mesh.size == 1 else 1
         ops = model.Ops(constrain=layout.constrain,
-                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl, chunks),
-                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
-                        dense=model.row_major_dense if cpu else model.dense)
+                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl),
+                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout))
+        if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
+            ops = cpu.ops(ops, self.mesh.size)
         self.spec = spec = model.describe(cfg.model, ops)
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay)
         abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
@@ -60,7 +60,7 @@ class Run:
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
         eval_fn = step.make_eval_step(cfg, spec, layout)
         self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], *[self.eval_sharding] * arrays))
-        # [chunk, batch, seq] stacks of validation batches -> [chunk] losses and token counts (jaxllm.evaluation)
+        # [chunk, batch, seq] stacks of validation batches -> [chunk] losses and token counts
         self.eval_losses = jax.jit(evaluation.batched(eval_fn), in_shardings=(
             self.state_sharding["params"], *[self.batch_sharding] * arrays), out_shardings=layout.sharding(()))
 
@@ -103,7 +103,7 @@ class Run:
 
     def evaluate(self, params, loader, progress=None) -> float:
         """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches, as few
-        compiled programs over stacks of batches (:func:`jaxllm.evaluation.mean_loss`; ``progress``
+        compiled programs over stacks of batches (:func:`jaxllm.runtime.evaluation.mean_loss`; ``progress``
         is called after each)."""
         return evaluation.mean_loss(self.eval_losses, params, loader.eval_batch, self.cfg.train.eval_iters,
                                     self.batch_sharding, progress=progress)

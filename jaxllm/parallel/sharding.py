@@ -4,7 +4,7 @@ The model names logical axes only.  Weights: ``vocab``, ``embed``, ``heads``,
 ``kv_heads``, ``head_dim``, ``mlp``, ``layers``.  Activations: ``batch``, ``length``
 (the sequence inside attention and MLP), ``residual`` (the sequence of the residual
 stream between blocks), ``act_embed``, the head and MLP axes as for weights, and
-``stage`` (the pipeline stages, see :mod:`jaxllm.pipeline`).  :data:`RULES` says which
+``stage`` (the pipeline stages, see :mod:`jaxllm.parallel.pipeline`).  :data:`RULES` says which
 mesh axes each one is split over, and every sharding of the program (parameters,
 optimizer state, gradients, batch, activations) is derived from it by :func:`rules`;
 so is every divisibility requirement of a config (:func:`check`).
@@ -13,7 +13,7 @@ Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
 
 * data parallelism: ``batch`` over ``data`` (and ``fsdp``);
 * pipeline parallelism: ``layers`` (so each stage holds its own layers) and
-  ``stage`` over ``pipeline`` (:mod:`jaxllm.pipeline`);
+  ``stage`` over ``pipeline`` (:mod:`jaxllm.parallel.pipeline`);
 * ZeRO (Rajbhandari et al. 2020): stage 1 splits the optimizer state's
   ``embed`` dimension over the data-parallel axes, stage 2 also the gradients
   (the all-reduce becomes a reduce-scatter), stage 3 also the parameters, which
@@ -44,9 +44,8 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllm.config import MESH_AXES
 from jaxllm.errors import ConfigError
-
-MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "sequence")
 
 # The rules table: logical axis -> the mesh axes it is split over.  Weights and activations
 # have distinct names where their layouts differ: a weight's ``embed`` is split over ``fsdp``

@@ -62,7 +62,7 @@ def mean_loss(program, params, eval_batch, num_batches: int, sharding, max_bytes
         (``docs``: a dict of such arrays, :meth:`jaxllm.data.Batches.eval_batch`).
       num_batches: ``train.eval_iters``.
       sharding: of a stack ``[chunk, batch, seq]`` (chunk unsplit).
-      progress: called after each program's losses are read (e.g. :meth:`jaxllm.watchdog.Watchdog.alive`).
+      progress: called after each program's losses are read (e.g. :meth:`jaxllm.runtime.watchdog.Watchdog.alive`).
     Returns:
       the mean token loss over the batches, nats/token: the mean of the per-batch means (float32 mean as
       ``np.mean``), all batches holding equally many tokens; with a loss mask (``data.eod_mask_loss``)

@@ -5,7 +5,7 @@ the skipped-step counters ``nonfinite_steps``/``nonfinite_in_a_row``) and the ru
 full config as JSON.  Nothing else is needed to resume exactly: the data position
 is a function of the step (batch ``s`` is :meth:`jaxllm.data.Loader.train_batch`
 ``(s)``), and so are the dropout keys (``fold_in(key(train.seed), step)``, see
-:func:`jaxllm.step.make_train_step`); a resumed run computes bit for bit what an
+:func:`jaxllm.runtime.step.make_train_step`); a resumed run computes bit for bit what an
 uninterrupted one computes.
 
 Policy: a save every ``checkpoint.interval`` steps and at the end (or on
@@ -38,7 +38,7 @@ from absl import logging
 
 from jaxllm import config, model
 
-# Library detail (full Orbax/TensorStore errors): a log file, not the console (see jaxllm.console).
+# Library detail (full Orbax/TensorStore errors): a log file, not the console (see jaxllm.platform.console).
 library = python_logging.getLogger("jaxllm.library")
 
 # The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
@@ -282,7 +282,7 @@ def load_config(workdir: str, step: int | None = None) -> config.Config:
 def restore_params(model_cfg: config.Model, workdir: str, step: int | None = None):
     """The parameters alone of ``workdir``'s checkpoint at ``step`` (default: the latest), on the
     host CPU whatever mesh the run used (the optimizer state is not read); ``model_cfg`` is the
-    run's resolved ``model`` section (:func:`jaxllm.config.resolve_model`)."""
+    run's resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`)."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
                             model.describe(model_cfg).params)

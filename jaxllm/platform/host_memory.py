@@ -16,7 +16,7 @@ returned), ``M_TOP_PAD`` 64 MiB (the heap grows in large steps).  The cost: the 
 peak host memory until it exits, as a caching allocator does.  It must run before XLA starts its
 threads (a thread keeps the arena it has): ``python -m jaxllm.train``, ``bench`` and ``tune`` call it
 before JAX starts a backend; it acts on machines without GPUs only (decided as
-:func:`jaxllm.gpu_env.apply` decides), GPU runs leave the host allocator alone.  With a C
+:func:`jaxllm.platform.gpu_env.apply` decides), GPU runs leave the host allocator alone.  With a C
 library other than glibc nothing changes.
 """
 
@@ -27,7 +27,7 @@ import functools
 import os
 import platform
 
-from jaxllm.distributed import gpu_vendor
+from jaxllm.platform.distributed import gpu_vendor
 
 # mallopt parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8
@@ -40,7 +40,7 @@ def keep_freed_memory() -> bool:
 
     Returns:
       True if glibc accepted every setting; False on a GPU machine (``JAX_PLATFORMS`` or the
-      device files, :func:`jaxllm.distributed.gpu_vendor`), on another C library, or if one was refused.
+      device files, :func:`jaxllm.platform.distributed.gpu_vendor`), on another C library, or if one was refused.
     """
     if gpu_vendor(os.environ) is not None or platform.libc_ver()[0] != "glibc":
         return False

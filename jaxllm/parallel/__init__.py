@@ -1,0 +1,6 @@
+"""The parallel layer: the mesh and the one rules table (:mod:`~jaxllm.parallel.sharding`), attention
+split along the sequence (:mod:`~jaxllm.parallel.context_parallel`), vocabulary-parallel embedding and
+loss (:mod:`~jaxllm.parallel.vocab_parallel`), the pipeline schedules' timetables
+(:mod:`~jaxllm.parallel.schedules`) and their loops (:mod:`~jaxllm.parallel.pipeline`)."""
+
+__all__ = ["context_parallel", "pipeline", "schedules", "sharding", "vocab_parallel"]

@@ -1,0 +1,239 @@
+"""Resolution: every check of a config and its derived sizes, once, above the library.
+
+:func:`resolve` turns the :class:`~jaxllm.config.Config` that files and flags wrote into the
+read-only :class:`~jaxllm.config.Resolved` one.  It is the one place that asks the model (its
+logical axes), the rules table, the pipeline schedules, sequence parallelism, attention and the
+backend what a config needs, so that :mod:`jaxllm.config` itself imports nothing of the library.
+"""
+
+import dataclasses
+import math
+import os
+
+from jaxllm import config
+from jaxllm.config import MESH_AXES, TYPE_NAMES, Config, Data, Mesh, Model, Resolved
+from jaxllm.errors import ConfigError
+from jaxllm.model import attention, gpt
+from jaxllm.parallel import context_parallel, schedules, sharding
+from jaxllm.platform import hardware
+from jaxllm.runtime import cpu
+
+__all__ = ["mesh_shape", "padded_vocab", "resolve", "resolve_dtype", "resolve_model"]
+
+def _check_types_and_ranges(cfg: Config) -> None:
+    for name, section in cfg.sections().items():
+        for field in dataclasses.fields(section):
+            if field.metadata.get("derived"):
+                continue
+            key, value = f"{name}.{field.name}", getattr(section, field.name)
+            kind = field.type
+            ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (
+                kind is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise ConfigError(key, value, f"must be {TYPE_NAMES[kind]}")
+            if kind is float:
+                object.__setattr__(section, field.name, float(value))
+            choices, check = field.metadata.get("choices"), field.metadata.get("check")
+            if choices and value not in choices:
+                raise ConfigError(key, value, f"choose one of {', '.join(map(str, choices))}")
+            if check == ">0" and not value > 0:
+                raise ConfigError(key, value, "must be > 0")
+            if check == ">=0" and value < 0:
+                raise ConfigError(key, value, "must be >= 0")
+
+
+def _check_values(cfg: Config) -> None:
+    """The checks that need no device count: types, choices, ranges, relations between keys."""
+    _check_types_and_ranges(cfg)
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    interleaved = p.pipeline_schedule.startswith("interleaved")
+    if interleaved != (p.pipeline_virtual_stages > 1):
+        raise ConfigError("parallel.pipeline_virtual_stages", p.pipeline_virtual_stages,
+                          f"parallel.pipeline_schedule={p.pipeline_schedule} needs "
+                          + (">= 2 virtual stages" if interleaved else "exactly 1")
+                          + "; the interleaved schedules (interleaved, interleaved_1f1b) take >= 2, gpipe, 1f1b "
+                          "and zb_h1 exactly 1")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError("model.hidden_size", m.hidden_size,
+                          f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % (m.num_kv_heads or m.num_attention_heads):
+        raise ConfigError("model.num_kv_heads", m.num_kv_heads,
+                          f"must divide model.num_attention_heads={m.num_attention_heads}")
+    if m.position_embedding == "rotary" and m.head_dim % 2:
+        raise ConfigError("model.position_embedding", "rotary",
+                          f"rotary needs an even head dim; hidden_size/num_attention_heads is {m.head_dim}")
+    if m.position_embedding == "learned" and m.max_position_embeddings and m.max_position_embeddings < t.seq_length:
+        raise ConfigError("model.max_position_embeddings", m.max_position_embeddings,
+                          f"the learned position table must cover train.seq_length={t.seq_length}")
+    if not m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+    for key in ("beta1", "beta2"):
+        if not getattr(t, key) < 1.0:
+            raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
+    if t.min_lr > t.lr:
+        raise ConfigError("train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
+    if t.warmup_iters > (t.lr_decay_iters or t.train_iters):
+        raise ConfigError("train.warmup_iters", t.warmup_iters,
+                          f"must be <= train.lr_decay_iters (resolved: {t.lr_decay_iters or t.train_iters})")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("train.global_batch_size", t.global_batch_size,
+                          f"must be divisible by train.micro_batch_size={t.micro_batch_size}")
+    for key in [*MESH_AXES, *(f"dcn_{a}" for a in MESH_AXES)]:
+        size = getattr(cfg.mesh, key)
+        if not (size >= 1 or (size == -1 and key in MESH_AXES)):
+            raise ConfigError(f"mesh.{key}", size, "must be an integer >= 1 (or -1 on one ICI axis: fill)")
+    fill = [a for a in MESH_AXES if getattr(cfg.mesh, a) == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
+
+
+def _check_data_files(d: Data) -> None:
+    if not (d.input.strip() or d.file_list):
+        raise ConfigError("data.input", d.input, "name text files or directories (comma-separated), or "
+                          "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
+    if d.tokenizer not in ("char", "byte", "gpt2") and not os.path.exists(d.tokenizer):
+        raise ConfigError("data.tokenizer", d.tokenizer, "choose char, byte, gpt2, or the path of a Hugging "
+                          "Face tokenizer.json (or of a local directory holding one)")
+    if d.tokenizer == "gpt2":
+        for name in ("encoder.json", "vocab.bpe"):
+            if not os.path.isfile(os.path.join(d.gpt2_dir, name)):
+                raise ConfigError("data.gpt2_dir", d.gpt2_dir,
+                                  f"must be a directory holding GPT-2's encoder.json and vocab.bpe ({name} missing)")
+
+
+def mesh_shape(mesh: Mesh, num_devices: int) -> dict[str, int]:
+    """Devices along each mesh axis (ICI x DCN), a -1 axis filled from ``num_devices``."""
+    dcn = math.prod(getattr(mesh, f"dcn_{a}") for a in MESH_AXES)
+    known = math.prod(getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != -1)
+    fill = max(1, num_devices // (dcn * known))
+    return {a: (fill if getattr(mesh, a) == -1 else getattr(mesh, a)) * getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+
+
+def padded_vocab(vocab_size: int, divisible_by: int, tensor: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by`` and of the tensor-parallel size.
+
+    Megatron-LM pads to a multiple of ``make_vocab_size_divisible_by x tensor``; the least
+    common multiple gives the same tables whenever the tensor size divides
+    ``make_vocab_size_divisible_by`` (e.g. GPT-2's 50257 -> 50304 for tensor 1 to 128).
+    """
+    k = math.lcm(divisible_by, tensor)
+    return k * math.ceil(vocab_size / k)
+
+
+def _ffn_size(m: Model) -> int:
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation == "swiglu" else 4 * m.hidden_size
+
+
+def resolve_dtype(dtype: str, backend: str | None = None) -> str:
+    """``model.dtype`` as the backend runs it: ``"auto"`` is float32 on CPUs, bfloat16 elsewhere.
+
+    Args:
+      backend: the JAX backend or its kind (:func:`jaxllm.platform.hardware.backend_kind`); None: the default.
+    """
+    if dtype != "auto":
+        return dtype
+    return "float32" if hardware.backend_kind(backend) == "cpu" else "bfloat16"
+
+
+def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, tensor: int = 1,
+                  backend: str | None = None) -> Model:
+    """A copy of the ``model`` section with its derived sizes filled in (what tools that only need
+    the model use, e.g. to sample from or export a checkpoint; :func:`resolve` calls it too).
+
+    Args:
+      m: the section; seq_length: ``train.seq_length`` (the learned position table's default size).
+      vocab_size: the tokenizer's vocabulary (needed when ``m.vocab_size`` is 0; None: not known yet).
+      tensor: devices along the tensor axis (the tables are padded to a multiple of it).
+      backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`) and ``layer_loop="auto"``;
+        None: the default backend.
+    Raises:
+      ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary.
+    """
+    m = dataclasses.replace(m)  # a copy that may be written, also of a resolved (read-only) section
+    m.num_kv_heads = m.num_kv_heads or m.num_attention_heads
+    m.ffn_hidden_size = _ffn_size(m)
+    m.dtype = resolve_dtype(m.dtype, backend)
+    if m.layer_loop == "auto":
+        m.layer_loop = cpu.layer_loop(hardware.backend_kind(backend), m.remat)
+    m.max_position_embeddings = m.max_position_embeddings or seq_length
+    if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
+        raise ConfigError("model.vocab_size", m.vocab_size,
+                          f"the tokenizer has {vocab_size} tokens; set it to >= {vocab_size} or to 0 (the tokenizer's)")
+    m.vocab_size = m.vocab_size or vocab_size or 0
+    m.padded_vocab_size = padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, tensor)
+    m._freeze()
+    return m
+
+
+def _check_documents(cfg: Resolved) -> None:
+    """Megatron's document options run on every mesh axis but ``pipeline`` (its schedules take one
+    set of positions for all microbatches, and no segment ids or loss mask yet).
+
+    Raises:
+      ConfigError: one of the options with ``mesh.pipeline`` (ICI x DCN) > 1.
+    """
+    on = [key for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg.data, key)]
+    if on and cfg.stages > 1:
+        raise ConfigError(f"data.{on[0]}", True, f"not supported with pipeline parallelism yet (mesh.pipeline over "
+                          f"{cfg.stages} devices); set mesh.pipeline=1 (use the data, fsdp, tensor and sequence "
+                          f"axes) or turn data.{on[0]} off")
+
+
+def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
+            backend: str | None = None, data_files: bool = True) -> Resolved:
+    """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
+
+    Args:
+      spec: the config as files and flags wrote it (not changed).
+      num_devices: devices the mesh must cover (``jax.device_count()``); None: the mesh as written
+        (a -1 axis counted as 1), for tools that need no devices.
+      vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
+        known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
+      backend: the JAX backend (kind) the run is for: the attention implementation must run on it, and
+        ``model.dtype="auto"`` and ``model.layer_loop="auto"`` resolve for it; None: the default.
+      data_files: check that the data section names input and tokenizer files that exist; False for
+        tools that read no data (planning, benchmarks on synthetic batches).
+    Raises:
+      ConfigError: the first bad value: its key, the value and the fix.
+    """
+    cfg = config.from_dict(spec.to_dict())  # a copy that may be written, also of a resolved config
+    _check_values(cfg)
+    if data_files:
+        _check_data_files(cfg.data)
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    if num_devices is None:
+        num_devices = math.prod(abs(n) for n in mesh.to_dict().values())
+    shape = mesh_shape(mesh, num_devices)
+    if math.prod(shape.values()) != num_devices:
+        raise ConfigError("mesh", {a: getattr(mesh, a) for a in MESH_AXES},
+                          f"the mesh covers {math.prod(shape.values())} devices but there are {num_devices}; "
+                          f"make the product of mesh.* x mesh.dcn_* equal {num_devices}, or set one axis to -1")
+    for a in MESH_AXES:
+        if getattr(mesh, a) == -1:
+            setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))
+    cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"],
+                                  backend=backend)
+    t.lr_decay_iters = t.lr_decay_iters or t.train_iters
+    data_parallel = shape["data"] * shape["fsdp"]
+    if t.global_batch_size % (t.micro_batch_size * data_parallel):
+        raise ConfigError(
+            "train.global_batch_size", t.global_batch_size,
+            f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp) "
+            f"= {t.micro_batch_size} x {data_parallel} = {t.micro_batch_size * data_parallel}")
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    microbatches = t.global_batch_size // (t.micro_batch_size * data_parallel)
+    out = Resolved(**fields, backend=hardware.backend_kind(backend), num_devices=num_devices, mesh_shape=shape,
+                   data_parallel=data_parallel,
+                   microbatches=microbatches, stages=shape["pipeline"],
+                   batch_shape=(microbatches, t.micro_batch_size * data_parallel, t.seq_length))
+    _check_documents(out)
+    schedules.check(out)
+    sharding.check(out, gpt.logical_sizes(out.model, t.seq_length))
+    context_parallel.check(out)
+    attention.check_config(out, backend)
+    for section in out.sections().values():
+        section._freeze()
+    out._freeze()
+    return out
