@@ -1,12 +1,11 @@
 """Parallel-strategy autotuner: ``python -m jaxllm.tune --config=... --devices=N [flags]``.
 
-Search space: every ordered factorization of N devices over the mesh axes in ``--axes``
-(data, fsdp, pipeline, tensor, sequence) x ``--micro_batch`` x ``--remat`` x
-``--attention`` x pipeline schedule and virtual stages (only with pipeline > 1:
-``--pipeline_schedules`` x ``--virtual_stages``, the interleaved schedules with > 1 virtual
-stages, the others with 1) x ``--sequence_impls`` (only with sequence > 1).
+Search space (:mod:`jaxllm.parallel.layouts`): every ordered factorization of N devices over the
+mesh axes in ``--axes`` x ``--micro_batch`` x ``--remat`` x ``--attention`` x pipeline schedule and
+virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_stages``) x
+``--sequence_impls`` (only with sequence > 1).
 
-1. Constraints: each candidate goes through :func:`jaxllm.resolve.resolve` (heads,
+1. Constraints: :func:`constraint` puts each candidate through :func:`jaxllm.resolve.resolve` (heads,
    FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
    global batch by micro batch x data-parallel size; pipeline: layers divisible by stages
    x virtual stages, microbatches a multiple of the stages; ulysses: heads and key/value
@@ -46,10 +45,8 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
     host_memory.keep_freed_memory()
 
-import copy  # noqa: E402
 import csv  # noqa: E402
 import dataclasses  # noqa: E402
-import itertools  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -59,47 +56,10 @@ import jax  # noqa: E402
 from jaxllm import bench, cli, config, plan  # noqa: E402
 from jaxllm.data import DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.model import attention  # noqa: E402
+from jaxllm.parallel import layouts  # noqa: E402
+from jaxllm.parallel.layouts import AXES, Candidate  # noqa: E402
 from jaxllm.platform.hardware import DEVICES, GiB, named_device  # noqa: E402
-from jaxllm.resolve import mesh_shape, resolve
-
-AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One point of the search space."""
-
-    mesh: tuple[int, ...]  # sizes along config.MESH_AXES
-    micro_batch: int
-    remat: str
-    attention: str
-    virtual_stages: int = 1
-    sequence_impl: str = "allgather"
-    schedule: str = "gpipe"
-
-    def overrides(self) -> dict[str, object]:
-        """``{"SECTION.KEY": value}`` that turn the base config into this candidate."""
-        out = {f"mesh.{a}": n for a, n in zip(AXES, self.mesh)}
-        out.update({"train.micro_batch_size": self.micro_batch, "model.remat": self.remat,
-                    "model.attention_impl": self.attention,
-                    "parallel.pipeline_virtual_stages": self.virtual_stages,
-                    "parallel.pipeline_schedule": self.schedule,
-                    "parallel.sequence_impl": self.sequence_impl})
-        return out
-
-    def flags(self) -> str:
-        """The candidate as ``--config.*`` flags."""
-        return " ".join(f"--config.{k}={v}" for k, v in self.overrides().items())
-
-    def mesh_text(self) -> str:
-        """``"pipeline2(interleaved_1f1b v2) sequence4(ring)"``: the axes > 1, with the pipeline schedule,
-        virtual stages and sequence_impl."""
-        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        extra = {"pipeline": f"({self.schedule}{v})",
-                 "sequence": f"({self.sequence_impl})"}
-        return " ".join(f"{a}{n}{extra.get(a, '')}" for a, n in zip(AXES, self.mesh, strict=True)
-                        if n > 1) or "1 device"
+from jaxllm.resolve import mesh_shape, resolve  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -118,24 +78,8 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------
-# The search space
+# The search
 # ---------------------------------------------------------------------------------------------
-
-
-def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
-    """Every ordered ``k``-tuple of positive integers whose product is ``n``."""
-    if k == 1:
-        return [(n,)]
-    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
-
-
-def candidate_config(base: config.Config, c: Candidate) -> config.Config:
-    """``base`` with candidate ``c`` applied."""
-    cfg = copy.deepcopy(base)
-    for key, value in c.overrides().items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
-    return cfg
 
 
 def constraint(cfg: config.Config, num_devices: int) -> str | None:
@@ -148,36 +92,9 @@ def constraint(cfg: config.Config, num_devices: int) -> str | None:
     return None
 
 
-def space(base, num_devices: int, *, axes, micro_batches, remats, attentions, virtual_stages,
-          sequence_impls, schedules) -> list[Candidate]:
-    """The full search space (before constraints), in a fixed order; with pipeline > 1 every
-    schedule in ``schedules`` with every count in ``virtual_stages`` it takes (> 1 for the
-    interleaved schedules, 1 for the others)."""
-    out = []
-    idx = [AXES.index(a) for a in axes]
-    for sizes in factorizations(num_devices, len(axes)):
-        mesh = [1] * len(AXES)
-        for i, s in zip(idx, sizes):
-            mesh[i] = s
-        pipes = ([(s, v) for s in schedules for v in virtual_stages if s.startswith("interleaved") == (v > 1)]
-                 if mesh[AXES.index("pipeline")] > 1 else [("gpipe", 1)])
-        sis = sequence_impls if mesh[AXES.index("sequence")] > 1 else [base.parallel.sequence_impl]
-        for mb, remat, attn, (sched, vs), si in itertools.product(micro_batches, remats, attentions, pipes, sis):
-            out.append(Candidate(tuple(mesh), mb, remat, attn, vs, si, sched))
-    return out
-
-
 def baseline_candidate(base, num_devices: int) -> Candidate:
     """The base config as a candidate (its -1 mesh axis filled)."""
-    sizes = mesh_shape(base.mesh, num_devices)
-    return Candidate(tuple(sizes[a] for a in AXES), base.train.micro_batch_size, base.model.remat,
-                     base.model.attention_impl, base.parallel.pipeline_virtual_stages, base.parallel.sequence_impl,
-                     base.parallel.pipeline_schedule)
-
-
-# ---------------------------------------------------------------------------------------------
-# The search
-# ---------------------------------------------------------------------------------------------
+    return layouts.candidate_of(base, mesh_shape(base.mesh, num_devices))
 
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
@@ -221,7 +138,7 @@ class Tuner:
         """Applies the constraints to every candidate, counting rejections by key."""
         self.space_size = len(candidates)
         for c in candidates:
-            why = constraint(candidate_config(self.base, c), self.n)
+            why = constraint(layouts.candidate_config(self.base, c), self.n)
             if why:
                 self.rejected[why] = self.rejected.get(why, 0) + 1
             else:
@@ -231,7 +148,7 @@ class Tuner:
         """Plans ``c`` and, if it fits, measures it (once; later calls return the result)."""
         if c in self.results:
             return self.results[c]
-        cfg = candidate_config(self.base, c)
+        cfg = layouts.candidate_config(self.base, c)
         try:
             p = plan.plan(cfg, self.n)
         except Exception as e:  # noqa: BLE001  (a candidate XLA cannot compile is a result, not the end)
@@ -252,7 +169,7 @@ class Tuner:
     def _measure(self, r: Result) -> None:
         c = r.candidate
         try:
-            cfg, _ = bench.prepare(candidate_config(self.base, c), self.n)
+            cfg, _ = bench.prepare(layouts.candidate_config(self.base, c), self.n)
             rec = bench.benchmark(cfg, num_devices=self.n, steps=self.steps, warmup=self.warmup,
                                   name=c.mesh_text())
         except Exception as e:  # noqa: BLE001  (e.g. out of memory on a GPU)
@@ -309,15 +226,8 @@ class Tuner:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         valid = set(self.valid)
-        dims = {
-            "mesh": sorted({c.mesh for c in self.valid}),
-            "micro_batch": sorted({c.micro_batch for c in self.valid}),
-            "remat": sorted({c.remat for c in self.valid}),
-            "attention": sorted({c.attention for c in self.valid}),
-            "virtual_stages": sorted({c.virtual_stages for c in self.valid}),
-            "sequence_impl": sorted({c.sequence_impl for c in self.valid}),
-            "schedule": sorted({c.schedule for c in self.valid}),
-        }
+        dims = layouts.values(self.valid)
+        dims["mesh"] = [",".join(map(str, m)) for m in dims["mesh"]]  # Optuna's categories: no tuples
         sampler = optuna.samplers.TPESampler(seed=seed)
         study = optuna.create_study(direction="maximize", sampler=sampler)
         seen: set[Candidate] = set()
@@ -325,10 +235,8 @@ class Tuner:
         while budget_left() and len(seen) < len(valid) and attempts < 200 * max(1, len(valid)):
             attempts += 1
             trial = study.ask()
-            mesh_i = trial.suggest_categorical("mesh", [",".join(map(str, m)) for m in dims["mesh"]])
-            c = Candidate(tuple(int(x) for x in mesh_i.split(",")),
-                          *(trial.suggest_categorical(k, dims[k]) for k in
-                            ("micro_batch", "remat", "attention", "virtual_stages", "sequence_impl", "schedule")))
+            picks = {k: trial.suggest_categorical(k, v) for k, v in dims.items()}  # in Candidate's field order
+            c = Candidate(**{**picks, "mesh": tuple(int(x) for x in picks["mesh"].split(","))})
             if c not in valid:  # a combination the constraints reject: infeasible, costs nothing
                 trial.set_constraint("infeasible", 1.0)
                 study.tell(trial, 0.0)
@@ -447,30 +355,6 @@ class Tuner:
 # ---------------------------------------------------------------------------------------------
 
 
-def _ints(flag: str, text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{flag}={text!r}: give comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"--{flag}={text!r}: give comma-separated integers >= 1")
-    return values
-
-
-def _choices(flag: str, text: str, options) -> list[str]:
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [v for v in values if v not in options]
-    if not values or bad:
-        raise ValueError(f"--{flag}={text!r}: choose from {', '.join(options)}")
-    return values
-
-
-def default_attentions() -> list[str]:
-    """The attention impls that run on this backend, less Pallas's interpreter on CPU."""
-    impls = attention.available_impls()
-    return [i for i in impls if not (jax.devices()[0].platform == "cpu" and i == "pallas")] or ["xla"]
-
-
 def main(argv):
     from absl import flags  # noqa: PLC0415
 
@@ -483,16 +367,9 @@ def main(argv):
         if n < 1 or n > len(jax.devices()):
             raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
         trials, seconds = parse_budget(F.budget)
-        axes = _choices("axes", F.axes, AXES)
-        t = base.train
-        mbs = (_ints("micro_batch", F.micro_batch) if F.micro_batch != "auto"
-               else [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % d == 0])
-        remats = _choices("remat", F.remat, config.choices("model.remat"))
-        attns = default_attentions() if F.attention == "auto" else _choices(
-            "attention", F.attention, [i for i in config.choices("model.attention_impl") if i != "auto"])
-        vss = _ints("virtual_stages", F.virtual_stages)
-        schedules = _choices("pipeline_schedules", F.pipeline_schedules, config.choices("parallel.pipeline_schedule"))
-        sis = _choices("sequence_impls", F.sequence_impls, config.choices("parallel.sequence_impl"))
+        dims = layouts.dimensions(base, axes=F.axes, micro_batch=F.micro_batch, remat=F.remat, attention=F.attention,
+                                  virtual_stages=F.virtual_stages, pipeline_schedules=F.pipeline_schedules,
+                                  sequence_impls=F.sequence_impls)
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
         if F.steps < 1 or F.warmup < 0 or F.confirm < 0:
@@ -521,8 +398,7 @@ def main(argv):
         cli.fail(f"error: {e}")
 
     tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup)
-    tuner.filter(space(base, n, axes=axes, micro_batches=mbs, remats=remats, attentions=attns,
-                       virtual_stages=vss, sequence_impls=sis, schedules=schedules))
+    tuner.filter(layouts.space(base, n, **dims))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
     # The plan and the measurement of a candidate compile the same program: with XLA's persistent

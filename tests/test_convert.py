@@ -1,4 +1,5 @@
-"""Hugging Face conversion against real transformers + PyTorch (CPU, float32, small random models).
+"""Hugging Face conversion (the tables of jaxllm.model.hf, the workdirs and CLI of jaxllm.convert) against real
+transformers + PyTorch (CPU, float32, small random models).
 
 Import: transformers' GPT-2 / Llama logits == jaxllm's on the imported parameters.
 Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
@@ -22,6 +23,7 @@ import torch
 import transformers
 
 from jaxllm import config, convert, model
+from jaxllm.model.hf import ConvertError, to_hf
 from jaxllm.resolve import resolve
 from jaxllm.runtime import checkpoint, optim, step
 from jaxllm.runtime.run import Run
@@ -111,7 +113,7 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     out = jax_logits(m, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
-    hf_config, tensors = convert.to_hf(m, params)
+    hf_config, tensors = to_hf(m, params)
     assert hf_config["architectures"] == [("GPT2LMHeadModel" if "gpt2" in name else "LlamaForCausalLM")]
     convert.save_hf(m, params, str(tmp_path / "back"))
     back = load_hf(tmp_path / "back")
@@ -285,7 +287,7 @@ def test_pickle_weights_are_refused_unread(tmp_path):
 
     (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(Trap()))
     (tmp_path / "config.json").write_text(json.dumps(gpt2().config.to_dict()))
-    with pytest.raises(convert.ConvertError, match="pytorch_model.bin.*safetensors"):
+    with pytest.raises(ConvertError, match="pytorch_model.bin.*safetensors"):
         convert.from_hf(str(tmp_path))
     r = cli("--from-hf", str(tmp_path), str(tmp_path / "work"))
     assert r.returncode == 2 and "pytorch_model.bin" in r.stderr and "safetensors" in r.stderr
@@ -300,8 +302,8 @@ def test_pickle_weights_are_refused_unread(tmp_path):
 ])
 def test_unsupported_combination_names_keys(changes, keys):
     m = small_cfg(**changes).model
-    with pytest.raises(convert.ConvertError) as e:
-        convert.to_hf(m, model.init(m, 0))
+    with pytest.raises(ConvertError) as e:
+        to_hf(m, model.init(m, 0))
     assert e.value.keys == keys
     for k in keys:
         assert k in str(e.value)
@@ -333,7 +335,7 @@ def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
     if model_type == "mistral":
         hf["model_type"] = "mistral"
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(convert.ConvertError) as e:
+    with pytest.raises(ConvertError) as e:
         convert.from_hf(str(tmp_path))
     assert e.value.keys == (key,) and key in str(e.value)
 
@@ -341,10 +343,10 @@ def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
 @pytest.mark.parametrize("hf_dir", ["gpt2-tied", "llama-gqa-untied"], indirect=True)
 def test_import_options_are_checked(hf_dir, tmp_path):
     name, d, _ = hf_dir
-    with pytest.raises(convert.ConvertError, match="model.hidden_size") as e:
+    with pytest.raises(ConvertError, match="model.hidden_size") as e:
         convert.from_hf(d, {"model.hidden_size": "128"})
     assert e.value.keys == ("model.hidden_size",)
-    with pytest.raises(convert.ConvertError, match="train.seq_length"):
+    with pytest.raises(ConvertError, match="train.seq_length"):
         convert.from_hf(d, {"train.seq_length": str(2 * SEQ)})
     # A shorter training length keeps HF's whole position table.
     cfg, params = convert.from_hf(d, {"train.seq_length": str(SEQ // 2)})
@@ -357,5 +359,5 @@ def test_import_options_are_checked(hf_dir, tmp_path):
     with pytest.raises(config.ConfigError, match="data.input"):
         convert.from_hf(d, {"data.input": " "})
     convert.import_to_workdir(d, str(tmp_path / "w"))
-    with pytest.raises(convert.ConvertError, match="already holds checkpoints"):
+    with pytest.raises(ConvertError, match="already holds checkpoints"):
         convert.import_to_workdir(d, str(tmp_path / "w"))

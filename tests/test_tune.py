@@ -1,5 +1,5 @@
-"""jaxllm.tune: the search space, constraint and memory pruning counts against hand counts and
-jaxllm.plan, the measured candidates, and the CLI's outputs on 2 devices (Optuna) and bad flags."""
+"""jaxllm.tune: the search space (jaxllm.parallel.layouts), constraint and memory pruning counts against hand
+counts and jaxllm.plan, the measured candidates, and the CLI's outputs on 2 devices (Optuna) and bad flags."""
 
 import csv
 import dataclasses
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm import config, plan, tune
+from jaxllm.parallel import layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -21,8 +22,32 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 @pytest.mark.parametrize("n,k", [(8, 5), (12, 3), (1, 4), (7, 2)])
 def test_factorizations_brute_force(n, k):
     brute = sorted(t for t in itertools.product(range(1, n + 1), repeat=k) if math.prod(t) == n)
-    assert sorted(tune.factorizations(n, k)) == brute
-    assert len(set(tune.factorizations(n, k))) == len(brute)
+    assert sorted(layouts.factorizations(n, k)) == brute
+    assert len(set(layouts.factorizations(n, k))) == len(brute)
+
+
+def test_candidates_and_configs_are_inverses():
+    base = tiny()
+    c = layouts.Candidate((2, 1, 2, 2, 1), 2, "full", "xla", 2, "ring", "interleaved")
+    cfg = layouts.candidate_config(base, c)
+    assert layouts.candidate_of(cfg, {a: getattr(cfg.mesh, a) for a in config.MESH_AXES}) == c
+    assert base.train.micro_batch_size == 1  # the base is left as it was
+    base.mesh.update(data=-1, tensor=2)
+    assert tune.baseline_candidate(base, 8).mesh == (4, 1, 1, 2, 1)  # the -1 axis filled
+    dims = layouts.values([c, layouts.Candidate((8, 1, 1, 1, 1), 1, "none", "xla")])
+    assert list(dims) == [f.name for f in dataclasses.fields(layouts.Candidate)]
+    assert dims["mesh"] == [(2, 1, 2, 2, 1), (8, 1, 1, 1, 1)] and dims["remat"] == ["full", "none"]
+
+
+def test_dimensions_from_text():
+    dims = layouts.dimensions(tiny(), axes="data,tensor", micro_batch="auto", remat="none", attention="xla",
+                              virtual_stages="1,2", pipeline_schedules="gpipe", sequence_impls="ring")
+    assert dims == {"axes": ["data", "tensor"], "micro_batches": [1, 2, 4, 8], "remats": ["none"],
+                    "attentions": ["xla"], "virtual_stages": [1, 2], "schedules": ["gpipe"], "sequence_impls": ["ring"]}
+    assert len(layouts.space(tiny(), 4, **dims)) == 3 * 4  # (1,4), (2,2), (4,1) x 4 micro batches
+    with pytest.raises(ValueError, match="--virtual_stages='0'"):
+        layouts.dimensions(tiny(), axes="data", micro_batch="1", remat="none", attention="xla", virtual_stages="0",
+                           pipeline_schedules="gpipe", sequence_impls="ring")
 
 
 def test_budget_parsing():
@@ -35,11 +60,11 @@ def test_budget_parsing():
 
 def test_constraints_count_rejections_by_key():
     base = tiny()
-    cands = tune.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
+    cands = layouts.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
                        virtual_stages=[1, 2], sequence_impls=["allgather"], schedules=["gpipe", "interleaved"])
     got = {}
     for c in cands:
-        why = tune.constraint(tune.candidate_config(base, c), 8)
+        why = tune.constraint(layouts.candidate_config(base, c), 8)
         got[why] = got.get(why, 0) + 1
     # Hand counts, 8 devices: 35 meshes over 5 axes, 20 of them without pipeline; x 2 micro batches,
     # x 2 virtual stages where pipeline > 1: 20*2 + 15*4 = 100 candidates.
@@ -54,23 +79,23 @@ def test_constraints_count_rejections_by_key():
     assert got[None] == 100 - 2 - 7 - 40
     # every schedule: per pipeline mesh and micro batch gpipe, 1f1b, zb_h1 (1 virtual stage), interleaved and
     # interleaved_1f1b (2); each validates as its gpipe / interleaved twin does
-    every = tune.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
+    every = layouts.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
                        virtual_stages=[1, 2], sequence_impls=["allgather"],
                        schedules=config.choices("parallel.pipeline_schedule"))
     assert len(every) == 20 * 2 + 15 * 2 * 5
     twin = {"1f1b": "gpipe", "zb_h1": "gpipe", "interleaved_1f1b": "interleaved"}
     for c in every:
         plain = dataclasses.replace(c, schedule=twin.get(c.schedule, c.schedule))
-        assert (tune.constraint(tune.candidate_config(base, c), 8)
-                == tune.constraint(tune.candidate_config(base, plain), 8)), c
-    ulysses = tune.Candidate((1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
-    assert tune.constraint(tune.candidate_config(base, ulysses), 8) == "model.num_attention_heads"
+        assert (tune.constraint(layouts.candidate_config(base, c), 8)
+                == tune.constraint(layouts.candidate_config(base, plain), 8)), c
+    ulysses = layouts.Candidate((1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
+    assert tune.constraint(layouts.candidate_config(base, ulysses), 8) == "model.num_attention_heads"
     allgather = dataclasses.replace(ulysses, sequence_impl="allgather")
-    assert tune.constraint(tune.candidate_config(base, allgather), 8) is None
+    assert tune.constraint(layouts.candidate_config(base, allgather), 8) is None
     short = tiny()
     short.train.seq_length = 8
-    ring = tune.Candidate((1, 1, 1, 1, 8), 1, "none", "xla", 1, "ring")  # 8 % (2 x 8)
-    assert tune.constraint(tune.candidate_config(short, ring), 8) == "train.seq_length"
+    ring = layouts.Candidate((1, 1, 1, 1, 8), 1, "none", "xla", 1, "ring")  # 8 % (2 x 8)
+    assert tune.constraint(layouts.candidate_config(short, ring), 8) == "train.seq_length"
 
 
 L, H, N, V, S = 2, 64, 4, 256, 32
@@ -94,12 +119,12 @@ def test_plan_for_a_gpu_resolves_auto_dtype_for_it():
 
 def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     base = tiny()
-    small, large = (plan.plan(tune.candidate_config(base, tune.Candidate((1,) * 5, mb, "none", "xla")), 1)["total"]
-                    for mb in (1, 8))
+    small, large = (plan.plan(layouts.candidate_config(base, layouts.Candidate((1,) * 5, mb, "none", "xla")),
+                              1)["total"] for mb in (1, 8))
     assert large > small
     limit = (small + large) / 2
     tuner = tune.Tuner(base, 1, memory_limit=limit, steps=1, warmup=0, log=lambda line: None)
-    tuner.filter(tune.space(base, 1, axes=config.MESH_AXES, micro_batches=[1, 3, 8], remats=["none"],
+    tuner.filter(layouts.space(base, 1, axes=config.MESH_AXES, micro_batches=[1, 3, 8], remats=["none"],
                             attentions=["xla"], virtual_stages=[1], sequence_impls=["allgather"], schedules=["gpipe"]))
     assert tuner.space_size == 3 and tuner.rejected == {"train.global_batch_size": 1}  # 8 % 3
     tuner.run(trials=5, seconds=None, sampler="auto", confirm=0)

@@ -1,0 +1,382 @@
+"""The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel`` and
+``LlamaForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
+
+Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
+config.json keys <-> model keys, the config.json values supported, and the table of its
+:class:`Tensor` rows: HF name, our parameters, layout), so import and export are inverses by
+construction.  **GPT-2** holds learned positions, LayerNorm, GELU, biases and multi-head
+attention; **Llama** rotary, RMSNorm, SwiGLU, no biases, grouped-query attention; either with tied
+or untied embeddings (any other model is a :class:`ConvertError` naming the keys that do not fit).
+The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the
+logits of its padding rows, so without them HF's logits and softmax are exactly jaxllm's.
+
+Export: :func:`hf_architecture`, :func:`to_hf` (config.json dict + tensors).  Import:
+:func:`model_from_hf` (config.json -> model keys), :func:`read_safetensors`, :func:`params_from_hf`.
+Only JSON and safetensors are read: pickle-based weights are refused unread.  Files, workdirs,
+tokenizers and the CLI are :mod:`jaxllm.convert`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxllm import config
+from jaxllm.data.tokenizers import GPT2_VOCAB_SIZE
+from jaxllm.model import gpt
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Formats that need pickle (or another framework) to read: never loaded here.
+UNSAFE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
+                  "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
+
+
+class ConvertError(ValueError):
+    """A model, directory or option that cannot be converted.
+
+    Attributes:
+      keys: the config keys (jaxllm ``SECTION.KEY`` or config.json keys) at fault, possibly empty.
+    """
+
+    def __init__(self, message: str, keys=()):
+        self.keys = tuple(keys)
+        super().__init__(message)
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+class Tensor(NamedTuple):
+    """A row of an architecture's table: one Hugging Face tensor and the jaxllm parameters it holds.
+
+    ``name``: HF's; with ``{i}``, one tensor per layer ``i``, holding that layer's slice of our
+    ``[layers, ...]`` parameters.  ``params``: our parameter paths, several concatenated along
+    HF's output axis (GPT-2's ``c_attn = [wq | wk | wv]``).  ``fan_in``: the leading axes of a
+    (per-layer) parameter that form the input axis, the rest the output axis (``wq [h, heads, d]``,
+    1: ``[h, heads*d]``; ``wo [heads, d, h]``, 2: ``[heads*d, h]``); 0: a vector, flattened.
+    ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings).
+    """
+
+    name: str
+    params: tuple[str, ...]
+    fan_in: int = 1
+    linear: bool = False
+
+
+VEC = 0  # fan_in of a vector
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A Hugging Face architecture in jaxllm's terms, read by both directions: ``model_type`` and
+    ``hf_class`` (config.json's ``architectures[0]``); ``needs``: the jaxllm model keys it fixes;
+    ``keys``: config.json key -> (model key, HF's default; None: derived by jaxllm as by HF);
+    ``supports``: config.json key -> the values jaxllm supports (export writes the first);
+    ``extra``: further config.json entries export writes; ``prefix``: the base model's, absent from
+    a bare base model's checkpoint; ``buffers``: regex of non-parameter tensors checkpoints may
+    hold; ``tensors``: the table, every parameter in one row (``lm_head`` only when untied)."""
+
+    model_type: str
+    hf_class: str
+    needs: dict[str, Any]
+    keys: dict[str, tuple[str, Any]]
+    supports: dict[str, tuple]
+    extra: Callable[[config.Model], dict]
+    prefix: str
+    buffers: str
+    tensors: tuple[Tensor, ...]
+
+
+GPT2 = Arch(
+    model_type="gpt2", hf_class="GPT2LMHeadModel",
+    needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True},
+    keys={"n_layer": ("num_layers", 12), "n_embd": ("hidden_size", 768), "n_head": ("num_attention_heads", 12),
+          "n_inner": ("ffn_hidden_size", None), "vocab_size": ("vocab_size", GPT2_VOCAB_SIZE),
+          "n_positions": ("max_position_embeddings", 1024), "layer_norm_epsilon": ("norm_eps", 1e-5),
+          "resid_pdrop": ("dropout", 0.1), "initializer_range": ("init_std", 0.02),
+          "tie_word_embeddings": ("tie_embeddings", True)},
+    supports={"activation_function": ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),  # GELU's tanh approximation
+              "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+              "add_cross_attention": (False,)},
+    extra=lambda m: {"embd_pdrop": m.dropout, "attn_pdrop": 0.0, "reorder_and_upcast_attn": False},
+    prefix="transformer.",
+    buffers=r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",  # causal-mask buffers of old versions
+    tensors=(
+        Tensor("transformer.wte.weight", ("wte",)),  # [vocab, h]
+        Tensor("transformer.wpe.weight", ("wpe",)),  # [positions, h]
+        Tensor("transformer.h.{i}.ln_1.weight", ("layers/ln1/scale",), VEC),
+        Tensor("transformer.h.{i}.ln_1.bias", ("layers/ln1/bias",), VEC),
+        Tensor("transformer.h.{i}.attn.c_attn.weight", ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")),
+        Tensor("transformer.h.{i}.attn.c_attn.bias", ("layers/attn/bq", "layers/attn/bk", "layers/attn/bv"), VEC),
+        Tensor("transformer.h.{i}.attn.c_proj.weight", ("layers/attn/wo",), 2),  # [h, h]
+        Tensor("transformer.h.{i}.attn.c_proj.bias", ("layers/attn/bo",), VEC),
+        Tensor("transformer.h.{i}.ln_2.weight", ("layers/ln2/scale",), VEC),
+        Tensor("transformer.h.{i}.ln_2.bias", ("layers/ln2/bias",), VEC),
+        Tensor("transformer.h.{i}.mlp.c_fc.weight", ("layers/mlp/w1",)),  # [h, f]
+        Tensor("transformer.h.{i}.mlp.c_fc.bias", ("layers/mlp/b1",), VEC),
+        Tensor("transformer.h.{i}.mlp.c_proj.weight", ("layers/mlp/w2",)),  # [f, h]
+        Tensor("transformer.h.{i}.mlp.c_proj.bias", ("layers/mlp/b2",), VEC),
+        Tensor("transformer.ln_f.weight", ("ln_f/scale",), VEC),
+        Tensor("transformer.ln_f.bias", ("ln_f/bias",), VEC),
+        Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
+    ))
+
+LLAMA = Arch(
+    model_type="llama", hf_class="LlamaForCausalLM",
+    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False},
+    keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
+          "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", None),
+          "intermediate_size": ("ffn_hidden_size", 11008), "vocab_size": ("vocab_size", 32000),
+          "max_position_embeddings": ("max_position_embeddings", 2048), "rms_norm_eps": ("norm_eps", 1e-6),
+          "rope_theta": ("rotary_base", 10000.0), "initializer_range": ("init_std", 0.02),
+          "tie_word_embeddings": ("tie_embeddings", False)},
+    supports={"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
+    # rope_theta for transformers 4.x, rope_parameters for 5.x: the same value.
+    extra=lambda m: {"head_dim": m.head_dim, "rope_scaling": None, "attention_dropout": 0.0, "pretraining_tp": 1,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}},
+    prefix="model.",
+    buffers=r".*rotary_emb\.inv_freq",
+    tensors=(
+        Tensor("model.embed_tokens.weight", ("wte",)),  # [vocab, h]
+        Tensor("model.layers.{i}.input_layernorm.weight", ("layers/ln1/scale",), VEC),
+        Tensor("model.layers.{i}.self_attn.q_proj.weight", ("layers/attn/wq",), linear=True),  # [heads*d, h]
+        Tensor("model.layers.{i}.self_attn.k_proj.weight", ("layers/attn/wk",), linear=True),  # [kv_heads*d, h]
+        Tensor("model.layers.{i}.self_attn.v_proj.weight", ("layers/attn/wv",), linear=True),  # [kv_heads*d, h]
+        Tensor("model.layers.{i}.self_attn.o_proj.weight", ("layers/attn/wo",), 2, linear=True),  # [h, heads*d]
+        Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/ln2/scale",), VEC),
+        Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
+        Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
+        Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
+        Tensor("model.norm.weight", ("ln_f/scale",), VEC),
+        Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
+    ))
+
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA)}
+
+
+def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
+    """HF's tensor of row ``t`` from one layer's slices of its parameters."""
+    flat = [a.reshape((math.prod(a.shape[:t.fan_in]), -1) if t.fan_in else -1) for a in arrays]
+    x = np.concatenate(flat, axis=-1)
+    return x.T if t.linear else x
+
+
+def _from_hf_layout(t: Tensor, x: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
+    """The inverse of :func:`_to_hf_layout`: one layer's slices, shaped ``shapes``, from HF's tensor."""
+    x = x.T if t.linear else x
+    sizes = [math.prod(s[t.fan_in:]) for s in shapes]
+    return [part.reshape(s) for part, s in zip(np.split(x, np.cumsum(sizes)[:-1], axis=-1), shapes, strict=True)]
+
+
+def _hf_shape(t: Tensor, shapes: list[tuple]) -> tuple[int, ...]:
+    """The shape :func:`_to_hf_layout` gives for parameters of (per-layer) ``shapes``."""
+    out = sum(math.prod(s[t.fan_in:]) for s in shapes)
+    if not t.fan_in:
+        return (out,)
+    inp = math.prod(shapes[0][:t.fan_in])
+    return (out, inp) if t.linear else (inp, out)
+
+
+def _by_path(tree) -> dict[str, Any]:
+    """A nested parameter dict (leaves: arrays, shapes or logical-axes tuples) as ``{"layers/attn/wq": leaf}``."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
+    return {"/".join(k.key for k in path): leaf for path, leaf in leaves}
+
+
+def _unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape with ``vocab_size`` rows on its ``vocab`` axis: what HF holds.  jaxllm
+    masks the logits of the padding rows, so without them HF's softmax is exactly jaxllm's."""
+    axes = _by_path(spec.axes)
+    return {k: tuple(m.vocab_size if a == "vocab" else n for a, n in zip(axes[k], v.shape, strict=True))
+            for k, v in _by_path(spec.params).items()}
+
+
+# --------------------------------------------------------------------------- jaxllm -> HF
+
+
+def hf_architecture(m: config.Model) -> Arch:
+    """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly.
+
+    Raises:
+      ConvertError: the model fits neither; ``keys`` are the keys that do not fit the closer
+        architecture (the message lists both).
+    """
+    misfits = {}
+    for arch in (GPT2, LLAMA):
+        bad = {f"model.{k}": v for k, v in arch.needs.items() if getattr(m, k) != v}
+        if arch is GPT2 and m.num_kv_heads != m.num_attention_heads:
+            bad["model.num_kv_heads"] = m.num_attention_heads
+        if not bad:
+            return arch
+        misfits[arch.model_type] = bad
+    likely = "llama" if m.position_embedding == "rotary" else "gpt2"
+    closest = min(misfits, key=lambda a: (len(misfits[a]), a != likely))
+    other = "llama" if closest == "gpt2" else "gpt2"
+
+    def changes(arch):
+        return ", ".join(f"{k}={getattr(m, k.split('.')[1])!r} (needs {v!r})" for k, v in misfits[arch].items())
+
+    raise ConvertError(
+        f"the model fits no Hugging Face architecture jaxllm converts to: for {ARCHITECTURES[closest].hf_class} "
+        f"change {changes(closest)}; for {ARCHITECTURES[other].hf_class} change {changes(other)}",
+        keys=tuple(misfits[closest]))
+
+
+def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
+    """A jaxllm model as a Hugging Face GPT-2 or Llama model.
+
+    Args:
+      m: the resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`).
+      params: the nested parameters of :func:`jaxllm.model.init` (jax or numpy arrays), shaped
+        as ``model.describe(m).params``: ``wte [vocab, h]``, ``wpe [positions, h]`` (learned),
+        ``layers/attn/wq [L, h, heads, d]``, ``wk``/``wv [L, h, kv_heads, d]``, ``wo [L, heads, d, h]``,
+        ``layers/mlp/w1 [L, h, f]``, ``wg [L, h, f]`` (swiglu), ``w2 [L, f, h]``, norms, biases,
+        ``lm_head [h, vocab]`` (untied), where ``vocab`` = ``m.padded_vocab_size``.
+    Returns:
+      ``(hf_config, tensors)``: the ``config.json`` dict, and float32 C-contiguous arrays by HF
+      name, laid out by the architecture's table, with ``m.vocab_size`` rows (see the module doc):
+      GPT-2's ``Conv1D`` weights are ``[in, out]`` (``c_attn.weight [h, 3h]`` = ``[wq | wk | wv]``
+      flattened over ``(heads, d)``), Llama's
+      ``Linear`` weights ``[out, in]`` (``q_proj [heads*d, h]``, ``o_proj [h, heads*d]``,
+      ``gate_proj``/``up_proj [f, h]`` = ``wg``/``w1``), one tensor per layer.
+    Raises:
+      ConvertError: the model fits neither architecture, or ``params`` does not match it.
+    """
+    arch = hf_architecture(m)
+    spec = gpt.describe(m)
+    want = {k: v.shape for k, v in _by_path(spec.params).items()}
+    flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in _by_path(params).items()}
+    have = {k: v.shape for k, v in flat.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))
+        raise ConvertError("the parameters do not match the config (" + "; ".join(
+            f"{k}: {'config' if (k, s) in want.items() else 'parameters'} {list(s)}" for k, s in diff[:6]) + ")")
+    real = _unpadded_shapes(m, spec)
+    flat = {k: x[tuple(map(slice, real[k]))] for k, x in flat.items()}
+    tensors = {}
+    for t in arch.tensors:
+        if t.params[0] not in flat:  # lm_head of a tied model
+            continue
+        arrays = [flat[p] for p in t.params]
+        for i in range(m.num_layers) if "{i}" in t.name else [None]:
+            tensors[t.name.format(i=i)] = _to_hf_layout(t, arrays if i is None else [a[i] for a in arrays])
+    hf = {"architectures": [arch.hf_class], "model_type": arch.model_type,
+          **{key: allowed[0] for key, allowed in arch.supports.items()},
+          **{key: getattr(m, ours) for key, (ours, _) in arch.keys.items()}, **arch.extra(m),
+          "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    return hf, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+
+
+# --------------------------------------------------------------------------- HF -> jaxllm
+
+
+def read_safetensors(directory: str) -> dict[str, np.ndarray]:
+    """Every tensor of ``directory``'s ``model.safetensors`` (or of the shards its
+    ``model.safetensors.index.json`` names), as float32 numpy arrays.
+
+    Raises:
+      ConvertError: no safetensors weights (pickle-based ones are refused, never read).
+    """
+    from safetensors import safe_open
+
+    single, index = os.path.join(directory, SAFETENSORS), os.path.join(directory, SAFETENSORS_INDEX)
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as fp:
+            files = [os.path.join(directory, n) for n in sorted(set(json.load(fp)["weight_map"].values()))]
+    else:
+        unsafe = [n for n in UNSAFE_WEIGHTS if os.path.exists(os.path.join(directory, n))]
+        unsafe += sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth")) and n not in unsafe)
+        if unsafe:
+            raise ConvertError(
+                f"{directory} holds {', '.join(unsafe)} but no {SAFETENSORS}: jaxllm reads only safetensors, "
+                f"never pickle-based weights. Convert them to safetensors first (in an environment where you "
+                f"trust the file), e.g. AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, "
+                f"safe_serialization=True)")
+        raise ConvertError(f"{directory} has no {SAFETENSORS} or {SAFETENSORS_INDEX}")
+    tensors = {}
+    with jax.default_device(jax.devices("cpu")[0]):
+        for path in files:
+            with safe_open(path, framework="flax") as f:  # through jax: numpy has no bfloat16
+                for k in f.keys():  # noqa: SIM118  (a safe_open is not a dict)
+                    tensors[k] = np.asarray(f.get_tensor(k), np.float32)
+    return tensors
+
+
+def model_from_hf(hf: dict) -> tuple[Arch, dict]:
+    """The architecture and jaxllm's model keys of a config.json dict. Raises ConvertError."""
+    arch = ARCHITECTURES.get(hf.get("model_type"))
+    if arch is None:
+        raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} is not supported: jaxllm converts "
+                           f"'gpt2' (GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)", keys=("model_type",))
+
+    def unsupported(key, value, need):
+        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
+
+    for key, allowed in arch.supports.items():
+        if hf.get(key, allowed[0]) not in allowed:
+            unsupported(key, hf[key], " or ".join(map(repr, allowed)))
+    keys = {}
+    for key, (ours, default) in arch.keys.items():
+        value = hf.get(key, default)
+        keys[ours] = 0 if value is None else config.key_type(f"model.{ours}")(value)  # 0: derived, as HF does
+    if arch is LLAMA:
+        rope = hf.get("rope_parameters") or {}
+        scaling, rope_type = hf.get("rope_scaling"), rope.get("rope_type", rope.get("type", "default"))
+        if scaling or rope_type != "default":
+            unsupported("rope_scaling" if scaling else "rope_parameters.rope_type", scaling or rope_type,
+                        "plain rotary embeddings (rope type 'default', no scaling)")
+        head_dim = keys["hidden_size"] // keys["num_attention_heads"]
+        if hf.get("head_dim") not in (None, head_dim):
+            unsupported("head_dim", hf["head_dim"], f"hidden_size / num_attention_heads = {head_dim}")
+        keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
+    return arch, {**keys, **arch.needs}
+
+
+def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
+    """jaxllm's nested float32 parameters (``model.describe(m).params``) from HF's tensors, by
+    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s). Raises ConvertError."""
+    spec = gpt.describe(m)
+    shapes = _unpadded_shapes(m, spec)
+    embed = arch.tensors[0].name
+    bare = embed not in tensors and embed.removeprefix(arch.prefix) in tensors  # a bare base model's names
+    used, out = set(), {}
+
+    def get(name: str, shape: tuple) -> np.ndarray:
+        key = name.removeprefix(arch.prefix) if bare else name
+        if key not in tensors:
+            raise ConvertError(f"model.safetensors: tensor {key} is missing (expected shape {list(shape)})")
+        x = tensors[key]
+        if x.shape != tuple(shape):
+            raise ConvertError(f"model.safetensors: {key} has shape {list(x.shape)}, config.json implies {list(shape)}")
+        used.add(key)
+        return x
+
+    for t in arch.tensors:
+        if t.params[0] not in shapes:  # the tied copy of the head some checkpoints store: HF ignores it too
+            used.add(t.name)
+            continue
+        layered = "{i}" in t.name
+        per_layer = [shapes[p][1:] if layered else shapes[p] for p in t.params]
+        slices = [_from_hf_layout(t, get(t.name.format(i=i), _hf_shape(t, per_layer)), per_layer)
+                  for i in (range(m.num_layers) if layered else [None])]
+        for j, p in enumerate(t.params):
+            out[p] = np.stack([s[j] for s in slices]) if layered else slices[0][j]
+    left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
+    if left:
+        raise ConvertError(f"model.safetensors: tensors jaxllm has no place for: {', '.join(left[:6])}"
+                           + (f" and {len(left) - 6} more" if len(left) > 6 else ""))
+    padded = {k: v.shape for k, v in _by_path(spec.params).items()}  # the padding rows are zeros
+    leaves = [np.pad(out[k], [(0, p - n) for n, p in zip(out[k].shape, padded[k], strict=True)]) for k in shapes]
+    return jax.tree_util.tree_unflatten(jax.tree.structure(spec.params), leaves)
