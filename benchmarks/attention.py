@@ -15,7 +15,10 @@ allocator's ``peak_bytes_in_use`` from ``device.memory_stats()`` where the backe
 default on GPUs) every (seq, impl) case runs in its own subprocess.
 
 Prints one Markdown table; a case that fails (out of memory, unsupported) shows the error
-in its row instead of numbers.
+in its row instead of numbers.  ``--output=FILE.jsonl`` also appends one JSON record per case
+(``date``, ``device``, versions, the shape, ``impl``, ``seq``, ``fwd_tflops``,
+``fwd_bwd_tflops``, times, memory, ``command``): the records docs/performance.md's tables
+come from (committed under ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import sys
 import time
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 
@@ -47,6 +51,7 @@ def _parse():
     p.add_argument("--check", action="store_true", help="add max |out - xla float32 reference| per case")
     p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                    help="one subprocess per case for a clean device peak (auto: yes on GPUs)")
+    p.add_argument("--output", default="", help="JSONL file: one record per case is appended")
     p.add_argument("--_case", default="", help=argparse.SUPPRESS)  # "impl,seq": child mode, prints JSON
     return p.parse_args()
 
@@ -141,6 +146,27 @@ def _run_isolated(impl, seq, argv):
     return {"impl": impl, "seq": seq, "error": f"subprocess rc={proc.returncode}: {tail[:120]}"}
 
 
+def record(r, a) -> dict:
+    """The JSON record of one case ``r`` (as :func:`run_case` returns it) run with arguments ``a``."""
+    import datetime
+    import shlex
+
+    import jaxlib
+
+    dev = jax.devices()[0]
+    out = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
+           "platform_version": jax.extend.backend.get_backend().platform_version,
+           "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+           "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads or a.heads, "head_dim": a.head_dim,
+           "dtype": a.dtype, "causal": a.causal, "window": a.window or None, **r,
+           "command": shlex.join(["python", "benchmarks/attention.py", *sys.argv[1:]])}
+    if "error" not in r:
+        f_fwd, f_all = flops(a.batch, r["seq"], a.heads, a.head_dim, a.causal)
+        out.update(fwd_tflops=f_fwd / r["fwd_s"] / 1e12, fwd_bwd_tflops=f_all / r["fwd_bwd_s"] / 1e12)
+    return out
+
+
 def _gib(x):
     return "n/a" if x is None else f"{x / 2**30:.2f}"
 
@@ -193,6 +219,10 @@ def main():
             results.append(_run_isolated(impl, seq, argv) if isolate else run_case(impl, seq, a))
             print(f"  done seq={seq} impl={impl}", file=sys.stderr, flush=True)
     print(table(results, a))
+    if a.output:
+        with open(a.output, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(record(r, a)) + "\n" for r in results)
+        print(f"appended {len(results)} record(s) to {a.output}")
 
 
 if __name__ == "__main__":

@@ -38,9 +38,12 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
+import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import cli, config, model, plan  # noqa: E402
@@ -48,7 +51,7 @@ from jaxllm.data import Batches, Data, DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.parallel import schedules  # noqa: E402
 from jaxllm.platform import hardware  # noqa: E402
-from jaxllm.resolve import resolve
+from jaxllm.resolve import resolve  # noqa: E402
 from jaxllm.runtime import flops  # noqa: E402
 from jaxllm.runtime.run import Run  # noqa: E402
 
@@ -185,7 +188,9 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "peak_memory_bytes": peak_mem, "peak_memory_source": mem_source,
         "compiled_memory_bytes": memory["total"], "compiled_temp_bytes": memory["temp"],
         "final_loss": loss, "step_times_s": times,
-        "jax": jax.__version__,
+        "fp8": cfg.model.fp8,
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "platform_version": jax.extend.backend.get_backend().platform_version,  # CUDA / ROCm versions on GPUs
         "config": cfg.to_dict(),
     }
 
@@ -266,6 +271,10 @@ def main(argv):
             records.append({"name": name, "error": "out of memory"})
             print(f"{name or 'base'}: out of memory ({str(e).splitlines()[0][:200]})", flush=True)
             continue
+        # how it was run: the command, the config file[:key] and the overrides given (the variant's last)
+        given = [a for a in sys.argv[1:] if a.startswith("--config.")] + [f"--config.{o}" for o in name.split(",") if o]
+        r.update(command=shlex.join(["python", "-m", "jaxllm.bench", *sys.argv[1:]]),
+                 config_file=cli.config_arg(sys.argv) or "jaxllm/default_config.py", overrides=given)
         records.append(r)
         print(f"{name or 'base'}: {r['tokens_per_sec']:,.0f} tokens/s, {r['step_time_s']:.4g} s/step, "
               f"{r['tflops_per_device']:.4g} TFLOP/s/device, MFU {100 * r['mfu']:.2f}% HFU {100 * r['hfu']:.2f}%, "

@@ -69,13 +69,14 @@ def _check_config_args(argv) -> None:
                 config.check_key(key, value)
             except config.ConfigError as e:
                 fail(e)
-    path = _config_file(argv)
+    path = config_arg(argv)
     if path is not None and not os.path.isfile(path.split(":", 1)[0]):
         fail(f"config error: --config={path}: no such file {path.split(':', 1)[0]!r}; give a config file such as "
              "configs/shakespeare_char.py, or configs/gpt3.py:GPT125M")
 
 
-def _config_file(argv) -> str | None:
+def config_arg(argv) -> str | None:
+    """The value of ``--config`` in ``argv`` (``FILE.py[:KEY]``), or None when it is not given."""
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):
             return arg.split("=", 1)[1]
@@ -120,7 +121,7 @@ def parse_flags(argv: list[str]) -> list[str]:
             flag, eq, value = arg[2:].partition("=")
             arg = "--" + flag.replace("-", "_") + eq + value
         fixed.append(arg)
-    path = _config_file(argv)
+    path = config_arg(argv)
     try:
         return flags.FLAGS(fixed)
     except flags.IllegalFlagValueError as e:

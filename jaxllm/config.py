@@ -92,14 +92,22 @@ class Model(Section):
     tie_embeddings: bool = True
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")
-    remat: str = _key("none", choices=("none", "full", "save_dots"))
+    # what each layer keeps for the backward pass (jaxllm.model.gpt.REMAT_POLICIES, MaxText's names): none (all),
+    # minimal_with_context, minimal (every layer matmul's output), save_dots, save_dots_except_mlp, save_qkv_proj,
+    # full (nothing: the layer is recomputed); *_offloaded: those outputs kept in host memory instead
+    remat: str = _key("none", choices=("none", "minimal_with_context", "minimal", "save_dots", "save_dots_except_mlp",
+                                       "save_qkv_proj", "full", "minimal_offloaded", "qkv_proj_offloaded"))
     # the layers as one jax.lax.scan (compile time independent of depth) or written out one after another;
     # auto: unrolled on CPUs without remat (XLA:CPU zero-fills and copies a scan's stacked activations every
     # step; its schedule of unrolled layers keeps what remat would free), else scan
     layer_loop: str = _key("auto", choices=("auto", "scan", "unrolled"))
     # compute dtype (parameters are float32); auto: float32 on CPUs (bfloat16 is emulated there, slower), else bfloat16
     dtype: str = _key("auto", choices=("auto", "float32", "bfloat16", "float16"))
-    attention_impl: str = _key("xla", choices=("auto", "xla", "cudnn", "pallas", "triton"))
+    # auto: cuDNN's flash attention on NVIDIA GPUs, the Pallas kernel on ROCm, xla on CPUs (jaxllm.model.attention)
+    attention_impl: str = _key("auto", choices=("auto", "xla", "cudnn", "pallas", "triton"))
+    # the layer matmuls in FP8 (e4m3 forward, e5m2 gradients, current scaling; jaxllm.model.fp8): GPUs with FP8
+    # matmuls (H100, H200, MI300); parameters, optimizer state, norms and the loss keep their dtypes
+    fp8: bool = False
     padded_vocab_size: int = _derived()  # rows of the embedding and output tables
 
     @property

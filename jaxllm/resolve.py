@@ -181,6 +181,23 @@ def _check_documents(cfg: Resolved) -> None:
                           f"axes) or turn data.{on[0]} off")
 
 
+def _check_fp8(cfg: Resolved, backend: str | None) -> None:
+    """``model.fp8`` needs FP8 matmuls on the backend, and a schedule whose weight gradients go through them.
+
+    Raises:
+      ConfigError: the backend's devices have no FP8 matmuls; ``parallel.pipeline_schedule=zb_h1``
+        (its split backward computes the weight gradients with plain matmuls).
+    """
+    if not cfg.model.fp8:
+        return
+    why = hardware.fp8_unsupported(backend)
+    if why:
+        raise ConfigError("model.fp8", True, f"{why}; set model.fp8=False")
+    if cfg.stages > 1 and cfg.parallel.pipeline_schedule == "zb_h1":
+        raise ConfigError("model.fp8", True, "zb_h1 computes the weight gradients outside the FP8 matmuls; use "
+                          "parallel.pipeline_schedule=1f1b (or interleaved_1f1b), or model.fp8=False")
+
+
 def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
             backend: str | None = None, data_files: bool = True) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
@@ -233,6 +250,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     sharding.check(out, gpt.logical_sizes(out.model, t.seq_length))
     context_parallel.check(out)
     attention.check_config(out, backend)
+    _check_fp8(out, backend)
     for section in out.sections().values():
         section._freeze()
     out._freeze()

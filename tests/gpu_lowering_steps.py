@@ -4,7 +4,8 @@ Used by tests/test_gpu_lowering.py in a subprocess (the device count is fixed be
 ``python tests/gpu_lowering_steps.py``.  For each layout, ``jax.export`` of
 ``jaxllm.runtime.run.Run(cfg).train_step`` for ``cuda`` or ``rocm`` (inside
 ``jaxllm.model.attention.lowering_target``), summarised as its custom calls, Triton kernel names,
-device count, ``shard_map`` regions (``sdy.manual_computation``) and whether inputs are sharded.
+device count, ``shard_map`` regions (``sdy.manual_computation``), float8 types and whether inputs are
+sharded.
 """
 
 import collections
@@ -38,13 +39,15 @@ LAYOUTS = [
     ("rocm-pallas-fsdp2-tensor2-data2", "rocm", "pallas", dict(fsdp=2, tensor=2, data=2), {}),
     ("cuda-pallas-ring2-tensor2-data2", "cuda", "pallas", dict(sequence=2, tensor=2, data=2),
      dict(sequence_impl="ring")),
+    ("cuda-cudnn-fp8-tensor2-data2", "cuda", "cudnn", dict(tensor=2, data=2), {}),
 ]
+MODEL = {"cuda-cudnn-fp8-tensor2-data2": {"fp8": True}}  # model keys beyond small_config's
 
 
-def small_config(platform, impl, mesh, parallel):
+def small_config(platform, impl, mesh, parallel, model=None):
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=256, dtype="bfloat16",
-                   attention_impl=impl)
+                   attention_impl=impl, **(model or {}))
     c.train.update(seq_length=256, micro_batch_size=2, global_batch_size=8, warmup_iters=1)
     c.mesh.update(**mesh)
     c.parallel.update(**parallel)
@@ -54,8 +57,8 @@ def small_config(platform, impl, mesh, parallel):
     return resolve(c, num_devices=n, backend=platform), n
 
 
-def export_step(platform, impl, mesh, parallel):
-    cfg, n = small_config(platform, impl, mesh, parallel)
+def export_step(platform, impl, mesh, parallel, model=None):
+    cfg, n = small_config(platform, impl, mesh, parallel, model)
     with attention.lowering_target(platform):
         run = Run(cfg, devices=jax.devices()[:n])
         tokens = jax.ShapeDtypeStruct(cfg.batch_shape, jnp.int32, sharding=run.batch_sharding)
@@ -67,6 +70,7 @@ def export_step(platform, impl, mesh, parallel):
             "calls": dict(collections.Counter(lowering.custom_call_targets(exported))),
             "kernels": sorted({k.name for k in lowering.triton_kernels(exported)}),
             "manual": text.count("sdy.manual_computation"),
+            "float8": dict(collections.Counter(re.findall(r"f8E\w+", text))),
             "mesh": re.search(r"sdy\.mesh @mesh = <\[(.*?)\]>", text).group(1),
             # arguments split over some mesh axis (a Shardy sharding with a non-empty axis list)
             "sharded_inputs": len(re.findall(r'#sdy\.sharding<@mesh, \[[^\]]*\{"', signature))}
@@ -76,7 +80,7 @@ def main():
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     fa.check_cudnn_version = lambda: CUDNN_VERSION  # no CUDA plugin here: the version jax would ask it for
-    out = {name: export_step(*spec) for name, *spec in LAYOUTS}
+    out = {name: export_step(*spec, MODEL.get(name)) for name, *spec in LAYOUTS}
     print(json.dumps(out))
 
 

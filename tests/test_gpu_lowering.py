@@ -198,6 +198,15 @@ def test_train_step_lowers_on_a_mesh(steps):
     assert ring["nr_devices"] == 8 and ring["manual"] >= 1 and ring["kernels"] == sorted(NAMES)
     assert '"sequence"=2' in ring["mesh"]
     assert ring["calls"][lowering.TRITON_CALL] > 3, ring
+    assert all(not s["float8"] for name, s in steps.items() if "fp8" not in name)
+
+
+def test_fp8_train_step_lowers_with_float8_matmul_operands(steps):
+    """model.fp8: the exported step carries e4m3 (inputs, weights) and e5m2 (gradients) values, which
+    XLA's GPU compiler turns into FP8 GEMMs; sharded as the bfloat16 step."""
+    s = steps["cuda-cudnn-fp8-tensor2-data2"]
+    assert s["nr_devices"] == 4 and s["sharded_inputs"] > 10, s
+    assert s["float8"].get("f8E4M3FN", 0) > 0 and s["float8"].get("f8E5M2", 0) > 0, s
 
 
 # ----------------------------------------------------------------------------- machine code

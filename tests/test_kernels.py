@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -322,9 +323,10 @@ def test_benchmark_flop_counting():
     assert _bench_module().flops(2, 1024, 16, 128, causal=True)[0] == fwd // 2
 
 
-def test_benchmark_runs_on_cpu():
+def test_benchmark_runs_on_cpu(tmp_path):
+    out_file = tmp_path / "attention.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "attention.py"), "--seqs", "256", "--impls", "xla",
-           "--heads", "2", "--iters", "1", "--warmup", "1", "--check"]
+           "--heads", "2", "--iters", "1", "--warmup", "1", "--check", f"--output={out_file}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
@@ -332,3 +334,9 @@ def test_benchmark_runs_on_cpu():
     assert "backward = 2.5 x forward" in out
     row = [line for line in out.splitlines() if line.startswith("| 256 | xla |")]
     assert row and "error" not in row[0], out
+    (rec,) = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert (rec["impl"], rec["seq"], rec["heads"], rec["device"]) == ("xla", 256, 2, "cpu")
+    fwd, total = _bench_module().flops(1, 256, 2, 128, causal=True)
+    assert rec["fwd_tflops"] == pytest.approx(fwd / rec["fwd_s"] / 1e12)
+    assert rec["fwd_bwd_tflops"] == pytest.approx(total / rec["fwd_bwd_s"] / 1e12)
+    assert f"{rec['fwd_tflops']:.2f}" in row[0] and rec["command"].startswith("python benchmarks/attention.py")

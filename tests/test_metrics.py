@@ -52,6 +52,19 @@ def test_flops_per_token_hand_count(activation, plain, recomputed):
     assert flops.flops_per_token(m, 4, recompute=True) == recomputed
 
 
+# Recomputed forward matmuls per token and layer by policy, from the hand count above (swiglu: the MLP's
+# 1536 is up 512 + gate 512 + down 512; scores and values 32 each): full 1984; minimal and save_dots
+# 64 (scores + values); minimal_with_context 32 (scores); save_dots_except_mlp 64 + 1536;
+# save_qkv_proj 64 + 128 + 1536.
+@pytest.mark.parametrize("remat, per_layer", [
+    ("none", 0), ("full", 1984), ("minimal", 64), ("save_dots", 64), ("minimal_with_context", 32),
+    ("save_dots_except_mlp", 1600), ("save_qkv_proj", 1728), ("minimal_offloaded", 64),
+    ("qkv_proj_offloaded", 1728)])
+def test_recompute_flops_of_every_policy_hand_count(remat, per_layer):
+    m = make_cfg("swiglu", **TINY).model
+    assert flops.recompute_flops_per_token(m, 4, remat) == 2 * per_layer
+
+
 def test_recompute_is_four_thirds_of_the_layer_part():
     # The layer part is everything but the logits (3 * 2*h*V per token, never recomputed).
     m = make_cfg("swiglu", num_layers=3, hidden_size=64, num_attention_heads=4, num_kv_heads=2,

@@ -1,6 +1,7 @@
 """The model: the GPT (:mod:`~jaxllm.model.gpt`), its attention dispatch (:mod:`~jaxllm.model.attention`),
-the fused chunked loss (:mod:`~jaxllm.model.fused_loss`) and the Hugging Face architecture tables
-(:mod:`~jaxllm.model.hf`).  It names no mesh axis: :class:`Ops` is all it knows of a layout.
+the fused chunked loss (:mod:`~jaxllm.model.fused_loss`), the FP8 matmul (:mod:`~jaxllm.model.fp8`) and
+the Hugging Face architecture tables (:mod:`~jaxllm.model.hf`).  It names no mesh axis: :class:`Ops` is all
+it knows of a layout.
 
 ``from jaxllm import model`` gives the GPT's functions (``model.describe``, ``model.forward``, ...).
 """

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model import attention as dispatch
 from jaxllm.model import fused_loss
@@ -228,9 +229,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
-        q = _dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt)
-        k = _dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt)
-        v = _dense(self.ops, x, self.wv[...], self.bv, "bse,ehd->bshd", dt)
+        q = checkpoint_name(_dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt), "query_proj")
+        k = checkpoint_name(_dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt), "key_proj")
+        v = checkpoint_name(_dense(self.ops, x, self.wv[...], self.bv, "bse,ehd->bshd", dt), "value_proj")
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -249,8 +250,8 @@ class Attention(nnx.Module):
             out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True,
                                      q_positions=positions, kv_positions=kv_positions)
             cache = (k_cache, v_cache)
-        out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return _dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), cache
+        out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
+        return checkpoint_name(_dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), "out_proj"), cache
 
 
 class MLP(nnx.Module):
@@ -267,13 +268,14 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = jnp.dtype(self.cfg.dtype)
-        y = _dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt)
+        y = checkpoint_name(_dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt), "mlpwi")
         if self.wg is None:
             y = gelu(y)
         else:
-            y = jax.nn.silu(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt)) * y
+            gate = checkpoint_name(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt), "mlpwi_gate")
+            y = jax.nn.silu(gate) * y
         y = self.ops.constrain(y, ("batch", "length", "mlp"))
-        return _dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt)
+        return checkpoint_name(_dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt), "mlpwo")
 
 
 class Block(nnx.Module):
@@ -294,9 +296,32 @@ class Block(nnx.Module):
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
 
+# The layer's named activations (``checkpoint_name``, MaxText's names): each matmul's output and the
+# attention output (``context``).  A remat policy saves some for the backward pass and recomputes the rest.
+QKV = ("query_proj", "key_proj", "value_proj")
+MATMULS = (*QKV, "out_proj", "mlpwi", "mlpwi_gate", "mlpwo")
+_names = jax.checkpoint_policies.save_only_these_names
+
+
+def _offloaded(*names):
+    """Save ``names`` in host memory (pinned) instead of device memory; recompute the rest."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+        offload_src="device", offload_dst="pinned_host")
+
+
+# ``model.remat``: what each layer keeps for its backward pass (MaxText's policy names; "none": everything).
+# The saved sets, by size: full < save_qkv_proj < save_dots_except_mlp < minimal ~ save_dots (the same
+# matmuls, whose outputs have no dot batch dimension; minimal keeps them after the bias) < minimal_with_context.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": _names(*MATMULS),
+    "minimal_with_context": _names(*MATMULS, "context"),
+    "save_qkv_proj": _names(*QKV),
+    "save_dots_except_mlp": _names(*QKV, "out_proj"),
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal_offloaded": _offloaded(*MATMULS),
+    "qkv_proj_offloaded": _offloaded(*QKV),
 }
 
 

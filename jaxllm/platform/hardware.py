@@ -6,6 +6,7 @@
   ``jaxllm.plan`` and ``jaxllm.tune`` check against.
 * :func:`backend_kind`: ``cpu``, ``cuda``, ``rocm`` or ``tpu`` for a running JAX backend.
 * :func:`host_threads`: the CPU cores this process may run on.
+* :func:`fp8_unsupported`: whether a backend's devices have FP8 matmuls (``model.fp8``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def backend_kind(backend=None) -> str:
         version = str(client.platform_version).lower()
         return "rocm" if ("rocm" in version or "hip" in version or platform == "rocm") else "cuda"
     return platform
+
+
+_FP8_AMD = ("MI300", "MI325", "MI355")  # CDNA 3 and later: FP8 matrix cores
+
+
+def fp8_unsupported(backend: str | None = None) -> str | None:
+    """Why ``model.fp8`` cannot train on ``backend`` (a kind or a JAX backend name; None: the default),
+    or None where it can: NVIDIA GPUs of compute capability 8.9 and later (Ada, Hopper: H100, H200;
+    Blackwell), AMD MI300 and later.  A GPU kind named from a machine without that GPU (a plan for
+    ``--device``) is taken on trust: there is no device to ask."""
+    kind = backend_kind(backend)
+    if kind not in ("cuda", "rocm"):
+        return f"the {kind} backend has no FP8 matmuls (H100, H200 and MI300 GPUs have)"
+    if backend in _KINDS and backend_kind() != kind:
+        return None
+    device = jax.local_devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if kind == "cuda" and capability:
+        ok = tuple(int(p) for p in str(capability).split(".")[:2]) >= (8, 9)
+    else:
+        ok = any(name.lower() in device.device_kind.lower() for name in _FP8_AMD)
+    return None if ok else (f"{device.device_kind} has no FP8 matmuls (NVIDIA compute capability 8.9 or later: "
+                            "H100, H200; AMD MI300 or later)")
 
 
 # Dense (no 2:4 sparsity) peak FLOP/s of one device (one GCD for the MI250X) by device kind

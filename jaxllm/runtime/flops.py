@@ -96,40 +96,67 @@ def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
     return tokens * flops_per_token(cfg.model, cfg.train.seq_length, recompute=recompute)
 
 
+def _layer_forward_flops(m, s: int) -> dict[str, float]:
+    """Forward matmul FLOPs per token and layer, by named activation (as :func:`flops_per_token` counts
+    them): ``qkv``, ``scores`` (``Q K^T``), ``values`` (``probs @ V``; both causal-halved), ``out_proj``,
+    ``mlp_in`` (up, and gate for swiglu), ``mlp_out``."""
+    h, n, k, f = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size
+    d = h // n
+    return {"qkv": 2 * h * (n + 2 * k) * d, "scores": 2 * s * n * d / 2, "values": 2 * s * n * d / 2,
+            "out_proj": 2 * (n * d) * h, "mlp_in": 2 * h * f * (2 if m.activation == "swiglu" else 1),
+            "mlp_out": 2 * f * h}
+
+
+# What each ``model.remat`` policy recomputes in the backward pass (jaxllm.model.gpt.REMAT_POLICIES): the
+# matmuls whose outputs it does not keep, plus those its backward needs the inputs of.  The attention
+# scores are never kept (their softmax is what the backward of both attention matmuls needs), so every
+# policy recomputes ``scores``; ``values`` too unless the attention output (``context``) is kept.
+_RECOMPUTED = {
+    "none": (),
+    "full": ("qkv", "scores", "values", "out_proj", "mlp_in", "mlp_out"),
+    "minimal": ("scores", "values"),
+    "minimal_with_context": ("scores",),
+    "save_dots": ("scores", "values"),
+    "save_dots_except_mlp": ("scores", "values", "mlp_in", "mlp_out"),
+    "save_qkv_proj": ("scores", "values", "out_proj", "mlp_in", "mlp_out"),
+    "minimal_offloaded": ("scores", "values"),
+    "qkv_proj_offloaded": ("scores", "values", "out_proj", "mlp_in", "mlp_out"),
+}
+
+
 def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
-    """Matmul FLOPs per token that activation recomputation (``model.remat``) adds to a step.
+    """Matmul FLOPs per token that activation recomputation (``model.remat``) adds to a step: one
+    more forward of the layer matmuls the policy does not keep (``_RECOMPUTED``).
 
     * ``"none"``: 0.
     * ``"full"`` (``nothing_saveable``): one more forward of the transformer layers, i.e.
       ``flops_per_token(recompute=True) - flops_per_token()``.
-    * ``"save_dots"`` (``dots_with_no_batch_dims_saveable``): the projection and MLP matmuls
-      (no dot batch dimensions) are saved; the attention score and value matmuls (batched over
-      batch and heads) are recomputed, so one forward of them: ``L * 2*s*n*d`` per token
-      (causal-halved as in :func:`flops_per_token`).  Approximation: norms, softmax, GELU
-      and the other elementwise work that is also recomputed are not matmuls and are not
-      counted, like everywhere in this module; a fused attention kernel (``pallas``,
-      ``cudnn``, ``triton``) recomputes inside its own backward whatever the policy says,
-      which no policy term counts either.
+    * ``"save_dots"`` (``dots_with_no_batch_dims_saveable``) and ``"minimal"`` (every projection and
+      MLP output kept by name): the attention score and value matmuls (batched over batch and heads),
+      ``L * 2*s*n*d`` per token (causal-halved as in :func:`flops_per_token`); ``"minimal_with_context"``
+      keeps the attention output, so only the scores; ``"save_dots_except_mlp"`` adds the MLP,
+      ``"save_qkv_proj"`` the MLP and the output projection.  The offloaded policies recompute what
+      their in-device counterparts do.
+
+    Approximation: norms, softmax, GELU and the other elementwise work that is also recomputed are
+    not matmuls and are not counted, like everywhere in this module; a fused attention kernel
+    (``pallas``, ``cudnn``, ``triton``) recomputes inside its own backward whatever the policy says,
+    which no policy term counts either.
 
     Args:
       model_cfg: a resolved ``model`` section (see :func:`flops_per_token`).
       seq_length: tokens per sequence.
-      remat: ``"none"``, ``"full"`` or ``"save_dots"``.
+      remat: a ``model.remat`` policy.
     Returns:
       FLOPs per token (a float).
     Raises:
       ValueError: unknown ``remat``, or the errors of :func:`flops_per_token`.
     """
-    if remat == "none":
-        return 0.0
-    if remat == "full":
-        return flops_per_token(model_cfg, seq_length, recompute=True) - flops_per_token(model_cfg, seq_length)
-    if remat == "save_dots":
-        flops_per_token(model_cfg, seq_length)  # the same checks
-        m = model_cfg
-        head_dim = m.head_dim
-        return float(m.num_layers * 2 * 2 * seq_length * m.num_attention_heads * head_dim / 2)
-    raise ValueError(f"remat={remat!r}: choose none, full or save_dots")
+    if remat not in _RECOMPUTED:
+        raise ValueError(f"remat={remat!r}: choose one of {', '.join(_RECOMPUTED)}")
+    flops_per_token(model_cfg, seq_length)  # the same checks
+    per_layer = _layer_forward_flops(model_cfg, seq_length)
+    return float(model_cfg.num_layers * sum(per_layer[k] for k in _RECOMPUTED[remat]))
 
 
 def hardware_flops_per_step(cfg) -> float:

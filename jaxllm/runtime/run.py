@@ -10,12 +10,15 @@ training CLI, ``plan``, ``bench`` and ``tune`` all use it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from jaxllm import model
 from jaxllm.config import Resolved
 from jaxllm.data.loader import document_arrays
+from jaxllm.model import fp8
 from jaxllm.parallel import context_parallel, sharding, vocab_parallel
 from jaxllm.runtime import cpu, evaluation, optim, step
 
@@ -42,6 +45,8 @@ class Run:
         ops = model.Ops(constrain=layout.constrain,
                         attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl),
                         embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout))
+        if cfg.model.fp8:
+            ops = dataclasses.replace(ops, dense=fp8.dense)
         if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
             ops = cpu.ops(ops, self.mesh.size)
         self.spec = spec = model.describe(cfg.model, ops)
