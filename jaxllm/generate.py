@@ -1,7 +1,7 @@
 """Text generation CLI: ``python -m jaxllm.generate --workdir DIR --prompt "..."``.
 
-Samples from the last checkpoint of a training run (see :mod:`jaxllm.runtime.sampling`), on this
-host whatever mesh the run used.
+Samples from the last checkpoint of a training run (:func:`jaxllm.load`, then the KV-cache sampler of
+:mod:`jaxllm.runtime.sampling`), on this host whatever mesh the run used.
 """
 
 from __future__ import annotations
@@ -9,11 +9,8 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import cli, model
-from jaxllm.data import Data, DataError
-from jaxllm.resolve import resolve_model
-from jaxllm.runtime import checkpoint
-from jaxllm.runtime.sampling import Sampler
+from jaxllm import api, cli
+from jaxllm.data import DataError
 
 
 def main(argv):
@@ -23,20 +20,16 @@ def main(argv):
     if F.temperature <= 0:
         cli.fail(f"error: --temperature={F.temperature}: must be > 0")
     try:
-        saved = checkpoint.load_config(F.workdir)
-        tokenizer = Data(saved, F.workdir, splits=()).tokenizer
+        run = api.load(F.workdir)
     except FileNotFoundError as e:
         cli.fail(f"error: {e}")
     except DataError as e:
         cli.fail(f"data error: {e}")
-    model_cfg = resolve_model(saved.model, seq_length=saved.train.seq_length)
-    params = checkpoint.restore_params(model_cfg, F.workdir)
-    prompt = tokenizer.encode(F.prompt or "\n")
-    sampler = Sampler(model_cfg, model.describe(model_cfg).graphdef, params, saved.train.seq_length)
-    new = sampler(np.tile(np.asarray(prompt)[None], (F.num_samples, 1)), F.num_tokens,
-                  temperature=F.temperature, top_k=F.top_k, seed=F.seed)
+    prompt = np.asarray(run.tokenizer.encode(F.prompt or "\n"))
+    new = run.sample(np.tile(prompt[None], (F.num_samples, 1)), F.num_tokens, temperature=F.temperature,
+                     top_k=F.top_k, seed=F.seed)
     for row in new:
-        print(F.prompt + tokenizer.decode(row.tolist()))
+        print(F.prompt + run.tokenizer.decode(row.tolist()))
         print("-" * 40)
 
 

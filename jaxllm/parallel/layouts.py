@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 import jax
 
 from jaxllm import config
-from jaxllm.model.attention import available_impls
+from jaxllm.model.attention import available_impls, resolve_impl
 
 AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
 
@@ -84,10 +84,11 @@ def candidate_config(base: config.Config, c: Candidate) -> config.Config:
 
 def candidate_of(cfg: config.Config, mesh: Mapping[str, int]) -> Candidate:
     """The candidate ``cfg`` is, on the devices ``mesh`` gives each axis (``cfg.mesh`` with its
-    -1 axis filled: :func:`jaxllm.resolve.mesh_shape`); the inverse of :func:`candidate_config`."""
+    -1 axis filled: :func:`jaxllm.resolve.mesh_shape`); the inverse of :func:`candidate_config`.
+    ``model.attention_impl="auto"`` is the implementation it picks on this backend, as in :func:`space`."""
     return Candidate(tuple(mesh[a] for a in AXES), cfg.train.micro_batch_size, cfg.model.remat,
-                     cfg.model.attention_impl, cfg.parallel.pipeline_virtual_stages, cfg.parallel.sequence_impl,
-                     cfg.parallel.pipeline_schedule)
+                     resolve_impl(cfg.model.attention_impl), cfg.parallel.pipeline_virtual_stages,
+                     cfg.parallel.sequence_impl, cfg.parallel.pipeline_schedule)
 
 
 def space(base: config.Config, num_devices: int, *, axes: Sequence[str], micro_batches: Sequence[int],
