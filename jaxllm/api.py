@@ -342,7 +342,7 @@ def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=Non
 
     Args:
       config, mesh: as :func:`shardings`.
-      optimizer: an ``optax.GradientTransformation``; None: the run's (AdamW with clipping,
+      optimizer: an ``optax.GradientTransformation``; None: the run's (``train.optimizer`` with clipping,
         :func:`jaxllm.runtime.optim.make_optimizer`).
     Returns:
       a pytree of ``NamedSharding`` shaped as ``optimizer.init(params)``.
@@ -351,6 +351,6 @@ def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=Non
     """
     _check_layout(config, mesh)
     spec = model.describe(config.model)
-    optimizer = optimizer if optimizer is not None else optim.make_optimizer(config.train, spec.decay)
+    optimizer = optimizer if optimizer is not None else optim.make_optimizer(config.train, spec.decay, spec.axes)
     abstract = {"params": spec.params, "opt_state": jax.eval_shape(optimizer.init, spec.params)}
-    return sharding.state_shardings(config, abstract, spec.axes, optimizer, mesh)["opt_state"]
+    return sharding.state_shardings(config, abstract, spec.axes, mesh)["opt_state"]

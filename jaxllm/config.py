@@ -28,7 +28,19 @@ from jaxllm.errors import ConfigError
 # the mesh axes, outermost first (jaxllm.parallel.sharding builds the mesh and maps logical axes to them)
 MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "sequence")
 
-__all__ = ["Config", "ConfigError", "Resolved", "MESH_AXES", "get_config", "from_dict", "override"]
+__all__ = ["Config", "ConfigError", "Resolved", "MESH_AXES", "OPTIMIZERS", "OPTIMIZER_ALIASES", "get_config",
+           "from_dict", "override"]
+
+# train.optimizer: optax's transformations (jaxllm.runtime.optim says what each is)
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "lamb", "adafactor", "muon")
+# ALCF Megatron-DeepSpeed's --optimizer names (its megatron/optimizer/__init__.py) -> the same optimizer here.
+# Its "adam" is torch.optim.Adam (L2 weight decay), jaxllm's adam; Megatron-LM's "--optimizer adam" is AdamW
+# unless --no-decoupled-weight-decay: jaxllm's adamw.
+OPTIMIZER_ALIASES = {"apex.adam": "adamw", "apex.sgd": "sgd", "ds.fusedlamb": "lamb", "ipex.lamb": "lamb",
+                     "ipex.fusedlamb": "lamb"}
+# train.lr_decay_style and train.lr_wsd_decay_style: Megatron-LM's names
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 def _key(default, check: str | None = None, choices: tuple = ()):
@@ -124,14 +136,26 @@ class Train(Section):
     micro_batch_size: int = _key(16, ">0")
     global_batch_size: int = _key(16, ">0")
     train_iters: int = _key(400, ">0")
+    # adamw, adam, sgd, lion, lamb, adafactor, muon (jaxllm/runtime/optim.py); ALCF's names apex.adam,
+    # apex.sgd, ds.fusedlamb, ipex.lamb and ipex.fusedlamb are taken for the same optimizer
+    optimizer: str = _key("adamw", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES))
     lr: float = _key(2e-3, ">0")
     min_lr: float = _key(2e-4, ">=0")
     warmup_iters: int = _key(40, ">=0")
+    # the warmup as a fraction of lr_decay_iters instead (Megatron's --lr-warmup-fraction; needs warmup_iters=0)
+    lr_warmup_fraction: float = _key(0.0, ">=0")
     lr_decay_iters: int = _key(0, ">=0")  # 0: = train_iters
+    # after the warmup (Megatron-LM's OptimizerParamScheduler, step for step): constant, linear, cosine,
+    # inverse-square-root, or WSD: lr until lr_wsd_decay_iters before lr_decay_iters, then to min_lr by
+    # lr_wsd_decay_style (exponential, linear, cosine, minus_sqrt)
+    lr_decay_style: str = _key("cosine", choices=LR_DECAY_STYLES)
+    lr_wsd_decay_style: str = _key("exponential", choices=LR_WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int = _key(0, ">=0")
     weight_decay: float = _key(0.1, ">=0")
     beta1: float = _key(0.9, ">=0")
     beta2: float = _key(0.95, ">=0")
     adam_eps: float = _key(1e-8, ">0")
+    sgd_momentum: float = _key(0.9, ">=0")  # train.optimizer=sgd; 0: plain SGD
     grad_clip: float = _key(1.0, ">=0")  # global-norm clipping; 0: off
     seed: int = _key(1234, ">=0")
     eval_interval: int = _key(100, ">=0")  # 0: no evaluation
@@ -260,7 +284,8 @@ class Resolved(Config):
 
     Beyond the sections (where ``model.dtype``, ``model.layer_loop``, ``model.num_kv_heads``, ``model.ffn_hidden_size``,
     ``model.max_position_embeddings``, ``model.padded_vocab_size``,
-    ``train.lr_decay_iters`` and any -1 mesh axis are filled in):
+    ``train.lr_decay_iters`` and any -1 mesh axis are filled in, and an alias of ``train.optimizer`` is
+    replaced by its name):
     """
 
     # the kind of machine the run is for (jaxllm.platform.hardware.backend_kind): "cpu", "cuda", "rocm", ...
@@ -298,6 +323,11 @@ MEGATRON_NAMES = {
     "global_batch_size": "train.global_batch_size", "train_iters": "train.train_iters",
     "gradient_accumulation_steps": "train.global_batch_size (= micro batch x data-parallel size x accumulation steps)",
     "lr_warmup_iters": "train.warmup_iters", "lr_decay_iters": "train.lr_decay_iters",
+    "optimizer": "train.optimizer", "lr_decay_style": "train.lr_decay_style",
+    "lr_warmup_fraction": "train.lr_warmup_fraction", "lr_wsd_decay_style": "train.lr_wsd_decay_style",
+    "lr_wsd_decay_iters": "train.lr_wsd_decay_iters", "sgd_momentum": "train.sgd_momentum",
+    "no_decoupled_weight_decay": "train.optimizer=adam (Megatron-LM's --optimizer adam without it is "
+                                 "train.optimizer=adamw)",
     "adam_beta1": "train.beta1", "adam_beta2": "train.beta2", "adam_eps": "train.adam_eps",
     "clip_grad": "train.grad_clip", "weight_decay": "train.weight_decay", "seed": "train.seed",
     "eval_interval": "train.eval_interval", "eval_iters": "train.eval_iters", "log_interval": "train.log_interval",

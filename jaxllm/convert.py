@@ -235,7 +235,8 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
         if overrides.get("data.gpt2_dir") == tok_dir:
             shutil.rmtree(tok_dir, ignore_errors=True)
         raise
-    optimizer = optim.make_optimizer(cfg.train, model.describe(cfg.model).decay)
+    spec = model.describe(cfg.model)
+    optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
     with jax.default_device(jax.devices("cpu")[0]):  # host memory, whatever accelerator is present
         state = step.init_state(jax.device_put(params), optimizer)
     ckpt = checkpoint.Checkpointer(workdir, cfg)

@@ -67,14 +67,12 @@ def _check_values(cfg: Config) -> None:
                           f"the learned position table must cover train.seq_length={t.seq_length}")
     if not m.dropout < 1.0:
         raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
-    for key in ("beta1", "beta2"):
+    for key in ("beta1", "beta2", "sgd_momentum"):
         if not getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
     if t.min_lr > t.lr:
         raise ConfigError("train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
-    if t.warmup_iters > (t.lr_decay_iters or t.train_iters):
-        raise ConfigError("train.warmup_iters", t.warmup_iters,
-                          f"must be <= train.lr_decay_iters (resolved: {t.lr_decay_iters or t.train_iters})")
+    _check_schedule(t)
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("train.global_batch_size", t.global_batch_size,
                           f"must be divisible by train.micro_batch_size={t.micro_batch_size}")
@@ -85,6 +83,28 @@ def _check_values(cfg: Config) -> None:
     fill = [a for a in MESH_AXES if getattr(cfg.mesh, a) == -1]
     if len(fill) > 1:
         raise ConfigError(f"mesh.{fill[1]}", -1, f"only one mesh axis may be -1 (mesh.{fill[0]} is too)")
+
+
+def _check_schedule(t) -> None:
+    """The learning-rate schedule's keys agree (Megatron-LM's checks of its OptimizerParamScheduler)."""
+    decay = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_fraction:
+        if t.warmup_iters:
+            raise ConfigError("train.lr_warmup_fraction", t.lr_warmup_fraction,
+                              f"train.warmup_iters={t.warmup_iters} sets the warmup too; set "
+                              "--config.train.warmup_iters=0 to warm up over lr_warmup_fraction x lr_decay_iters "
+                              "steps, or lr_warmup_fraction=0 (Megatron: one of --lr-warmup-fraction, "
+                              "--lr-warmup-iters)")
+        if not t.lr_warmup_fraction < 1.0:
+            raise ConfigError("train.lr_warmup_fraction", t.lr_warmup_fraction,
+                              "must be in [0, 1): the warmup is that fraction of train.lr_decay_iters")
+    elif t.warmup_iters >= decay:
+        raise ConfigError("train.warmup_iters", t.warmup_iters,
+                          f"must be < train.lr_decay_iters (resolved: {decay}): the decay follows the warmup")
+    if t.lr_decay_style == "WSD" and not 0 < t.lr_wsd_decay_iters <= decay:
+        raise ConfigError("train.lr_wsd_decay_iters", t.lr_wsd_decay_iters,
+                          f"train.lr_decay_style=WSD anneals over this many steps at the end of "
+                          f"train.lr_decay_iters (resolved: {decay}): set it in [1, {decay}]")
 
 
 def _check_data_files(d: Data) -> None:
@@ -233,6 +253,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"],
                                   backend=backend)
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters
+    t.optimizer = config.OPTIMIZER_ALIASES.get(t.optimizer, t.optimizer)
     data_parallel = shape["data"] * shape["fsdp"]
     if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise ConfigError(

@@ -40,7 +40,6 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -196,22 +195,55 @@ def param_specs(logical, table):
     return jax.tree.map(lambda axes: logical_to_spec(axes, table), logical, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def state_shardings(cfg, abstract_state, logical, optimizer, mesh):
-    """NamedShardings of the training state ``{"step", "params", "opt_state", ...}``.
+def state_shardings(cfg, abstract_state, logical, mesh):
+    """NamedShardings of the training state ``{"step", "params", "opt_state", ...}``, whatever the optimizer.
 
-    Parameters follow :func:`rules` (ZeRO table from stage 3); optimizer moments follow
-    the ZeRO table from stage 1 (``optax.tree_map_params`` finds them); scalars such as
-    ``step``, the other top-level counters and Adam's count are replicated.
+    Parameters follow :func:`rules` (ZeRO table from stage 3).  Each array of the optimizer state
+    that belongs to a parameter (its path in the state ends with the parameter's path) follows the
+    ZeRO table from stage 1 (:func:`optimizer_spec`): a moment of the parameter's shape is laid out as
+    the parameter; one with a dimension fewer (Adafactor's factored row and column statistics) as the
+    parameter without that dimension.  Everything else (counters, Adafactor's placeholders, Muon's
+    coefficients) and anything the mesh does not divide is replicated, as are ``step`` and the other
+    top-level counters.
     """
     stage = cfg.parallel.zero_stage
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    opt_specs = param_specs(logical, rules(cfg, zero=stage >= 1))
-    opt = optax.tree_map_params(optimizer, lambda _, spec: named(spec), abstract_state["opt_state"], opt_specs,
-                                transform_non_params=lambda _: named(PartitionSpec()),
-                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+    table = rules(cfg, zero=stage >= 1)
+    owners = {tuple(path): (leaf.shape, axes) for (path, leaf), axes in zip(
+        jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0],
+        jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)))}
+
+    def opt_sharding(path, leaf):
+        for k in range(len(path)):
+            owner = owners.get(tuple(path[k:]))
+            if owner is not None:
+                return named(optimizer_spec(leaf.shape, *owner, table, mesh.shape))
+        return named(PartitionSpec())
+
+    opt = jax.tree_util.tree_map_with_path(opt_sharding, abstract_state["opt_state"])
     params = jax.tree.map(named, param_specs(logical, rules(cfg, zero=stage >= 3)))
     scalars = {k: named(PartitionSpec()) for k in abstract_state if k not in ("params", "opt_state")}
     return {**scalars, "params": params, "opt_state": opt}
+
+
+def optimizer_spec(shape, param_shape, axes, table, mesh_shape) -> PartitionSpec:
+    """The PartitionSpec of an optimizer-state array of ``shape`` that belongs to a parameter of
+    ``param_shape`` with logical ``axes``: the parameter's, or with the one dimension it lacks left
+    out; replicated if it is neither or the mesh (``{axis: size}``) does not divide it."""
+    names = None
+    if tuple(shape) == tuple(param_shape):
+        names = tuple(axes)
+    elif len(shape) == len(param_shape) - 1:
+        names = next((tuple(axes[:i] + axes[i + 1:]) for i in range(len(param_shape))
+                      if tuple(param_shape[:i]) + tuple(param_shape[i + 1:]) == tuple(shape)), None)
+    if names is None:
+        return PartitionSpec()
+    spec = logical_to_spec(names, table)
+    for size, part in zip(shape, spec):
+        axes_of = () if part is None else (part,) if isinstance(part, str) else part
+        if size % math.prod(mesh_shape[a] for a in axes_of):
+            return PartitionSpec()
+    return spec
 
 
 def grad_shardings(cfg, logical, mesh):

@@ -2,11 +2,12 @@
 
 What a checkpoint holds: the training state (``step``, ``params``, ``opt_state`` and
 the skipped-step counters ``nonfinite_steps``/``nonfinite_in_a_row``) and the run's
-full config as JSON.  Nothing else is needed to resume exactly: the data position
-is a function of the step (batch ``s`` is :meth:`jaxllm.data.Loader.train_batch`
-``(s)``), and so are the dropout keys (``fold_in(key(train.seed), step)``, see
-:func:`jaxllm.runtime.step.make_train_step`); a resumed run computes bit for bit what an
-uninterrupted one computes.
+full config as JSON (``train.optimizer`` says whose state ``opt_state`` is: resuming with
+another optimizer is a :class:`~jaxllm.errors.ConfigError`, not a damaged checkpoint).
+Nothing else is needed to resume exactly: the data position is a function of the step
+(batch ``s`` is :meth:`jaxllm.data.Loader.train_batch` ``(s)``), and so are the dropout
+keys (``fold_in(key(train.seed), step)``, see :func:`jaxllm.runtime.step.make_train_step`);
+a resumed run computes bit for bit what an uninterrupted one computes.
 
 Policy: a save every ``checkpoint.interval`` steps and at the end (or on
 preemption); the last ``checkpoint.keep`` are kept, and with
@@ -37,6 +38,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from jaxllm import config, model
+from jaxllm.errors import ConfigError
+from jaxllm.runtime import optim
 
 # Library detail (full Orbax/TensorStore errors): a log file, not the console (see jaxllm.platform.console).
 library = python_logging.getLogger("jaxllm.library")
@@ -114,7 +117,7 @@ class Checkpointer:
         """
         steps = self.all_steps()[::-1] if step is None else [step]
         if steps:
-            self._check_model_matches(steps[0])
+            self._check_run_matches(steps[0])
         failures = []
         for s in steps:
             try:
@@ -163,12 +166,39 @@ class Checkpointer:
         self.manager.reload()
         return moved
 
-    def _check_model_matches(self, step: int) -> None:
-        """A checkpoint of another model would fail to restore on shapes and look damaged: say what differs."""
+    def _check_run_matches(self, step: int) -> None:
+        """A checkpoint of another model, or with another optimizer's state, would fail to restore on shapes
+        or structure and look damaged: say what differs.
+
+        Raises:
+          CheckpointError: another model (the keys that differ).
+          ConfigError: another ``train.optimizer``, or a hyperparameter that decides the optimizer's
+            arrays (:data:`jaxllm.runtime.optim.STATE_SWITCHES`) on the other side of 0.
+        """
         try:
             saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
         except Exception:  # noqa: BLE001  an unreadable config is a damaged step: restore() reports it
             return
+        self._check_model_matches(step, saved)
+        self._check_optimizer_matches(step, saved)
+
+    def _check_optimizer_matches(self, step: int, saved: dict) -> None:
+        ours, theirs = self.config["train"], saved.get("train", {})
+        name = theirs.get("optimizer", "adamw")  # written before train.optimizer existed: AdamW
+        name = config.OPTIMIZER_ALIASES.get(name, name)
+        where = f"the checkpoint at step {step} in {self.directory}"
+        if name != ours["optimizer"]:
+            raise ConfigError("train.optimizer", ours["optimizer"],
+                              f"{where} holds the state of train.optimizer={name}; resume with "
+                              f"--config.train.optimizer={name}, or train in another --workdir")
+        for key in optim.STATE_SWITCHES.get(name, ()):
+            if key in theirs and bool(theirs[key]) != bool(ours[key]):
+                raise ConfigError(f"train.{key}", ours[key],
+                                  f"{where} was written with train.{key}={theirs[key]!r}, and {name} keeps other "
+                                  f"arrays when it is 0; resume with a value that is {'not ' if theirs[key] else ''}0, "
+                                  "or train in another --workdir")
+
+    def _check_model_matches(self, step: int, saved: dict) -> None:
         ours, theirs = self.config["model"], saved.get("model", {})
         differ = [f"model.{k}={theirs[k]!r} (this run: {ours[k]!r})" for k in _SHAPE_KEYS
                   if k in ours and k in theirs and ours[k] != theirs[k] and ours[k] != 0]  # 0: derived, unknown here

@@ -50,9 +50,9 @@ class Run:
         if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
             ops = cpu.ops(ops, self.mesh.size)
         self.spec = spec = model.describe(cfg.model, ops)
-        self.optimizer = optim.make_optimizer(cfg.train, spec.decay)
+        self.optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
         abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
-        self.state_sharding = sharding.state_shardings(cfg, abstract_state, spec.axes, self.optimizer, self.mesh)
+        self.state_sharding = sharding.state_shardings(cfg, abstract_state, spec.axes, self.mesh)
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                            abstract_state, self.state_sharding)
         self.batch_sharding = layout.sharding((None, "batch", "length"))

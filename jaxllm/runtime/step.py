@@ -66,7 +66,8 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     index before the split into micro batches, see :func:`row_keys`), so a step is a pure
     function of its inputs, and its dropout masks do not depend on the layout.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
-    norm before clipping), ``lr``, and the int32 counters ``nonfinite_steps`` (total
+    norm before clipping), ``lr`` (the learning rate this step applies, see
+    :func:`jaxllm.runtime.optim.lr_schedule`), and the int32 counters ``nonfinite_steps`` (total
     skipped steps of the run) and ``nonfinite_in_a_row`` (consecutive ones, ending at
     this step).  ``spec`` is the model (:func:`jaxllm.model.describe`, with the mesh's
     ops); ``layout`` the mesh and rules table (None: one device); ``grad_sharding``
@@ -123,7 +124,9 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
                      "opt_state": jax.tree.map(keep_if_bad, opt_state, state["opt_state"]),
                      "nonfinite_steps": state["nonfinite_steps"] + skipped,
                      "nonfinite_in_a_row": (state["nonfinite_in_a_row"] + 1) * skipped}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+        # the learning rate this step applies: optax's count, the updates applied so far (skipped steps not counted)
+        lr = schedule(state["step"] - state["nonfinite_steps"])
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                    "nonfinite_steps": new_state["nonfinite_steps"],
                    "nonfinite_in_a_row": new_state["nonfinite_in_a_row"]}
         return new_state, metrics
