@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxllm import cli, config, model
-from jaxllm.data import Batches, Data, DataError, unigram_entropy
+from jaxllm.data import Batches, Data, DataError, samples, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
@@ -112,6 +112,14 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
       ConfigError, DataError: with the key or file, the value and the fix.
     """
     resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
+    if spec.train.eval_interval and samples.split_matrix(spec.data.split)[1] is None:
+        # Megatron-LM builds no validation dataset for a zero weight and skips evaluation; so does jaxllm
+        spec = config.from_dict(spec.to_dict())
+        spec.train.eval_interval = 0
+        if jax.process_index() == 0:
+            print(f"jaxllm: note: data.split={spec.data.split!r} leaves no validation split, so the run does not "
+                  f"evaluate (as Megatron-LM); give validation a weight (e.g. data.split=969,30,1) to evaluate",
+                  flush=True)
     data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",))
     return resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
@@ -218,8 +226,9 @@ def _train(cfg, workdir: str, started: float) -> dict:
     if primary:
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, {data.describe()}, model vocabulary "
-              f"{cfg.model.vocab_size} (tables padded to {cfg.model.padded_vocab_size}); unigram entropy of the "
-              f"validation batches {unigram:.3f} nats/token"
+              f"{cfg.model.vocab_size} (tables padded to {cfg.model.padded_vocab_size}); "
+              + (f"unigram entropy of the validation batches {unigram:.3f} nats/token" if t.eval_interval else
+                 "no evaluation (train.eval_interval=0)")
               + (f", resuming at step {start}" if start else ""))
         print(run.describe(state["params"]))
 

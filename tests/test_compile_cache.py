@@ -61,3 +61,14 @@ def test_rerun_hits_the_compilation_cache(tmp_path):
     line, off = train(tmp_path / "off", 2, "--config.train.compile_cache_dir=")
     assert off["compile_cache"] == "off" and "no compilation cache" in line, line
     assert not (tmp_path / "off" / "compile_cache").exists()
+
+
+def test_an_unwritable_cache_directory_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "jaxllm.train", f"--workdir={tmp_path / 'run'}", *TINY,
+                        "--config.train.compile_cache_dir=/proc/jaxllm_cache"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("config error: train.compile_cache_dir='/proc/jaxllm_cache': cannot create "
+                               "/proc/jaxllm_cache (")
+    assert lines[0].endswith('give a directory you can write, or "" to turn the compilation cache off')
