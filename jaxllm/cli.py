@@ -1,5 +1,6 @@
 """What the command-line tools share: the ``--config`` flag, flag parsing where every mistake is
-one line and exit status 2, and fake CPU devices for the planning tools.
+one line and exit status 2, Megatron-LM's flags taken for the ``--config.*`` keys they mean, and
+fake CPU devices for the planning tools.
 
 Imports nothing heavy at module level: :func:`force_host_devices` must run before jax starts.
 """
@@ -100,6 +101,89 @@ def _file_error(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+RANK_VARIABLES = ("PALS_RANKID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def first_process() -> bool:
+    """Whether the launcher's rank variables (before jax starts) make this process 0, or there are none."""
+    return all(os.environ.get(v, "0") == "0" for v in RANK_VARIABLES)
+
+
+def megatron_key(name: str) -> str | None:
+    """What a flag name without ``--config.`` stands for: ``SECTION.KEY``, ``SECTION.KEY=VALUE`` (a
+    Megatron switch), or a hint with a space (no flag of jaxllm is that one); None: no key.
+
+    Megatron-LM / Megatron-DeepSpeed names (:data:`jaxllm.config.MEGATRON_NAMES`, dashes or
+    underscores) first, then a key name that one section alone has (``lr`` -> ``train.lr``).
+    """
+    from jaxllm import config  # noqa: PLC0415
+
+    name = name.replace("-", "_")
+    if name in config.MEGATRON_NAMES:
+        return config.MEGATRON_NAMES[name]
+    owners = [section for section, holder in config.Config().sections().items()
+              if name in holder.__dataclass_fields__ and not holder.__dataclass_fields__[name].metadata.get("derived")]
+    return f"{owners[0]}.{name}" if len(owners) == 1 else None
+
+
+def _megatron_args(argv: list[str], known) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """``argv`` without the Megatron-style flags (``--micro-batch-size=4``, ``--micro-batch-size 4``,
+    ``--bf16``, ``--data-path 0.3 A 0.7 B``: a text key takes every word up to the next flag) that name
+    a config key and no flag of the tool, and those as ``(key, value, as typed)``.
+    A flag that means a key but cannot be taken as it is one line and exit status 2 with the flag to use."""
+    from jaxllm import config  # noqa: PLC0415
+
+    kept, taken, i = [argv[0]], [], 1
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        name, eq, value = arg[2:].partition("=")
+        flag = name.replace("-", "_")
+        if (not arg.startswith("--") or name.startswith("config") or flag in known
+                or (flag.startswith("no") and flag[2:] in known)):
+            kept.append(arg)
+            continue
+        target = megatron_key(name)
+        if target is None:
+            kept.append(arg)  # absl says it is unknown
+            continue
+        if " " in target:
+            fail(f"error: --{name} (Megatron-DeepSpeed's) has no one flag in jaxllm: set {target} with "
+                 f"--config.{target.split()[0]}=VALUE")
+        key, fixed, fixed_value = target.partition("=")
+        kind = config.key_type(key)
+        if not eq and not fixed and kind is not bool and i < len(argv) and not argv[i].startswith("--"):
+            value, eq = argv[i], "="  # Megatron's argparse form: --micro-batch-size 4
+            i += 1
+            while kind is str and i < len(argv) and not argv[i].startswith("--"):  # --data-path 0.3 A 0.7 B
+                value += " " + argv[i]
+                i += 1
+        typed = f"--{name}{eq}{value}"
+        if fixed:  # a switch: --bf16 -> model.dtype=bfloat16
+            if eq and value.lower() not in ("true", "1", "yes"):
+                fail(f"error: {typed}: Megatron's switch for --config.{target}; leave it out, or pass "
+                     f"--config.{key}=VALUE")
+            value = fixed_value
+        elif not eq:
+            if kind is not bool:
+                fail(f"error: --{name} needs a value: it is Megatron's flag for --config.{key}=VALUE "
+                     f"({config.type_name(key)})")
+            value = "True"  # Megatron's store_true switches: --sequence-parallel
+        try:
+            config.override(config.get_config(), key, value)
+        except config.ConfigError as e:
+            fail(f"error: {typed} is Megatron's flag for --config.{key}, whose value {e.fix}; pass "
+                 f"--config.{key}=VALUE")
+        options = config.choices(key)
+        if options and config.key_type(key)(value) not in options:
+            fail(f"error: {typed} is Megatron's flag for --config.{key}, whose value must be one of "
+                 f"{', '.join(map(str, options))} (jaxllm's names); pass --config.{key}=VALUE")
+        if any(a.startswith(f"--config.{key}=") for a in argv):
+            fail(f"error: {typed} and --config.{key} both set {key}; give it once")
+        taken.append((key, value, typed))
+    return kept, taken
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing where every mistake is one line on stderr and exit status 2.
 
@@ -107,7 +191,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     (an unknown key names the closest one, or the jaxllm key for a Megatron-DeepSpeed name)
     and the config file must exist; a config file that does not load, an override that does
     not parse as its key's type and an unknown flag are reported in one line too.
-    ``--some-flag`` is accepted for ``--some_flag`` (not for ``--config.*``).  Use as
+    ``--some-flag`` is accepted for ``--some_flag`` (not for ``--config.*``).  A Megatron-LM flag
+    that is no flag of the tool but names a config key (:func:`megatron_key`), as
+    ``--micro-batch-size=4`` or ``--micro-batch-size 4``, is taken as ``--config.train.micro_batch_size=4``
+    with a note on stdout (process 0); one that cannot be (another meaning, a value jaxllm names
+    otherwise) is one line naming the ``--config.*`` flag to use.  Use as
     ``app.run(main, flags_parser=parse_flags)``.
     """
     from absl import flags  # noqa: PLC0415
@@ -115,6 +203,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     from jaxllm import config  # noqa: PLC0415
 
     _check_config_args(argv)
+    taken = []
+    if "config" in flags.FLAGS:
+        argv, taken = _megatron_args(argv, flags.FLAGS)
     fixed = [argv[0]]
     for arg in argv[1:]:
         if arg.startswith("--") and not arg.startswith("--config"):
@@ -123,7 +214,12 @@ def parse_flags(argv: list[str]) -> list[str]:
         fixed.append(arg)
     path = config_arg(argv)
     try:
-        return flags.FLAGS(fixed)
+        rest = flags.FLAGS(fixed)
+        for key, value, typed in taken:
+            config.override(flags.FLAGS.config, key, value)
+            if first_process():
+                print(f"note: {typed} (Megatron's) taken as --config.{key}={value}", flush=True)
+        return rest
     except flags.IllegalFlagValueError as e:
         text = str(e)
         if text.startswith("flag --config."):  # an override that does not parse as its key's type

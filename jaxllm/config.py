@@ -167,6 +167,13 @@ class Train(Section):
     # seconds a train step, an evaluation or a save may make no progress (a collective some devices
     # never reach) before the run stops with one line and exit status 70; 0: never
     stall_timeout_s: int = _key(600, ">=0")
+    # JAX's persistent compilation cache: a restart reads the compiled programs instead of compiling them
+    # again. A relative path is under WORKDIR; an absolute one may be shared by every run of a cluster
+    # (docs/clusters.md); "": jaxllm sets none (JAX's own JAX_COMPILATION_CACHE_DIR still applies)
+    compile_cache_dir: str = "compile_cache"
+    # programs that compile faster than this are not written to the cache (JAX's
+    # jax_persistent_cache_min_compile_time_secs; 0: every program)
+    compile_cache_min_compile_s: float = _key(1.0, ">=0")
 
 
 def default_corpus() -> str:

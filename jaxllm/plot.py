@@ -48,7 +48,7 @@ def read_metrics(workdir: str) -> dict[str, dict[int, dict]]:
 
 
 def summary(runs) -> str:
-    """One line: the last validation loss and its margin below the unigram entropy (if logged)."""
+    """One line: the last validation loss and how far below (or above) the unigram entropy it is (if logged)."""
     evals = [r for _, r in sorted(runs["eval"].items()) if r.get("eval_loss") is not None]
     if not evals:
         step, r = max(runs["train"].items())
@@ -57,7 +57,10 @@ def summary(runs) -> str:
     line = f"step {r['step']}: validation loss {r['eval_loss']:.4f} nats/token"
     if r.get("unigram_entropy") is not None:
         h = r["unigram_entropy"]
-        line += f", unigram entropy of the validation split {h:.4f}: {h - r['eval_loss']:.4f} nats below it"
+        margin = h - r["eval_loss"]
+        line += f", unigram entropy of the validation split {h:.4f}: " + (
+            f"{margin:.4f} nats below it" if margin >= 0 else
+            f"{-margin:.4f} nats above it (not yet better than predicting tokens by their frequency alone)")
     return line
 
 

@@ -112,8 +112,15 @@ def _check_data_files(d: Data) -> None:
         raise ConfigError("data.input", d.input, "name text files or directories (comma-separated), or "
                           "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
     if d.tokenizer not in ("char", "byte", "gpt2") and not os.path.exists(d.tokenizer):
-        raise ConfigError("data.tokenizer", d.tokenizer, "choose char, byte, gpt2, or the path of a Hugging "
-                          "Face tokenizer.json (or of a local directory holding one)")
+        if os.sep in d.tokenizer or d.tokenizer.endswith(".json"):  # a path: the file is missing
+            raise ConfigError("data.tokenizer", d.tokenizer, f"not found: no such file or directory "
+                              f"{os.path.abspath(d.tokenizer)}; give the path of an existing Hugging Face "
+                              f"tokenizer.json (or of a directory holding one)")
+        megatron = {"gpt2bpetokenizer": "Megatron's GPT2BPETokenizer is gpt2 here; ",
+                    "huggingfacetokenizer": "Megatron's HuggingFaceTokenizer is the tokenizer.json's path here; "}
+        raise ConfigError("data.tokenizer", d.tokenizer, f"neither a tokenizer jaxllm knows nor an existing path; "
+                          f"{megatron.get(d.tokenizer.lower(), '')}choose char, byte, gpt2, or the path of a Hugging "
+                          f"Face tokenizer.json (or of a local directory holding one)")
     if d.tokenizer == "gpt2":
         for name in ("encoder.json", "vocab.bpe"):
             if not os.path.isfile(os.path.join(d.gpt2_dir, name)):
@@ -127,6 +134,27 @@ def mesh_shape(mesh: Mesh, num_devices: int) -> dict[str, int]:
     known = math.prod(getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != -1)
     fill = max(1, num_devices // (dcn * known))
     return {a: (fill if getattr(mesh, a) == -1 else getattr(mesh, a)) * getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
+
+
+def _mesh_error(mesh: Mesh, num_devices: int, shape: dict[str, int]) -> ConfigError:
+    """Why the mesh does not cover ``num_devices`` and what to set: the axis to change when it is one."""
+    fill = [a for a in MESH_AXES if getattr(mesh, a) == -1]
+    fixed = {k: v for k, v in mesh.to_dict().items() if v not in (1, -1)}
+    product = math.prod(fixed.values())
+    named = " x ".join(f"mesh.{k}={v}" for k, v in fixed.items())
+    divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+    if fill:
+        if len(fixed) == 1:
+            (k, v), = fixed.items()
+            near = max(n for n in divisors if n <= v)
+            return ConfigError(f"mesh.{k}", v, f"does not divide the {num_devices} devices, so mesh.{fill[0]}=-1 "
+                               f"cannot take the rest; give mesh.{k} a divisor of {num_devices} (e.g. mesh.{k}={near})")
+        why = (f"{named} = {product} does not divide the {num_devices} devices, so mesh.{fill[0]}=-1 cannot take "
+               f"the rest; make that product a divisor of {num_devices} ({', '.join(map(str, divisors))})")
+    else:
+        why = (f"the mesh covers {math.prod(shape.values())} devices but there are {num_devices}; make the product "
+               f"of mesh.* x mesh.dcn_* equal {num_devices}, or set one axis to -1 to take what the others leave")
+    return ConfigError("mesh", {a: getattr(mesh, a) for a in MESH_AXES}, why)
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tensor: int) -> int:
@@ -244,9 +272,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
         num_devices = math.prod(abs(n) for n in mesh.to_dict().values())
     shape = mesh_shape(mesh, num_devices)
     if math.prod(shape.values()) != num_devices:
-        raise ConfigError("mesh", {a: getattr(mesh, a) for a in MESH_AXES},
-                          f"the mesh covers {math.prod(shape.values())} devices but there are {num_devices}; "
-                          f"make the product of mesh.* x mesh.dcn_* equal {num_devices}, or set one axis to -1")
+        raise _mesh_error(mesh, num_devices, shape)
     for a in MESH_AXES:
         if getattr(mesh, a) == -1:
             setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))

@@ -2,6 +2,7 @@
 CPU): the samples of single datasets and blends, train and validation, several seeds and lengths,
 token for token; the index pieces one by one; the .bin/.idx format both ways; the reset masks."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import optimized_env
 
 from jaxllm.config import get_config
 from jaxllm.data import Batches, Data, document_masks, samples
@@ -73,6 +75,8 @@ CASES = {  # data, split, seq_length, seed, train_iters, global batch, eval_inte
     "weighted blend, long samples": ("2 {peps} 1 {shakes}", "9,1", 1024, 11, 40, 8, 20, 2),
     "blend by sizes": ("{shakes} {peps}", "90,10", 200, 3, 60, 8, 20, 3),
     "one weighted dataset": ("1.0 {shakes}", "80,20", 512, 99, 50, 16, 25, 2),
+    # Exact ties of the greedy errors (samples 10 and 11, 20 and 21, ...): the first dataset wins.
+    "weighted blend, tied errors": ("0.7 {peps} 0.3 {shakes}", "98,2", 64, 8, 40, 12, 20, 2),
 }
 
 
@@ -111,7 +115,7 @@ def test_inspect_cli_equals_megatron(mcore, peps_byte, shakespeare_byte, tmp_pat
         out = tmp_path / f"{split}.npy"
         r = subprocess.run([sys.executable, "-m", "jaxllm.data.inspect", *flags, f"--split={split}",
                             f"--steps={steps[0]}:{steps[1]}", f"--output={out}"], cwd=REPO, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                           text=True, timeout=300, env=optimized_env({**os.environ, "JAX_PLATFORMS": "cpu"}))
         assert r.returncode == 0, r.stderr
         got = np.load(out)
         assert got.shape == (10, 12, 101) and got.dtype == np.int32
@@ -120,6 +124,53 @@ def test_inspect_cli_equals_megatron(mcore, peps_byte, shakespeare_byte, tmp_pat
 
 
 WEIGHTS = [[0.5, 0.5], [1 / 3, 1 / 3, 1 / 3], [0.3, 0.7], [0.9, 0.1], [0.25, 0.25, 0.5], [1.0]]
+# Weights whose greedy errors tie exactly (both 0.0 at 0.7/0.3's sample 10): a multiply-add fused
+# with the subtraction breaks the tie the other way.
+TIES = [[0.7, 0.3], [0.6, 0.4], [0.4, 0.6], [0.25, 0.25, 0.5], [0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3],
+        [0.2, 0.3, 0.5], [0.1, 0.2, 0.3, 0.4], [0.75, 0.25], [0.2] * 5]
+
+
+def megatron_blending(mcore, weights, size):
+    want_d = np.zeros(size, np.int16)
+    want_s = np.zeros(size, np.int64)
+    mcore["helpers"].build_blending_indices(want_d, want_s, weights, len(weights), size, False)
+    return want_d, want_s
+
+
+BLEND_SIZES = ((1000, 1 << 21), (1003, 7), (20011, 1000))  # (samples, chunk_elements per dataset)
+
+
+def test_blending_ties_equal_megatron(mcore, tmp_path):
+    """Tie-prone weights, normalized as Megatron's BlendedDataset does, over sizes that cross many
+    ties, with small chunks too (ties on chunk boundaries). jaxllm's side runs in a process with
+    XLA's optimizations on, as a real run (the suite's -O0 would not fuse a multiply-add)."""
+    assert megatron_blending(mcore, [0.7, 0.3], 12)[0].tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1]
+    code = ("import json, sys, numpy as np; from jaxllm.data import samples\n"
+            "out = {}\n"
+            "for i, raw in enumerate(json.loads(sys.argv[2])):\n"
+            "    for size, chunk in json.loads(sys.argv[3]):\n"
+            "        d, s = samples.blending_indices(samples.normalize(raw), size, chunk_elements=chunk * len(raw))\n"
+            "        out[f'd{i}_{size}'], out[f's{i}_{size}'] = d, s\n"
+            "np.savez(sys.argv[1], **out)\n")
+    args = [str(tmp_path / "got.npz"), json.dumps(TIES), json.dumps(BLEND_SIZES)]
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=optimized_env({**os.environ, "JAX_PLATFORMS": "cpu"}))
+    assert r.returncode == 0, r.stderr
+    got = np.load(tmp_path / "got.npz")
+    ties = 0
+    for i, raw in enumerate(TIES):
+        weights = samples.normalize(raw)
+        for size, _ in BLEND_SIZES:
+            want_d, want_s = megatron_blending(mcore, weights, size)
+            np.testing.assert_array_equal(got[f"d{i}_{size}"], want_d, err_msg=f"{raw}, {size} samples")
+            np.testing.assert_array_equal(got[f"s{i}_{size}"], want_s, err_msg=f"{raw}, {size} samples")
+        # The samples where the largest error is shared: the cases do exercise ties.
+        n = np.maximum(np.arange(1000, dtype=np.float64), 1.0)[:, None]
+        counts = np.zeros((1000, len(weights)))
+        np.add.at(counts, (np.arange(1, 1000), want_d[:999]), 1.0)
+        errors = n * np.asarray(weights) - np.cumsum(counts, axis=0)
+        ties += int(np.sum(np.sum(errors == errors.max(axis=1, keepdims=True), axis=1) > 1))
+    assert ties > 1000
 
 
 def test_blending_indices_equal_megatron_helpers(mcore):
@@ -128,9 +179,7 @@ def test_blending_indices_equal_megatron_helpers(mcore):
     cases += [(samples.normalize(rng.random(d)), n) for d, n in ((2, 20000), (7, 9000), (40, 6000), (1000, 3000))]
     cases += [(samples.normalize(rng.integers(1, 4, 12)), 7000)]  # many exact ties
     for weights, size in cases:
-        want_d = np.zeros(size, np.int16)
-        want_s = np.zeros(size, np.int64)
-        mcore["helpers"].build_blending_indices(want_d, want_s, weights, len(weights), size, False)
+        want_d, want_s = megatron_blending(mcore, weights, size)
         got_d, got_s = samples.blending_indices(weights, size)
         np.testing.assert_array_equal(got_d, want_d, err_msg=str(weights[:5]))
         np.testing.assert_array_equal(got_s, want_s, err_msg=str(weights[:5]))

@@ -51,7 +51,8 @@ def parse_data_path(text: str, key: str = "data.input") -> Blend | None:
 
     Raises:
       DataError: a weighted list (numbers in the weight places) naming a prefix with no
-        .bin/.idx, a weight <= 0, or an indexed list mixing in a path that is not indexed.
+        .bin/.idx, a weight <= 0 or one that is not a number (a word that is neither a number nor
+        a path, before an indexed prefix), or an indexed list mixing in a path that is not indexed.
     """
     words = text.split()
     if not words:
@@ -68,6 +69,12 @@ def parse_data_path(text: str, key: str = "data.input") -> Blend | None:
     indexed_ones = [p for p in prefixes if indexed.exists(p)]
     if weights is None and not indexed_ones:
         return None
+    if weights is None and len(words) % 2 == 0:
+        # "abc PREFIX": a weight that is not a number before an indexed dataset, not a prefix of its own
+        for w, p in zip(words[0::2], words[1::2]):
+            if _number(w) is None and not indexed.exists(w) and not os.path.exists(w) and indexed.exists(p):
+                raise DataError(f"{key}: weight {w!r} of {p} is not a number; write \"W1 PREFIX1 W2 PREFIX2 ...\" "
+                                f"with a number before each prefix (e.g. \"0.5 {p}\"), or the prefixes alone")
     for p in prefixes:
         if not indexed.exists(p):
             raise DataError(f"{key}: {p}: no {p}.bin or {p}.idx (a blend names Megatron indexed datasets by prefix: "

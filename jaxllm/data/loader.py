@@ -28,8 +28,8 @@ from jaxllm.data.tokenizers import DataError, make_tokenizer, tokenizer_from_met
 
 SAMPLINGS = ("megatron", "uniform")
 SPLIT_IDS = {"train": 0, "valid": 1}
-# Bumped when the index files or their meaning change.
-INDEX_VERSION = 1
+# Bumped when the index files or their meaning change (2: blends break exact ties as Megatron does).
+INDEX_VERSION = 2
 
 
 def resolve_blend(data_cfg, workdir: str) -> blend_lib.Blend:
@@ -86,7 +86,7 @@ class Data:
         d, t = cfg.data, cfg.train
         if d.sampling not in SAMPLINGS:
             raise DataError(f"data.sampling={d.sampling!r}: choose megatron or uniform")
-        self.sampling, self.split = d.sampling, d.split
+        self.sampling, self.split, self.splits = d.sampling, d.split, tuple(splits)
         self.matrix = samples.split_matrix(d.split)
         self.seq_length, self.global_batch_size, self.seed = t.seq_length, t.global_batch_size, int(t.seed)
         self.blend = resolve_blend(d, workdir)
@@ -248,10 +248,16 @@ class Data:
         ds = self.datasets[0]
         lo, hi = self.matrix[samples.SPLITS.index(split)]
         beg, end = int(lo * ds.num_tokens), int(hi * ds.num_tokens)
-        if end - beg < self.seq_length + 1:
-            raise DataError(f"data.split={self.split!r}: the {split} split of {ds.prefix} has {end - beg:,} tokens, "
-                            f"but train.seq_length={self.seq_length} needs at least {self.seq_length + 1}; use a "
-                            f"smaller train.seq_length, another data.split, or more text")
+        need = self.seq_length + 1
+        if ds.num_tokens < need:  # no split could hold a sample: the sample is too long, not the split wrong
+            raise DataError(f"train.seq_length={self.seq_length}: a sample is {need:,} tokens and all of "
+                            f"{ds.prefix} is {ds.num_tokens:,}; use a train.seq_length that each split of "
+                            f"data.split={self.split!r} can hold, or more text")
+        if end - beg < need:
+            raise DataError(f"train.seq_length={self.seq_length}: the {split} split of {ds.prefix} has {end - beg:,} "
+                            f"tokens, but train.seq_length={self.seq_length} needs at least {need:,}; use "
+                            f"train.seq_length <= {max(1, end - beg - 1):,}, give the {split} split more of the text "
+                            f"in data.split={self.split!r}, or more text")
         return beg, end
 
     def uniform_windows(self, split: str, step: int, rows: np.ndarray) -> np.ndarray:
@@ -285,9 +291,9 @@ class Data:
         if self.sampling == "uniform":
             how = f"uniform windows, split {self.split} of the tokens"
         else:
-            how = (f"Megatron order, split {self.split}: {self.num_samples['train']:,} train / "
-                   f"{self.num_samples['valid']:,} valid samples; indices "
-                   f"{'built' if self.index_built else 'read'} in {self.index_seconds:.2f} s")
+            valid = f" / {self.num_samples['valid']:,} valid" if "valid" in self.splits else ""
+            how = (f"Megatron order, split {self.split}: {self.num_samples['train']:,} train{valid} samples; "
+                   f"indices {'built' if self.index_built else 'read'} in {self.index_seconds:.2f} s")
         return f"data {what} ({tokens:,} {self.tokenizer.name} tokens, vocab {self.vocab_size}; {how})"
 
 

@@ -21,7 +21,8 @@ samples, token for token (tests/test_megatron.py checks it against megatron-core
 * a blend with weights ``w`` (normalized) and ``size`` wanted: dataset ``d`` is built for
   ``ceil(ceil(size * w_d) * 1.005)`` samples, the blend has ``sum_d ceil(size * w_d)`` samples,
   and blended sample ``j`` is sample ``c_d(j)`` of dataset ``d = argmax_d (w_d * max(j, 1) - c_d(j))``
-  (first maximum; ``c_d(j)``: samples taken from ``d`` before ``j``): Megatron's
+  (first maximum, the product rounded to float64 before the subtraction, so exact ties go to the
+  first dataset; ``c_d(j)``: samples taken from ``d`` before ``j``): Megatron's
   error-minimizing ``build_blending_indices``.
 * a blend without weights: each dataset is one epoch of its split, weighted by its sample count,
   and the blend has ``min(size, sum of counts)`` samples.
@@ -196,14 +197,26 @@ def gpt_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: int | Non
     return doc_index, sample_index, shuffle
 
 
-def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+def blending_indices(weights: list[float], size: int, chunk_elements: int = 1 << 21) -> tuple[np.ndarray, np.ndarray]:
     """(dataset of each blended sample int16 [size], its sample number in that dataset int64 [size]):
-    Megatron's ``helpers.build_blending_indices``, bit for bit (the same float64 products and
-    differences, the first maximum on ties).
+    Megatron's ``helpers.build_blending_indices``, bit for bit, ties included.
+
+    Megatron picks, for sample ``n``, the first ``d`` with the largest ``w_d * max(n, 1) - c_d``
+    in float64, the product rounded to a double before the subtraction (helpers.cpp is compiled
+    without fused multiply-adds). Where two errors tie exactly (weights 0.7/0.3 at sample 10: both
+    0.0) a fused multiply-add would make them differ by an ulp and pick the other dataset, and
+    XLA's CPU backend fuses ``w * n - c`` whatever barrier stands between. So the products are
+    computed by numpy (correctly rounded, never fused), a chunk of samples at a time, and the
+    compiled loop only subtracts and compares.
 
     The loop is sequential by nature (each choice changes the next errors), so it runs as one
-    compiled XLA loop on the CPU, about 50 ns per sample for a few datasets (a Python loop
-    would take microseconds per sample: minutes for a real run's hundred million samples).
+    compiled XLA loop on the CPU per chunk, about 50 ns per sample for a few datasets (a Python
+    loop would take microseconds per sample: minutes for a real run's hundred million samples).
+
+    Args:
+      weights: normalized float64 weights, one per dataset.
+      size: blended samples.
+      chunk_elements: samples x datasets of float64 products held at once (16 MiB by default).
     """
     import jax
     import jax.numpy as jnp
@@ -215,21 +228,33 @@ def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.nd
     except RuntimeError:
         raise DataError("building the blending index runs on JAX's CPU backend, which JAX_PLATFORMS leaves out; "
                         "add cpu to it (e.g. JAX_PLATFORMS=cuda,cpu)") from None
+    w = np.asarray(weights, np.float64)
+    rows = int(min(size, max(1, chunk_elements // len(w))))
+    chosen = np.empty(size, np.int16)
     with jax.enable_x64(True), jax.default_device(cpu):
-        w = jnp.asarray(weights, jnp.float64)
 
-        def body(n, state):
-            counts, chosen = state
-            # The barrier keeps the product a rounded float64 of its own (no fused multiply-add).
-            product = jax.lax.optimization_barrier(w * jnp.maximum(n, 1).astype(jnp.float64))
-            d = jnp.argmax(product - counts)
-            return counts.at[d].add(1.0), chosen.at[n].set(d.astype(jnp.int16))
+        def body(i, state):
+            counts, out, products = state
+            d = jnp.argmax(products[i] - counts)  # the first maximum, as Megatron's strict `>`
+            return counts.at[d].add(1.0), out.at[i].set(d.astype(jnp.int16)), products
 
-        init = (jnp.zeros(len(weights), jnp.float64), jnp.zeros(size, jnp.int16))
-        chosen = np.asarray(jax.jit(lambda s: jax.lax.fori_loop(0, size, body, s)[1])(init))
+        @jax.jit
+        def run(counts, start, n):
+            steps = jnp.maximum(start + jnp.arange(rows, dtype=jnp.float64), 1.0)
+            # Rounded float64 products, as helpers.cpp: computed before the loop, a separate
+            # kernel, so that no multiply-add can fuse them with the subtraction inside it.
+            products = jax.lax.optimization_barrier(steps[:, None] * jnp.asarray(w)[None, :])
+            counts, out, _ = jax.lax.fori_loop(0, n, body, (counts, jnp.zeros(rows, jnp.int16), products))
+            return counts, out
+
+        counts = jnp.zeros(len(w), jnp.float64)
+        for start in range(0, size, rows):
+            n = min(rows, size - start)
+            counts, out = run(counts, np.float64(start), n)
+            chosen[start:start + n] = np.asarray(out)[:n]
     # The sample number within each dataset: a running count per dataset.
     order = np.argsort(chosen, kind="stable")
-    counts = np.bincount(chosen, minlength=len(weights))
+    per_dataset = np.bincount(chosen, minlength=len(w))
     within = np.empty(size, np.int64)
-    within[order] = np.arange(size) - np.repeat(np.cumsum(counts) - counts, counts)
+    within[order] = np.arange(size) - np.repeat(np.cumsum(per_dataset) - per_dataset, per_dataset)
     return chosen, within

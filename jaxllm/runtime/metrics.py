@@ -51,6 +51,8 @@ _EVAL_FORMATS = {
     "eval_ppl": lambda v: f"ppl {v:.2f}",
 }
 _QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row"}  # logged to files, left off the human line
+# the start-up times jaxllm.train adds to the first record after a start (printed on a line of their own)
+_QUIET_PREFIXES = ("startup_", "compile_cache")
 
 
 class MetricsLogger:
@@ -68,7 +70,8 @@ class MetricsLogger:
       ``step   200 | loss 2.1034 | lr 9.8e-04 | grad 0.83 | 12.3k tok/s | 0.05 TFLOP/s/dev | MFU 12.1% | 0.061 s/step``.
       Known keys: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``,
       ``tflops_per_device``, ``mfu`` (fraction), ``step_time_s`` (seconds) for train;
-      ``eval_loss``, ``eval_bpb``, ``eval_ppl`` for eval; other keys follow as ``key value``.
+      ``eval_loss``, ``eval_bpb``, ``eval_ppl`` for eval; other keys follow as ``key value``, but for
+      ``startup_*`` and ``compile_cache`` (files only: jaxllm.train prints them on a line of their own).
     * With ``progress_bar`` and stdout a terminal: a tqdm bar over ``total_steps``,
       moved by :meth:`advance`; the lines go through ``tqdm.write`` above it.
 
@@ -137,7 +140,7 @@ class MetricsLogger:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and fmt(v):
                 parts.append(fmt(v))
         for key, v in values.items():
-            if key not in formats and key not in _QUIET:
+            if key not in formats and key not in _QUIET and not key.startswith(_QUIET_PREFIXES):
                 parts.append(f"{key} {_number(v)}")
         return " | ".join(parts)
 
