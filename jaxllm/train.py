@@ -129,13 +129,14 @@ def check(spec: config.Config, num_devices: int) -> str:
     or reading data (a launcher's dry run, on a login node); returns a one-line summary.
 
     The attention implementation is checked against the backend ``JAX_PLATFORMS`` or the
-    machine names (CPU if none); the data are read when the job starts.
+    machine names (CPU if none).  The data and tokenizer files are not looked for: they are the
+    cluster's (this may run elsewhere), and the job reads them when it starts.
     Raises:
       ConfigError: as :func:`jaxllm.resolve.resolve`.
     """
     backend = distributed.gpu_vendor(os.environ) or "cpu"
     cfg = resolve(spec, num_devices=num_devices, vocab_size=KNOWN_VOCAB_SIZES.get(spec.data.tokenizer),
-                         backend=backend)
+                  backend=backend, data_files=False)
     mesh = " x ".join(f"{a} {n}" for a, n in cfg.mesh_shape.items() if n > 1) or "one device"
     return (f"config ok for {num_devices} {backend} devices: {mesh}, "
             f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}")

@@ -11,13 +11,28 @@
 #                   --config.parallel.sequence_impl
 #   ZERO_STAGE      --config.parallel.zero_stage
 #   WORKDIR         --workdir
+#   LLAMA=1         --config=configs/llama.py:KEY (train_llama_alcf.sh's recipe; KEY = MODEL_SIZE_KEY, default
+#                   ALCF-7B).  NO_LLAMA (any value, as ALCF's helpers.sh reads it): GPT-3 style, jaxllm's default
+#   NUM_KV_HEAD     --config.model.num_kv_heads          FFN_HIDDEN_SIZE  --config.model.ffn_hidden_size
+#   OPT             --config.train.optimizer             LR               --config.train.lr
+#   LR_DECAY_STYLE  --config.train.lr_decay_style        LR_DECAY_ITERS   --config.train.lr_decay_iters
+#   LR_WARMUP_FRAC  --config.train.lr_warmup_fraction (and --config.train.warmup_iters=0)
+#   TOKENIZER_TYPE  --config.data.tokenizer: gpt2 for GPT2BPETokenizer (ALCF: any gpt*/GPT*); char, byte;
+#                   a tokenizer.json path; Llama2Tokenizer, HFTokenizer, ...: the tokenizer.json TOKENIZER_MODEL names
+#   DATA_FILE_LIST  --config.data.file_list
+#   TRAIN_SPLIT, VAL_SPLIT, TEST_SPLIT  --config.data.split (a missing part: ALCF's 990, 10, 0)
+#   EVAL_INTERVAL   --config.train.eval_interval         EVAL_ITERS       --config.train.eval_iters
+#   SAVE_INTERVAL   --config.checkpoint.interval         TRAIN_ITERS      --config.train.train_iters
+#   ADAM_BETA1/2    --config.train.beta1 / .beta2        ADAM_EPS         --config.train.adam_eps
+#   WEIGHT_DECAY    --config.train.weight_decay          CLIP_GRAD        --config.train.grad_clip
 #   JAXLLM_ARGS     more jaxllm.train flags, space-separated (after the script's own arguments)
 # DP = world devices / (TP x PP x SP).  The mesh is pinned (tensor, pipeline, sequence, data)
 # only when one of TP, PP, SP, MICRO_BATCH, GAS is set, since the global batch needs DP;
 # otherwise the config's own mesh is used.  Other arguments (--config=FILE, --config.*) pass
 # through: a --config=FILE goes first (absl needs it before any --config.* override), the
 # rest last, so they win over the knobs.  DRY_RUN=1 or --dry-run prints the exports and the
-# command instead of running it.
+# command instead of running it, and checks the config for the job's devices; the files the config
+# names (data, tokenizer) are the cluster's: a dry run does not look for them, and says so.
 
 # jaxllm_die MESSAGE: one line on stderr, exit 2 (as jaxllm.train does for a bad config).
 jaxllm_die() {
@@ -71,7 +86,17 @@ jaxllm_train_cmd() {
   for a in "$@" "${extra[@]}"; do
     if [[ "$a" == --config=* ]]; then config_file=("$a"); else rest+=("$a"); fi
   done
-  if [[ -n "${MODEL_SIZE_KEY:-}" ]]; then
+  # ALCF's train_llama_alcf.sh trains Llama unless NO_LLAMA is set; jaxllm keeps GPT-3 style the default
+  # (MODEL_SIZE_KEY=GPT1_5B ... as documented) and LLAMA=1 selects the Llama recipe.
+  case "${LLAMA:-}" in
+    "" | 0) ;;
+    1) [[ -z "${NO_LLAMA:-}" ]] || jaxllm_die "LLAMA=1 and NO_LLAMA=$NO_LLAMA: give one of them" ;;
+    *) jaxllm_die "LLAMA=$LLAMA: 1 (configs/llama.py) or 0 (GPT-3 style, the default)" ;;
+  esac
+  if [[ "${LLAMA:-}" == 1 ]]; then
+    [[ ${#config_file[@]} -eq 0 ]] || jaxllm_die "LLAMA=1 and ${config_file[0]}: give one of them"
+    config_file=("--config=configs/llama.py:${MODEL_SIZE_KEY:-ALCF-7B}")
+  elif [[ -n "${MODEL_SIZE_KEY:-}" ]]; then
     [[ ${#config_file[@]} -eq 0 ]] || jaxllm_die "MODEL_SIZE_KEY=$MODEL_SIZE_KEY and ${config_file[0]}: give one of them"
     config_file=("--config=configs/gpt3.py:$MODEL_SIZE_KEY")
   fi
@@ -106,8 +131,59 @@ jaxllm_train_cmd() {
     [[ "$ZERO_STAGE" =~ ^[0-3]$ ]] || jaxllm_die "ZERO_STAGE=$ZERO_STAGE: choose 0, 1, 2 or 3"
     overrides+=("--config.parallel.zero_stage=$ZERO_STAGE")
   fi
+  jaxllm_recipe_overrides
   if [[ -n "${WORKDIR:-}" ]]; then overrides+=("--workdir=$WORKDIR"); fi
   TRAIN_CMD=("${PYTHON:-python}" -u -m jaxllm.train "${config_file[@]}" "${overrides[@]}" "${rest[@]}")
+}
+
+# jaxllm_recipe_overrides: appends to the caller's overrides the flags of ALCF's model and training
+# knobs (train_llama_alcf.sh's names; the table above and in docs/clusters.md).
+jaxllm_recipe_overrides() {
+  local name
+  for name in NUM_KV_HEAD FFN_HIDDEN_SIZE TRAIN_ITERS EVAL_ITERS LR_DECAY_ITERS; do
+    if [[ -n "${!name:-}" ]]; then jaxllm_posint "$name" "${!name}"; fi
+  done
+  for name in EVAL_INTERVAL SAVE_INTERVAL TRAIN_SPLIT VAL_SPLIT TEST_SPLIT; do
+    if [[ -n "${!name:-}" && ! "${!name}" =~ ^[0-9]+$ ]]; then jaxllm_die "$name=${!name}: must be an integer >= 0"; fi
+  done
+  # KNOB=key: the knob's value becomes the key's as given (jaxllm checks it: one line, exit 2)
+  local pair knob key
+  for pair in NUM_KV_HEAD=model.num_kv_heads FFN_HIDDEN_SIZE=model.ffn_hidden_size OPT=train.optimizer \
+              LR=train.lr LR_DECAY_STYLE=train.lr_decay_style LR_DECAY_ITERS=train.lr_decay_iters \
+              TRAIN_ITERS=train.train_iters EVAL_INTERVAL=train.eval_interval EVAL_ITERS=train.eval_iters \
+              SAVE_INTERVAL=checkpoint.interval ADAM_BETA1=train.beta1 ADAM_BETA2=train.beta2 \
+              ADAM_EPS=train.adam_eps WEIGHT_DECAY=train.weight_decay CLIP_GRAD=train.grad_clip \
+              DATA_FILE_LIST=data.file_list; do
+    knob=${pair%%=*} key=${pair#*=}
+    if [[ -n "${!knob:-}" ]]; then overrides+=("--config.$key=${!knob}"); fi
+  done
+  # Megatron's --lr-warmup-fraction replaces the warmup iterations, which must then be 0
+  if [[ -n "${LR_WARMUP_FRAC:-}" ]]; then
+    overrides+=("--config.train.lr_warmup_fraction=$LR_WARMUP_FRAC" "--config.train.warmup_iters=0")
+  fi
+  if [[ -n "${TRAIN_SPLIT:-}${VAL_SPLIT:-}${TEST_SPLIT:-}" ]]; then
+    overrides+=("--config.data.split=${TRAIN_SPLIT:-990},${VAL_SPLIT:-10},${TEST_SPLIT:-0}")
+  fi
+  if [[ -n "${TOKENIZER_TYPE:-}" ]]; then
+    local tok
+    tok=$(jaxllm_tokenizer) || exit 2
+    overrides+=("--config.data.tokenizer=$tok")
+  fi
+}
+
+# jaxllm_tokenizer: data.tokenizer for TOKENIZER_TYPE (and ALCF's TOKENIZER_MODEL, the tokenizer's file).
+jaxllm_tokenizer() {
+  case "$TOKENIZER_TYPE" in
+    gpt* | GPT*) echo gpt2 ;;  # ALCF's helpers.sh: any gpt*/GPT* is GPT2BPETokenizer
+    char | byte) echo "$TOKENIZER_TYPE" ;;
+    */* | *.json) echo "$TOKENIZER_TYPE" ;;  # a tokenizer.json, or a directory holding one
+    *)
+      [[ -n "${TOKENIZER_MODEL:-}" ]] || jaxllm_die "TOKENIZER_TYPE=$TOKENIZER_TYPE: jaxllm reads a Hugging Face" \
+        "tokenizer.json; set TOKENIZER_MODEL (or TOKENIZER_TYPE) to its path, or TOKENIZER_TYPE=gpt2"
+      [[ "$TOKENIZER_MODEL" != *.model ]] || jaxllm_die "TOKENIZER_MODEL=$TOKENIZER_MODEL: a SentencePiece model;" \
+        "jaxllm reads a Hugging Face tokenizer.json (the model's, e.g. from its Hugging Face repository)"
+      echo "$TOKENIZER_MODEL" ;;
+  esac
 }
 
 # jaxllm_summary NODES PROCESSES DEVICES: a comment line (also printed on dry runs).  A dry run
@@ -121,6 +197,7 @@ jaxllm_summary() {
     local checked
     checked=$("${TRAIN_CMD[@]}" --check_devices="$3") || exit $?
     echo "# jaxllm check: $checked"
+    echo "# jaxllm note: the data and tokenizer files are the cluster's: a dry run does not check them (the job reads them when it starts)"
   fi
 }
 

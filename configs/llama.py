@@ -1,0 +1,80 @@
+"""Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys.
+
+    python -m jaxllm.train --config=configs/llama.py:Llama-3-8B --config.data.tokenizer=PATH/tokenizer.json ...
+    LLAMA=1 MODEL_SIZE_KEY=AuroraGPT-2B TOKENIZER_TYPE=PATH/tokenizer.json sbatch launch/frontier.sbatch
+
+The training recipe is the one argonne-lcf/Megatron-DeepSpeed's train_llama_alcf.sh runs with
+no knobs set: its ALCF/helpers.sh (get_training_args, setParams) passes --swiglu, --normalization
+rmsnorm, --disable-bias-linear, --use-rotary-position-embeddings, --untie-embeddings-and-output-weights,
+--num-key-value-heads, --hidden-dropout 0, --attention-dropout 0, and --lr 0.0002,
+--lr-decay-style cosine, --lr-warmup-fraction 0.05, --optimizer adamw, --adam-beta1 0.9,
+--adam-beta2 0.95, --adam-eps 0.00001, --weight-decay 0.1, --clip-grad 1.0, --split 990,10,0,
+--eval-interval 100, --eval-iters 20, --save-interval 50; no --min-lr (Megatron's default: 0).
+
+Keys (model shapes, each from the file named):
+  ALCF-7B       ALCF/helpers.sh's setParams defaults ("Llama2 7B Config" but with NUM_KV_HEAD=8):
+                32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 11008, SEQ 2048.
+  AuroraGPT-2B  argonne-lcf/Megatron-DeepSpeed ALCF/AuroraGPT/2B/MODEL_CARD.md: 12 layers, hidden
+                2048, 16 heads, 4 KV heads, FFN 11008, sequence 8192, vocabulary 256000 (google/gemma-7b's
+                tokenizer), ~1.986B parameters.  The card gives no rotary base: jaxllm's (and Megatron's)
+                default 10000 is kept.  (It was trained with SophiaG, which jaxllm does not have; the card's
+                betas, weight decay, warmup fraction and clipping are this recipe's.)
+  Llama-2-7B    meta-llama/llama: llama/model.py (ModelArgs: dim 4096, 32 layers, 32 heads, no GQA,
+                multiple_of 256 -> FFN 11008, norm_eps 1e-5, rotary theta 10000) and MODEL_CARD.md (7B,
+                context 4k); vocabulary 32000 (its SentencePiece tokenizer.model; Touvron et al. 2023).
+                6.74B parameters.
+  Llama-3-8B    meta-llama/llama3 Meta-Llama-3-8B-Instruct/params.json (dim 4096, 32 layers, 32 heads,
+                8 KV heads, vocabulary 128256, ffn_dim_multiplier 1.3 and multiple_of 1024 -> FFN 14336,
+                norm_eps 1e-5, rope_theta 500000) and MODEL_CARD.md (context 8k).  8.03B parameters.
+  tiny          a 2-layer model of the same recipe for CPUs, tests and demos (byte tokenizer).
+
+The tokenizer: the published keys name none that jaxllm reads for them (data.tokenizer is left
+empty, so a run says to set it): give a Hugging Face tokenizer.json with --config.data.tokenizer=PATH
+(or TOKENIZER_TYPE=PATH with the launch scripts); its vocabulary must fit model.vocab_size.
+"""
+
+from jaxllm.config import get_config as defaults
+
+# key: (num_layers, hidden_size, num_attention_heads, num_kv_heads, ffn_hidden_size, vocab_size,
+#       max_position_embeddings, rotary_base, seq_length)
+SIZES = {
+    "ALCF-7B": (32, 4096, 32, 8, 11008, 32000, 2048, 10000.0, 2048),
+    "AuroraGPT-2B": (12, 2048, 16, 4, 11008, 256000, 8192, 10000.0, 8192),
+    "Llama-2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, 10000.0, 4096),
+    "Llama-3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 8192),
+}
+# ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model), Llama 2's 32000.
+
+KEYS = (*SIZES, "tiny")
+
+
+def recipe(c):
+    """train_llama_alcf.sh's architecture and training flags (see the module docstring) on config ``c``."""
+    c.model.update(norm="rmsnorm", norm_eps=1e-5, activation="swiglu", position_embedding="rotary",
+                   tie_embeddings=False, use_bias=False, dropout=0.0)
+    c.train.update(optimizer="adamw", lr=2e-4, min_lr=0.0, lr_decay_style="cosine", warmup_iters=0,
+                   lr_warmup_fraction=0.05, beta1=0.9, beta2=0.95, adam_eps=1e-5, weight_decay=0.1, grad_clip=1.0,
+                   eval_interval=100, eval_iters=20)
+    c.checkpoint.interval = 50
+    c.data.split = "990,10,0"
+    return c
+
+
+def get_config(key="ALCF-7B"):
+    if key not in KEYS:
+        raise ValueError(f"configs/llama.py:{key}: unknown key; choose one of {', '.join(KEYS)}")
+    c = recipe(defaults())
+    if key == "tiny":
+        c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                       make_vocab_size_divisible_by=1)
+        c.train.update(seq_length=64, micro_batch_size=4, global_batch_size=8, train_iters=20, eval_interval=10,
+                       eval_iters=2, log_interval=5)
+        c.data.tokenizer = "byte"
+        return c
+    layers, hidden, heads, kv, ffn, vocab, positions, theta, seq = SIZES[key]
+    c.model.update(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv,
+                   ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=positions, rotary_base=theta,
+                   dtype="bfloat16")
+    c.train.update(seq_length=seq, micro_batch_size=1, global_batch_size=8, train_iters=1000)
+    c.data.tokenizer = ""  # a Hugging Face tokenizer.json whose vocabulary fits model.vocab_size (see above)
+    return c

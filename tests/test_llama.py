@@ -1,0 +1,144 @@
+"""configs/llama.py (train_llama_alcf.sh's recipe) and the launch scripts' ALCF knobs (launch/common.sh)."""
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxllm import model
+from jaxllm.resolve import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llama():
+    spec = importlib.util.spec_from_file_location("llama", ROOT / "configs" / "llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# published parameter counts: Meta's model cards (Llama 2 7B: 6.74B in the Llama 2 paper's Table 1 and
+# Hugging Face's count; Llama 3 8B: 8.03B), AuroraGPT-2B's card (~1.986B)
+@pytest.mark.parametrize("key, published", [("Llama-2-7B", 6.74e9), ("Llama-3-8B", 8.03e9),
+                                            ("AuroraGPT-2B", 1.986e9)])
+def test_keys_resolve_with_the_published_sizes(key, published):
+    cfg = resolve(llama().get_config(key), num_devices=1, data_files=False)
+    n = model.num_params(model.describe(cfg.model).params)  # jax.eval_shape: nothing allocated
+    assert abs(n - published) / published < 0.005, (key, n)
+
+
+def test_recipe_is_train_llama_alcf():
+    cfg = resolve(llama().get_config("ALCF-7B"), num_devices=1, data_files=False)
+    m, t = cfg.model, cfg.train
+    assert (m.norm, m.activation, m.position_embedding, m.tie_embeddings, m.use_bias) == (
+        "rmsnorm", "swiglu", "rotary", False, False)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size) == (
+        32, 4096, 32, 8, 11008)
+    assert (t.optimizer, t.lr, t.min_lr, t.lr_decay_style, t.warmup_iters, t.lr_warmup_fraction) == (
+        "adamw", 2e-4, 0.0, "cosine", 0, 0.05)
+    assert (t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip) == (0.9, 0.95, 1e-5, 0.1, 1.0)
+    assert (cfg.data.split, t.eval_interval, t.eval_iters, cfg.checkpoint.interval) == ("990,10,0", 100, 20, 50)
+    l3 = resolve(llama().get_config("Llama-3-8B"), num_devices=1, data_files=False).model
+    assert (l3.rotary_base, l3.vocab_size, l3.max_position_embeddings) == (500000.0, 128256, 8192)
+    with pytest.raises(ValueError, match="unknown key"):
+        llama().get_config("Llama-9B")
+
+
+def test_tiny_key_trains_through_the_cli(tmp_path):
+    words = "the quick brown fox jumps over a lazy dog while llamas graze".split()
+    docs = ["=== doc\n" + " ".join(words[(i * 7 + j) % len(words)] for j in range(120)) + "\n" for i in range(200)]
+    (tmp_path / "t.txt").write_text("".join(docs))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLLM_", "XLA_"))}
+    r = subprocess.run([sys.executable, "-m", "jaxllm.train", "--config=configs/llama.py:tiny",
+                        f"--workdir={tmp_path / 'w'}", f"--config.data.input={tmp_path / 't.txt'}",
+                        "--config.data.document_marker====", "--config.train.train_iters=4",
+                        "--config.train.eval_interval=4", "--config.log.tensorboard=False",
+                        "--config.log.progress_bar=False", "--config.log.samples=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(ln) for ln in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["kind"] == "eval" and m["step"] == 4 for m in lines)
+
+
+# ---------------------------------------------------------------- launch scripts' knobs (dry runs)
+
+def dry_run(script, *args, **env):
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "USER": "alice",
+            "PYTHON": sys.executable, "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(ROOT)}
+    r = subprocess.run(["bash", str(ROOT / "launch" / script), "--dry-run", *args], capture_output=True, text=True,
+                       timeout=120, env={**base, **env}, cwd="/")
+    commands = [shlex.split(ln) for ln in r.stdout.splitlines() if ln and not ln.startswith(("export ", "#"))]
+    flags = commands[0][commands[0].index("jaxllm.train") + 1:] if commands else []
+    return r, flags
+
+
+KNOBS = {"NUM_KV_HEAD": "4", "FFN_HIDDEN_SIZE": "14336", "OPT": "lamb", "LR": "3e-4", "LR_DECAY_STYLE": "linear",
+         "LR_WARMUP_FRAC": "0.01", "TOKENIZER_TYPE": "HFTokenizer", "TOKENIZER_MODEL": "/lus/x/tokenizer.json",
+         "DATA_FILE_LIST": "/lus/x/dolma.txt", "TRAIN_SPLIT": "98", "VAL_SPLIT": "2", "EVAL_INTERVAL": "50",
+         "EVAL_ITERS": "5", "SAVE_INTERVAL": "200", "ADAM_BETA1": "0.85", "ADAM_BETA2": "0.98", "ADAM_EPS": "1e-8",
+         "WEIGHT_DECAY": "0.05", "CLIP_GRAD": "0.5", "TRAIN_ITERS": "5000"}
+
+
+def test_alcf_knobs_become_config_flags():
+    r, flags = dry_run("frontier.sbatch", "--config.train.lr=1e-4", LLAMA="1", MODEL_SIZE_KEY="Llama-3-8B", TP="2",
+                       **KNOBS)
+    assert r.returncode == 0, r.stderr
+    assert flags == ["--config=configs/llama.py:Llama-3-8B", "--config.mesh.tensor=2", "--config.mesh.pipeline=1",
+                     "--config.mesh.sequence=1", "--config.mesh.data=8", "--config.model.num_kv_heads=4",
+                     "--config.model.ffn_hidden_size=14336", "--config.train.optimizer=lamb",
+                     "--config.train.lr=3e-4", "--config.train.lr_decay_style=linear",
+                     "--config.train.train_iters=5000", "--config.train.eval_interval=50",
+                     "--config.train.eval_iters=5", "--config.checkpoint.interval=200", "--config.train.beta1=0.85",
+                     "--config.train.beta2=0.98", "--config.train.adam_eps=1e-8", "--config.train.weight_decay=0.05",
+                     "--config.train.grad_clip=0.5", "--config.data.file_list=/lus/x/dolma.txt",
+                     "--config.train.lr_warmup_fraction=0.01", "--config.train.warmup_iters=0",
+                     "--config.data.split=98,2,0", "--config.data.tokenizer=/lus/x/tokenizer.json",
+                     "--config.train.lr=1e-4"]  # the script's own arguments last: they win
+    # the cluster's files are not looked for here, and the output says so in one line
+    assert "# jaxllm check: config ok for 16 rocm devices: data 8 x tensor 2" in r.stdout
+    assert sum("not check" in ln for ln in r.stdout.splitlines()) == 1
+
+
+def test_gpt3_stays_the_default_and_llama_is_chosen_by_llama_1(tmp_path):
+    # documented commands (MODEL_SIZE_KEY=GPT1_5B ...) keep their meaning; NO_LLAMA (ALCF's) says the same
+    for env in ({}, {"NO_LLAMA": "1"}):
+        r, flags = dry_run("polaris.pbs", MODEL_SIZE_KEY="GPT1_5B", PBS_NODEFILE=nodefile(tmp_path),
+                           PBS_O_WORKDIR=str(ROOT), TOKENIZER_TYPE="GPT2BPETokenizer",
+                           JAXLLM_ARGS="--config.mesh.data=-1", **env)
+        assert r.returncode == 0, r.stderr
+        assert flags == ["--config=configs/gpt3.py:GPT1_5B", "--config.data.tokenizer=gpt2", "--config.mesh.data=-1"]
+    r, flags = dry_run("polaris.pbs", LLAMA="1", PBS_NODEFILE=nodefile(tmp_path), PBS_O_WORKDIR=str(ROOT),
+                       JAXLLM_ARGS="--config.mesh.data=-1")
+    assert r.returncode == 0, r.stderr
+    assert flags == ["--config=configs/llama.py:ALCF-7B", "--config.mesh.data=-1"]
+
+
+def nodefile(tmp_path):
+    path = tmp_path / "nodefile"
+    path.write_text("x3005c0s13b0n0\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LLAMA": "1", "NO_LLAMA": "1"}, "LLAMA=1 and NO_LLAMA=1: give one of them"),
+    ({"LLAMA": "yes"}, "LLAMA=yes: 1"),
+    ({"TOKENIZER_TYPE": "Llama2Tokenizer"}, "TOKENIZER_TYPE=Llama2Tokenizer: jaxllm reads a Hugging Face"),
+    ({"TOKENIZER_TYPE": "Llama2Tokenizer", "TOKENIZER_MODEL": "/x/tokenizer.model"}, "a SentencePiece model"),
+    ({"TRAIN_ITERS": "0"}, "TRAIN_ITERS=0: must be a positive integer"),
+    ({"EVAL_INTERVAL": "often"}, "EVAL_INTERVAL=often: must be an integer >= 0"),
+])
+def test_bad_knobs_are_one_line_exit_2(env, message):
+    r, _ = dry_run("frontier.sbatch", **env)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("launch: ") and message in r.stderr
+
+
+def test_an_optimizer_jaxllm_lacks_is_the_checks_error():
+    r, _ = dry_run("frontier.sbatch", LLAMA="1", OPT="sophiag")
+    assert r.returncode == 2 and "train.optimizer='sophiag'" in r.stderr, r.stderr
