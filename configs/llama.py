@@ -19,10 +19,11 @@ Keys (model shapes, each from the file named):
                 tokenizer), ~1.986B parameters.  The card gives no rotary base: jaxllm's (and Megatron's)
                 default 10000 is kept.  (It was trained with SophiaG, which jaxllm does not have; the card's
                 betas, weight decay, warmup fraction and clipping are this recipe's.)
-  Llama-2-7B    meta-llama/llama: llama/model.py (ModelArgs: dim 4096, 32 layers, 32 heads, no GQA,
-                multiple_of 256 -> FFN 11008, norm_eps 1e-5, rotary theta 10000) and MODEL_CARD.md (7B,
-                context 4k); vocabulary 32000 (its SentencePiece tokenizer.model; Touvron et al. 2023).
-                6.74B parameters.
+  Llama-2-7B    32 layers, hidden 4096, 32 heads: ALCF/helpers.sh's "Llama2 7B Config" block; no GQA and
+                context 4k: meta-llama/llama MODEL_CARD.md; FFN 11008 = multiple_of 256 over 2/3 x 4 x 4096,
+                norm_eps 1e-5, rotary theta 10000: meta-llama/llama llama/model.py (FeedForward, ModelArgs,
+                precompute_freqs_cis); vocabulary 32000: the Llama 2 paper (Touvron et al. 2023, section 2.2,
+                "The total vocabulary size is 32k tokens").  6.74B parameters.
   Llama-3-8B    meta-llama/llama3 Meta-Llama-3-8B-Instruct/params.json (dim 4096, 32 layers, 32 heads,
                 8 KV heads, vocabulary 128256, ffn_dim_multiplier 1.3 and multiple_of 1024 -> FFN 14336,
                 norm_eps 1e-5, rope_theta 500000) and MODEL_CARD.md (context 8k).  8.03B parameters.
