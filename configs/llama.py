@@ -16,9 +16,9 @@ Keys (model shapes, each from the file named):
                 32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 11008, SEQ 2048.
   AuroraGPT-2B  argonne-lcf/Megatron-DeepSpeed ALCF/AuroraGPT/2B/MODEL_CARD.md: 12 layers, hidden
                 2048, 16 heads, 4 KV heads, FFN 11008, sequence 8192, vocabulary 256000 (google/gemma-7b's
-                tokenizer), ~1.986B parameters.  The card gives no rotary base: jaxllm's (and Megatron's)
-                default 10000 is kept.  (It was trained with SophiaG, which jaxllm does not have; the card's
-                betas, weight decay, warmup fraction and clipping are this recipe's.)
+                tokenizer), ~1.986B parameters.  The card gives no rotary base: jaxllm's default 10000
+                is kept (not checked against the run's).  It was trained with SophiaG, which jaxllm does
+                not have; the card's betas, weight decay, warmup fraction and clipping are this recipe's.
   Llama-2-7B    32 layers, hidden 4096, 32 heads: ALCF/helpers.sh's "Llama2 7B Config" block; no GQA and
                 context 4k: meta-llama/llama MODEL_CARD.md; FFN 11008 = multiple_of 256 over 2/3 x 4 x 4096,
                 norm_eps 1e-5, rotary theta 10000: meta-llama/llama llama/model.py (FeedForward, ModelArgs,
@@ -44,7 +44,8 @@ SIZES = {
     "Llama-2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, 10000.0, 4096),
     "Llama-3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 8192),
 }
-# ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model), Llama 2's 32000.
+# ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model, taken to be Llama 2's
+# tokenizer, 32000 tokens; that file was not read here).
 
 KEYS = (*SIZES, "tiny")
 
