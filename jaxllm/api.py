@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from jaxllm import model
@@ -216,7 +215,7 @@ class TrainedModel:
 def _steps(workdir: str) -> list[int]:
     """The finalized checkpoint steps of ``workdir``, ascending (``checkpoints/`` must exist: Orbax's
     manager would create it)."""
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    manager = checkpoint._manager(workdir)
     try:
         return sorted(manager.all_steps())
     finally:
