@@ -129,7 +129,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--iters", type=int, default=ITERS, help="training steps (the recipe's: 2000; the schedule follows)")
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"))
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[1] / "tests/data/tinyshakespeare.txt"))
     args = p.parse_args()
     torch.manual_seed(args.seed)
     text = Path(args.data).read_text()

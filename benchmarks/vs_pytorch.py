@@ -50,7 +50,7 @@ import numpy as np
 from jaxllm.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+TEXT = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # shipped with the repository (public domain)
 SHAPES = {"shakespeare": "configs/shakespeare_char.py", "default": "jaxllm/default_config.py"}
 SEED = 0
 

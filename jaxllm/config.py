@@ -192,7 +192,8 @@ class Data(Section):
     input: str = dataclasses.field(default_factory=default_corpus)
     file_list: str = ""  # an ALCF data-file list ("weight prefix corpus" lines); when set, replaces input
     tokenizer: str = "byte"  # char, byte, gpt2, or a Hugging Face tokenizer.json (or a directory holding one)
-    gpt2_dir: str = ""  # directory with GPT-2's encoder.json and vocab.bpe (tokenizer=gpt2)
+    # tokenizer=gpt2: a directory with GPT-2's encoder.json and vocab.bpe; "": the files shipped with jaxllm
+    gpt2_dir: str = ""
     json_key: str = "text"  # text inputs: the text's key in JSON Lines records / column in Parquet files
     document_marker: str = ""  # text inputs: a line starting with this begins a new document ("": one per file)
     split: str = "969,30,1"  # Megatron's --split: train, validation, test weights

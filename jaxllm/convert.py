@@ -45,7 +45,14 @@ import warnings
 import jax
 
 from jaxllm import cli, config, model
-from jaxllm.data.tokenizers import GPT2_EOT_ID, GPT2_FILES, GPT2_VOCAB_SIZE, DataError, GPT2Tokenizer
+from jaxllm.data.tokenizers import (
+    GPT2_EOT_ID,
+    GPT2_FILES,
+    GPT2_VOCAB_SIZE,
+    DataError,
+    GPT2Tokenizer,
+    gpt2_dir_or_packaged,
+)
 from jaxllm.model.hf import (
     SAFETENSORS,
     ConvertError,
@@ -69,9 +76,10 @@ def _write_gpt2_tokenizer(data: config.Data, m: config.Model, out: str, hf: dict
     """Writes GPT-2's tokenizer files into ``out`` if the run used them and they are still there."""
     if data.tokenizer != "gpt2":
         return
-    src = [os.path.join(data.gpt2_dir, n) for n in GPT2_FILES]
+    directory = gpt2_dir_or_packaged(data.gpt2_dir)
+    src = [os.path.join(directory, n) for n in GPT2_FILES]
     if not all(os.path.isfile(s) for s in src):
-        warnings.warn(f"the run's GPT-2 tokenizer files ({data.gpt2_dir}) are gone; no tokenizer written",
+        warnings.warn(f"the run's GPT-2 tokenizer files ({directory}) are gone; no tokenizer written",
                       stacklevel=2)
         return
     shutil.copyfile(src[0], os.path.join(out, "vocab.json"))

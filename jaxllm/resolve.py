@@ -121,11 +121,12 @@ def _check_data_files(d: Data) -> None:
         raise ConfigError("data.tokenizer", d.tokenizer, f"neither a tokenizer jaxllm knows nor an existing path; "
                           f"{megatron.get(d.tokenizer.lower(), '')}choose char, byte, gpt2, or the path of a Hugging "
                           f"Face tokenizer.json (or of a local directory holding one)")
-    if d.tokenizer == "gpt2":
+    if d.tokenizer == "gpt2" and d.gpt2_dir:  # empty: the files shipped with jaxllm
         for name in ("encoder.json", "vocab.bpe"):
             if not os.path.isfile(os.path.join(d.gpt2_dir, name)):
                 raise ConfigError("data.gpt2_dir", d.gpt2_dir,
-                                  f"must be a directory holding GPT-2's encoder.json and vocab.bpe ({name} missing)")
+                                  f"must be a directory holding GPT-2's encoder.json and vocab.bpe ({name} missing), "
+                                  f"or empty for the files shipped with jaxllm")
 
 
 def mesh_shape(mesh: Mesh, num_devices: int) -> dict[str, int]:

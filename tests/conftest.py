@@ -20,29 +20,57 @@ def optimized_env(env: dict) -> dict:
     return {**env, "XLA_FLAGS": " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != O0)}
 
 
-# --- indexed datasets made by jaxllm.data.prepare from ../shared/data, once per session ---------
+# --- corpora: files of this repository or made from Python's standard library, no other folder --
 
 import json  # noqa: E402
+import sysconfig  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-PEPS_MARKER = "<|file|>"
+DATA = Path(__file__).resolve().parent / "data"
+# Tiny Shakespeare (public domain; tests/data/README.md): 1,115,394 characters, 65 distinct
+TINY_SHAKESPEARE = DATA / "tinyshakespeare.txt"
+MARKER = "<|file|>"
 
 
 def shakespeare_documents() -> list[str]:
     """Tiny Shakespeare as documents: its blank-line-separated speeches (7,222)."""
-    text = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")
     return [d + "\n" for d in text.split("\n\n") if d.strip()]
 
 
-def peps_documents() -> list[str]:
-    """peps.txt as documents: the text between its ``<|file|> peps/pep-NNNN.rst`` lines (703)."""
+STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+def write_stdlib_corpus(path: Path) -> Path:
+    """One text file of many documents, as the PEPs file of the README's end-to-end run is (703
+    documents, 13.9 MB): the running Python's standard library modules without their tests (every
+    non-empty ``.py`` file, sorted; 731 of them, 12.1 MB on Python 3.11), each after a line
+    ``<|file|> Lib/PATH`` (its document marker). More than 500 documents, so that Megatron's
+    default split 969,30,1 leaves each of train, validation and test at least one (megatron-core
+    loops forever building an empty split that is asked for samples)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for p in sorted(root.rglob("*.py")):
+            rel = p.relative_to(root)
+            if any(part in STDLIB_SKIP or part.startswith(".") for part in rel.parts):
+                continue
+            text = p.read_text(encoding="utf-8")
+            if text.strip():
+                f.write(f"{MARKER} Lib/{rel.as_posix()}\n" + text + ("" if text.endswith("\n") else "\n"))
+                n += 1
+    assert n > 500, f"{root}: only {n} standard library modules; the tests need more than 500 documents"
+    return path
+
+
+def corpus_documents(path) -> list[str]:
+    """A marked corpus as documents, read independently of jaxllm: the text between its ``<|file|>`` lines."""
     docs, cur = [], None
-    with open(SHARED_DATA / "peps.txt", "rb") as f:
+    with open(path, "rb") as f:
         for line in f:
-            if line.startswith(PEPS_MARKER.encode()):
+            if line.startswith(MARKER.encode()):
                 if cur is not None:
                     docs.append(b"".join(cur).decode("utf-8", errors="replace"))
                 cur = []
@@ -52,13 +80,29 @@ def peps_documents() -> list[str]:
     return docs
 
 
+def english_passage(chars: int = 60_000) -> str:
+    """English technical prose with reST-like markup from the standard library: Python's language
+    reference as ``pydoc`` ships it (``pydoc_data.topics``), ``chars`` characters from a line start."""
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in sorted(topics))
+    start = text.index("\n", 100_000) + 1
+    return text[start:start + chars]
+
+
 @pytest.fixture(scope="session")
-def peps_byte(tmp_path_factory):
-    """Prefix of peps.txt prepared with the byte tokenizer, one document per PEP."""
+def stdlib_corpus(tmp_path_factory) -> Path:
+    """The marked standard library corpus (:func:`write_stdlib_corpus`), written once per session."""
+    return write_stdlib_corpus(tmp_path_factory.mktemp("stdlib") / "stdlib.txt")
+
+
+@pytest.fixture(scope="session")
+def stdlib_byte(stdlib_corpus):
+    """Prefix of the marked standard library corpus prepared with the byte tokenizer, one document per module."""
     from jaxllm.data.prepare import prepare
 
-    prefix = tmp_path_factory.mktemp("peps") / "peps_byte"
-    prepare([str(SHARED_DATA / "peps.txt")], "byte", str(prefix), document_marker=PEPS_MARKER, progress=False)
+    prefix = stdlib_corpus.parent / "stdlib_byte"
+    prepare([str(stdlib_corpus)], "byte", str(prefix), document_marker=MARKER, progress=False)
     return str(prefix)
 
 
@@ -74,17 +118,18 @@ def shakespeare_jsonl(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shakespeare_gpt2(shakespeare_jsonl):
-    """Prefix of Tiny Shakespeare's speeches prepared with GPT-2's BPE (an end-of-document token each)."""
+    """Prefix of Tiny Shakespeare's speeches prepared with GPT-2's BPE (the files shipped with jaxllm; an
+    end-of-document token each)."""
     from jaxllm.data.prepare import prepare
 
     prefix = shakespeare_jsonl.parent / "shakespeare_gpt2"
-    prepare([str(shakespeare_jsonl)], "gpt2", str(prefix), gpt2_dir=str(SHARED_DATA / "gpt2"), progress=False)
+    prepare([str(shakespeare_jsonl)], "gpt2", str(prefix), progress=False)
     return str(prefix)
 
 
 @pytest.fixture(scope="session")
 def shakespeare_byte(shakespeare_jsonl):
-    """Prefix of Tiny Shakespeare's speeches prepared with the byte tokenizer (to blend with peps_byte)."""
+    """Prefix of Tiny Shakespeare's speeches prepared with the byte tokenizer (to blend with stdlib_byte)."""
     from jaxllm.data.prepare import prepare
 
     prefix = shakespeare_jsonl.parent / "shakespeare_byte"

@@ -19,7 +19,7 @@ from jaxllm.runtime import flops
 from jaxllm.runtime.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 L, H, N, V, S = 2, 64, 4, 256, 32  # layers, hidden, heads, vocabulary, sequence
@@ -102,7 +102,7 @@ def test_bench_numbers_against_hand_count_and_independent_timing():
 def test_bench_matches_the_training_log(tmp_path):
     """The 10% agreement is measured in docs/performance.md; here a bound that load cannot break:
     the two runs share one loaded 2-core machine, so only a factor 2 is asserted."""
-    assert SHAKESPEARE.is_file(), f"missing shared data {SHAKESPEARE}"
+    assert SHAKESPEARE.is_file(), f"missing {SHAKESPEARE}"
     spec = importlib.util.spec_from_file_location("shakespeare_char", ROOT / "configs" / "shakespeare_char.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)

@@ -23,7 +23,7 @@ from jaxllm.runtime import checkpoint
 from jaxllm.runtime.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 # Synchronous CPU dispatch: two 8-device programs in flight at once (train and eval steps) can starve
 # the in-process collectives of the host's thread pool on a 2-core machine (XLA aborts the rendezvous).

@@ -30,7 +30,6 @@ from jaxllm.runtime.run import Run
 from jaxllm_kernels.reference import MASKED
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2_DIR = ROOT.parent / "shared" / "data" / "gpt2"
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 TOL = 1e-4
 VOCAB, SEQ = 101, 32
@@ -259,19 +258,20 @@ def test_sharded_safetensors_import(tmp_path):
 
 
 def test_gpt2_tokenizer_travels(tmp_path):
-    """A run on the gpt2 tokenizer exports HF tokenizer files; importing them sets data.tokenizer=gpt2."""
+    """A run on the gpt2 tokenizer (the files shipped with jaxllm: data.gpt2_dir empty) exports HF tokenizer
+    files; importing them sets data.tokenizer=gpt2."""
     from jaxllm.data.tokenizers import GPT2Tokenizer
 
     torch.manual_seed(3)
     m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16))
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
     convert.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"),
-                              {"data.tokenizer": "gpt2", "data.gpt2_dir": str(GPT2_DIR)})
+                              {"data.tokenizer": "gpt2"})
     hf = convert.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
     assert hf["eos_token_id"] == 50256
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     text = "Hello world!  It's   a test\n\nof tokens, ünïcode and\ttabs"
-    assert tok(text)["input_ids"] == GPT2Tokenizer(str(GPT2_DIR)).encode(text).tolist()
+    assert tok(text)["input_ids"] == GPT2Tokenizer().encode(text).tolist()
     cfg = convert.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2"))
     assert cfg.data.tokenizer == "gpt2" and cfg.data.gpt2_dir == str(tmp_path / "w2" / "tokenizer")
     GPT2Tokenizer(cfg.data.gpt2_dir)

@@ -1,4 +1,5 @@
-"""jaxllm.data on the real corpora in ../shared/data: tokenizers, prepare (indexed datasets), the
+"""jaxllm.data on real text (Tiny Shakespeare in tests/data, Python's standard library as a marked
+many-document corpus, GPT-2's shipped BPE files): tokenizers, prepare (indexed datasets), the
 reader, blends, Megatron-order and uniform batches, masks, the index cache, inspect, bad inputs.
 (Equality with Megatron-LM itself: tests/test_megatron.py.)"""
 
@@ -6,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PEPS_MARKER, peps_documents, shakespeare_documents
+from conftest import MARKER, TINY_SHAKESPEARE, corpus_documents, english_passage, shakespeare_documents
 
 from jaxllm.config import get_config
 from jaxllm.data import (
@@ -30,12 +32,10 @@ from jaxllm.data.cache import build_once
 from jaxllm.data.indexed import IndexedDataset
 from jaxllm.data.inspect import parse_steps
 from jaxllm.data.prepare import collect_files, ensure_prepared, iter_documents, prepare, read_meta
-from jaxllm.data.tokenizers import split_for_bpe
+from jaxllm.data.tokenizers import PACKAGED_GPT2_DIR, split_for_bpe
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-SHAKESPEARE = SHARED / "tinyshakespeare.txt"
-PEPS = SHARED / "peps.txt"
-GPT2_DIR = SHARED / "gpt2"
+SHAKESPEARE = TINY_SHAKESPEARE
+GPT2_DIR = Path(PACKAGED_GPT2_DIR)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -46,22 +46,19 @@ def shakespeare():
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return GPT2Tokenizer(str(GPT2_DIR))
+    return GPT2Tokenizer()  # the files shipped with jaxllm
 
 
 @pytest.fixture(scope="module")
-def peps_passage():
-    with open(PEPS, encoding="utf-8") as f:
-        f.seek(1_000_000)
-        f.readline()  # start on a line boundary
-        return f.read(60_000)
+def prose():
+    return english_passage(60_000)
 
 
 def run_cfg(inp, *, tokenizer="byte", split="969,30,1", seq=64, gb=8, iters=50, eval_interval=10, eval_iters=2,
             seed=1234, sampling="megatron", cache_dir="", **data):
     cfg = get_config()
     cfg.data.update(input=str(inp), tokenizer=tokenizer, split=split, sampling=sampling, cache_dir=str(cache_dir),
-                    gpt2_dir=str(GPT2_DIR), **data)
+                    **data)
     cfg.train.update(seq_length=seq, global_batch_size=gb, micro_batch_size=gb, train_iters=iters,
                      eval_interval=eval_interval, eval_iters=eval_iters, seed=seed)
     return cfg
@@ -102,18 +99,18 @@ def test_byte_roundtrip():
     assert tok.decode([104, 300, 105]) == "h\ufffdi"
 
 
-def test_gpt2_known_ids_and_roundtrip(gpt2, peps_passage):
+def test_gpt2_known_ids_and_roundtrip(gpt2, prose):
     assert gpt2.vocab_size == 50257 and gpt2.eot_id == 50256
     assert gpt2.encode("Hello world").tolist() == [15496, 995]
     assert gpt2.encode(" the").tolist() == [262]
     assert gpt2.decode([50256]) == "<|endoftext|>"
     assert gpt2.encode("<|endoftext|>").tolist() != [50256]  # literal text, like OpenAI's encoder
-    ids = gpt2.encode(peps_passage)
-    assert len(ids) < len(peps_passage) / 2.5  # real BPE merges, not bytes
-    assert gpt2.decode(ids) == peps_passage
+    ids = gpt2.encode(prose)
+    assert len(ids) < len(prose) / 2.5  # real BPE merges, not bytes
+    assert gpt2.decode(ids) == prose
 
 
-def test_gpt2_chunked_encoding_is_exact(gpt2, peps_passage):
+def test_gpt2_chunked_encoding_is_exact(gpt2, prose):
     """Long documents are encoded in pieces (for parallelism); the ids must equal the whole's."""
     def check(text, chunk_chars):
         pieces = split_for_bpe(text, chunk_chars)
@@ -122,7 +119,7 @@ def test_gpt2_chunked_encoding_is_exact(gpt2, peps_passage):
         assert sum((gpt2._tok.encode(p).ids for p in pieces), []) == whole
         return len(pieces)
 
-    assert check(peps_passage, 2000) > 10
+    assert check(prose, 2000) > 10
     # Cut at every allowed place in random text dense in whitespace runs, contractions,
     # digits, CRLF, and characters whose whitespace-ness differs between regex engines.
     rng = np.random.default_rng(0)
@@ -143,12 +140,12 @@ def hf_dir(tmp_path_factory):
     return d
 
 
-def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, peps_passage, tmp_path):
+def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, prose, tmp_path):
     for spec in (hf_dir, hf_dir / "tokenizer.json"):
         tok = HFTokenizer(str(spec))
         assert tok.vocab_size == 50257 and tok.eot_id == 50256
-        np.testing.assert_array_equal(tok.encode(peps_passage), gpt2.encode(peps_passage))
-        assert tok.decode(tok.encode(peps_passage)) == peps_passage
+        np.testing.assert_array_equal(tok.encode(prose), gpt2.encode(prose))
+        assert tok.decode(tok.encode(prose)) == prose
         assert tok.decode([50256, 99999]) == "<|endoftext|>\ufffd"
     # a bare tokenizer.json: the end of document is the one special token named like it
     (tmp_path / "bare").mkdir()
@@ -170,18 +167,21 @@ def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, peps_passage, tmp_path):
 
 # --- prepare: indexed datasets --------------------------------------------------------------------
 
-def test_prepare_peps_one_document_per_pep(peps_byte):
-    ds, meta = IndexedDataset(peps_byte), read_meta(peps_byte)
-    docs = peps_documents()
-    assert len(docs) == ds.num_documents == ds.num_sequences == meta["num_documents"] == 703
+def test_prepare_one_document_per_marked_part(stdlib_byte, stdlib_corpus):
+    ds, meta = IndexedDataset(stdlib_byte), read_meta(stdlib_byte)
+    docs = corpus_documents(stdlib_corpus)
+    names = [ln.split()[1] for ln in stdlib_corpus.read_text(encoding="utf-8").splitlines() if ln.startswith(MARKER)]
+    assert len(docs) == ds.num_documents == ds.num_sequences == meta["num_documents"] == len(names) > 500
     assert ds.dtype == np.uint16 and meta["eot_id"] is None  # byte: no end-of-document token
-    for i in (0, 1, 350, 702):
+    n = len(docs)
+    for i in (0, 1, n // 2, n - 1):
         assert ByteTokenizer().decode(ds.sequence(i)) == docs[i]
-    assert docs[0].startswith("PEP: 1\n") and not any(PEPS_MARKER in d for d in docs)
+    first = Path(sysconfig.get_paths()["stdlib"], names[0].removeprefix("Lib/")).read_text(encoding="utf-8")
+    assert docs[0] == first and not any(MARKER in d for d in docs)
     raw = np.concatenate([np.frombuffer(d.encode(), np.uint8) for d in docs])
     np.testing.assert_array_equal(ds.tokens, raw)  # the whole stream: the documents back to back
     assert meta["text_bytes"] == meta["num_tokens"] == len(raw) == ds.num_tokens
-    assert not [n for n in os.listdir(os.path.dirname(peps_byte)) if n.startswith(".")]  # no temporary files
+    assert not [n for n in os.listdir(os.path.dirname(stdlib_byte)) if n.startswith(".")]  # no temporary files
 
 
 def test_prepare_shakespeare_jsonl_gpt2_appends_eod(shakespeare_gpt2, gpt2):
@@ -205,7 +205,7 @@ def test_prepare_cli_workers_and_formats(tmp_path):
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}"
         r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"),
-                "--tokenizer", "gpt2", "--gpt2-dir", str(GPT2_DIR), "--json-key", "body", "--output-prefix",
+                "--tokenizer", "gpt2", "--json-key", "body", "--output-prefix",
                 str(prefix), "--workers", str(workers))
         assert r.returncode == 0, r.stderr
         assert "prepare: 300 documents" in r.stderr and "tokens/s" in r.stderr and "Warning" not in r.stderr
@@ -320,15 +320,16 @@ def test_reader_errors_are_one_clear_line(shakespeare_gpt2, tmp_path):
 
 # --- batches ------------------------------------------------------------------------------------------
 
-def test_batches_are_the_documents_in_megatron_order(peps_byte, tmp_path):
+def test_batches_are_the_documents_in_megatron_order(stdlib_byte, stdlib_corpus, tmp_path):
     """Each sample is seq_length + 1 tokens of the documents concatenated in the document index's order,
     starting at (shuffled sample) x seq_length; the samples of a split use only its documents."""
-    data = Data(run_cfg(peps_byte, cache_dir=tmp_path, seq=256, gb=8, iters=30), str(tmp_path))
+    data = Data(run_cfg(stdlib_byte, cache_dir=tmp_path, seq=256, gb=8, iters=30), str(tmp_path))
     assert data.num_samples == {"train": 240, "valid": 4 * 2 * 8, "test": 16}
     ix = data._index["train"]
     stream = np.concatenate([data.datasets[0].sequence(int(d)) for d in ix["doc"]])
     batches = Batches(data)
-    beg, end = 0, round(0.969 * 703)
+    n = len(corpus_documents(stdlib_corpus))
+    beg, end = 0, round(0.969 * n)
     for step in (0, 7, 29):
         tokens = batches.batch("train", step)
         assert tokens.shape == (8, 257) and tokens.dtype == np.int32
@@ -336,16 +337,17 @@ def test_batches_are_the_documents_in_megatron_order(peps_byte, tmp_path):
             k = int(ix["shuffle"][step * 8 + r])
             np.testing.assert_array_equal(tokens[r], stream[k * 256:k * 256 + 257])
     assert set(np.unique(ix["doc"])) == set(range(beg, end))
-    valid = Data(run_cfg(peps_byte, cache_dir=tmp_path, seq=256, gb=8, iters=30), str(tmp_path))._index["valid"]["doc"]
-    assert set(np.unique(valid)) == set(range(end, round(0.999 * 703)))
+    valid = Data(run_cfg(stdlib_byte, cache_dir=tmp_path, seq=256, gb=8, iters=30),
+                 str(tmp_path))._index["valid"]["doc"]
+    assert set(np.unique(valid)) == set(range(end, round(0.999 * n))) and len(np.unique(valid)) > 1
     x, y = batches.train_batch(3)
     np.testing.assert_array_equal(x, batches.batch("train", 3)[:, :-1])
     np.testing.assert_array_equal(y, batches.batch("train", 3)[:, 1:])
 
 
-def test_resume_on_another_data_parallel_size_reads_the_same_batches(peps_byte, tmp_path):
+def test_resume_on_another_data_parallel_size_reads_the_same_batches(stdlib_byte, stdlib_corpus, tmp_path):
     """Batch i is a function of the config and i: any rows, any process, fresh or cached, in any order."""
-    cfg = run_cfg(peps_byte, cache_dir=tmp_path, seq=64, gb=12, iters=40)
+    cfg = run_cfg(stdlib_byte, cache_dir=tmp_path, seq=64, gb=12, iters=40)
     first = Data(cfg, str(tmp_path))
     assert first.index_built
     straight = np.stack([Batches(first).batch("train", s) for s in range(40)])
@@ -358,13 +360,14 @@ def test_resume_on_another_data_parallel_size_reads_the_same_batches(peps_byte, 
             np.testing.assert_array_equal(np.concatenate(rows), straight[s])
     np.testing.assert_array_equal(Batches(again, rows=slice(1, None, 5)).batch("train", 5), straight[5][1::5])
     n = again.split_length("train")  # whole epochs of samples, at least the run's 480
-    assert n >= 480 and n == (int(again.datasets[0].sequence_lengths[:round(0.969 * 703)].sum()) - 1) // 64
+    train_docs = round(0.969 * len(corpus_documents(stdlib_corpus)))
+    assert n >= 480 and n == (int(again.datasets[0].sequence_lengths[:train_docs].sum()) - 1) // 64
     with pytest.raises(DataError, match=rf"sample {n} of the train split: it has {n:,}"):
         Batches(again).batch("train", n // 12)
 
 
-def test_blend_proportions_follow_the_weights(peps_byte, shakespeare_byte, tmp_path):
-    cfg = run_cfg(f"0.3 {shakespeare_byte} 0.7 {peps_byte}", cache_dir=tmp_path, gb=16, iters=200)
+def test_blend_proportions_follow_the_weights(stdlib_byte, shakespeare_byte, tmp_path):
+    cfg = run_cfg(f"0.3 {shakespeare_byte} 0.7 {stdlib_byte}", cache_dir=tmp_path, gb=16, iters=200)
     data = Data(cfg, str(tmp_path), splits=("train",))
     assert data.weights == [0.3, 0.7] and data.split_length("train") == 960 + 2240
     src = data.sample_source("train", np.arange(3200))
@@ -379,8 +382,8 @@ def test_blend_proportions_follow_the_weights(peps_byte, shakespeare_byte, tmp_p
         np.testing.assert_array_equal(data.sample("train", j), data._dataset_sample("train", d, c))
 
 
-def test_unweighted_blend_and_file_list(peps_byte, shakespeare_byte, tmp_path):
-    (tmp_path / "list.txt").write_text(f"# weight prefix corpus\n0.25 {peps_byte} code\n\n"
+def test_unweighted_blend_and_file_list(stdlib_byte, shakespeare_byte, tmp_path):
+    (tmp_path / "list.txt").write_text(f"# weight prefix corpus\n0.25 {stdlib_byte} code\n\n"
                                        f"0.75 {shakespeare_byte} plays  # the speeches\n")
     cfg = run_cfg("ignored when file_list is set", cache_dir=tmp_path, gb=8, iters=100,
                   file_list=str(tmp_path / "list.txt"))
@@ -397,7 +400,7 @@ def test_unweighted_blend_and_file_list(peps_byte, shakespeare_byte, tmp_path):
     assert share == {"code": ["20", "0.2500", "0.2500"], "plays": ["60", "0.7500", "0.7500"]}, r.stdout
     assert "first row, decoded" in r.stdout
     # no weights: each dataset weighs its one epoch of samples (Megatron's blend of sizes)
-    both = Data(run_cfg(f"{shakespeare_byte} {peps_byte}", cache_dir=tmp_path, gb=8, iters=100), str(tmp_path))
+    both = Data(run_cfg(f"{shakespeare_byte} {stdlib_byte}", cache_dir=tmp_path, gb=8, iters=100), str(tmp_path))
     lengths = [int(both._index["train"]["offsets"][i + 1, 2] - both._index["train"]["offsets"][i, 2]) for i in (0, 1)]
     assert both.weights is None and both.split_length("train") == 800
     counts = np.bincount(both.sample_source("train", np.arange(800)), minlength=2)
@@ -436,7 +439,7 @@ def test_document_masks_reset_at_each_eod():
     assert pos.dtype == seg.dtype == np.int32
 
 
-def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, peps_byte, tmp_path):
+def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, stdlib_byte, tmp_path):
     data = Data(run_cfg(shakespeare_gpt2, cache_dir=tmp_path, seq=128, reset_position_ids=True,
                         reset_attention_mask=True, eod_mask_loss=True), str(tmp_path))
     x, _, docs = Batches(data).train_batch(0)  # what the run's train step gets
@@ -451,15 +454,15 @@ def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, peps_byte, 
         np.testing.assert_array_equal(seg[r], np.searchsorted(starts, np.arange(128), "right") - 1)
         np.testing.assert_array_equal(loss[r], (x[r] != 50256).astype(np.float32))
     with pytest.raises(DataError, match="need an end-of-document token, and the byte tokenizer has none"):
-        Data(run_cfg(peps_byte, cache_dir=tmp_path, reset_attention_mask=True), str(tmp_path))
+        Data(run_cfg(stdlib_byte, cache_dir=tmp_path, reset_attention_mask=True), str(tmp_path))
 
 
-def test_index_cache_is_keyed_and_built_once_across_processes(peps_byte, tmp_path):
+def test_index_cache_is_keyed_and_built_once_across_processes(stdlib_byte, tmp_path):
     cache = tmp_path / "cache"
-    cfg = run_cfg(f"0.5 {peps_byte} 0.5 {peps_byte}", cache_dir=cache, iters=20)
+    cfg = run_cfg(f"0.5 {stdlib_byte} 0.5 {stdlib_byte}", cache_dir=cache, iters=20)
     code = ("import sys, numpy as np; sys.path.insert(0, 'tests')\n"
             "from test_data import run_cfg; from jaxllm.data import Data, Batches\n"
-            f"d = Data(run_cfg({f'0.5 {peps_byte} 0.5 {peps_byte}'!r}, cache_dir={str(cache)!r}, iters=20), "
+            f"d = Data(run_cfg({f'0.5 {stdlib_byte} 0.5 {stdlib_byte}'!r}, cache_dir={str(cache)!r}, iters=20), "
             f"{str(tmp_path)!r})\n"
             "print('BUILT' if d.index_built else 'READ', Batches(d).batch('train', 19).sum())")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -496,33 +499,35 @@ def test_build_once_takes_over_a_dead_builders_lock(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["thing"]  # nothing half-written, no lock left
 
 
-def test_bad_inputs_are_one_data_error(peps_byte, tmp_path):
+def test_bad_inputs_are_one_data_error(stdlib_byte, stdlib_corpus, tmp_path):
+    n = len(corpus_documents(stdlib_corpus))
     cases = [
-        (run_cfg(f"0.5 {peps_byte} 0.5 {tmp_path / 'nothing'}"), r"nothing: no .*nothing.bin or .*nothing.idx"),
-        (run_cfg(f"0.5 {peps_byte} -1 {peps_byte}"), r"weight -1.0 of .*: weights must be > 0"),
-        (run_cfg(f"{peps_byte}.bin"), r"peps_byte.bin: name the indexed dataset by its prefix, .*peps_byte \(without"),
-        (run_cfg(peps_byte, split="1,2,3,4"), r"data.split='1,2,3,4': give up to three"),
-        (run_cfg(peps_byte, split="100,0,0"), r"leaves the valid split empty.*train.eval_interval=0"),
-        (run_cfg(peps_byte, split="999999,1"),
-         r"the valid split of .* is sequences \[703, 703\) of 703, only 0 tokens"),
-        (run_cfg(f"1 {peps_byte} 1 {peps_byte}", sampling="uniform"), r"uniform reads one dataset"),
-        (run_cfg(peps_byte, sampling="random"), r"data.sampling='random': choose megatron or uniform"),
-        (run_cfg(peps_byte, file_list=str(tmp_path / "missing.txt")), r"data.file_list=.*missing.txt: cannot read"),
-        (run_cfg(peps_byte, cache_dir="/proc/no"), r"data.cache_dir='/proc/no': cannot write"),
+        (run_cfg(f"0.5 {stdlib_byte} 0.5 {tmp_path / 'nothing'}"), r"nothing: no .*nothing.bin or .*nothing.idx"),
+        (run_cfg(f"0.5 {stdlib_byte} -1 {stdlib_byte}"), r"weight -1.0 of .*: weights must be > 0"),
+        (run_cfg(f"{stdlib_byte}.bin"),
+         r"stdlib_byte.bin: name the indexed dataset by its prefix, .*stdlib_byte \(without"),
+        (run_cfg(stdlib_byte, split="1,2,3,4"), r"data.split='1,2,3,4': give up to three"),
+        (run_cfg(stdlib_byte, split="100,0,0"), r"leaves the valid split empty.*train.eval_interval=0"),
+        (run_cfg(stdlib_byte, split="999999,1"),
+         rf"the valid split of .* is sequences \[{n}, {n}\) of {n}, only 0 tokens"),
+        (run_cfg(f"1 {stdlib_byte} 1 {stdlib_byte}", sampling="uniform"), r"uniform reads one dataset"),
+        (run_cfg(stdlib_byte, sampling="random"), r"data.sampling='random': choose megatron or uniform"),
+        (run_cfg(stdlib_byte, file_list=str(tmp_path / "missing.txt")), r"data.file_list=.*missing.txt: cannot read"),
+        (run_cfg(stdlib_byte, cache_dir="/proc/no"), r"data.cache_dir='/proc/no': cannot write"),
         (run_cfg(SHAKESPEARE, tokenizer="char", sampling="uniform", split="99999,1", seq=64),
          r"the valid split of .* has 12 tokens, but train.seq_length=64 needs at least 65"),
     ]
-    (tmp_path / "list.txt").write_text(f"0.5 {peps_byte} corpus extra\n")
-    cases.append((run_cfg(peps_byte, file_list=str(tmp_path / "list.txt")),
+    (tmp_path / "list.txt").write_text(f"0.5 {stdlib_byte} corpus extra\n")
+    cases.append((run_cfg(stdlib_byte, file_list=str(tmp_path / "list.txt")),
                   r"list.txt:1: .*expected \"weight prefix corpus\""))
     for cfg, pattern in cases:
         with pytest.raises(DataError, match=pattern):
             Data(cfg, str(tmp_path))
-    data = Data(run_cfg(peps_byte, tokenizer="byte", cache_dir=tmp_path), str(tmp_path))
+    data = Data(run_cfg(stdlib_byte, tokenizer="byte", cache_dir=tmp_path), str(tmp_path))
     data.vocab_size = 100  # a tokenizer too small for the data
     with pytest.raises(DataError, match=r"holds token id 1\d\d, outside the byte tokenizer's vocabulary of 100"):
         Batches(data).batch("train", 0)
-    r = cli("jaxllm.data.inspect", f"--config.data.input=0.5 {peps_byte} 0.5 {tmp_path / 'nothing'}",
+    r = cli("jaxllm.data.inspect", f"--config.data.input=0.5 {stdlib_byte} 0.5 {tmp_path / 'nothing'}",
             f"--workdir={tmp_path}", "--steps=0:2", f"--output={tmp_path / 'o.npy'}")
     assert "nothing.bin or" in one_error_line(r) and not (tmp_path / "o.npy").exists()
     r = cli("jaxllm.data.inspect", f"--workdir={tmp_path}", "--steps=2:2", f"--output={tmp_path / 'o.npy'}")
@@ -583,8 +588,17 @@ def test_gpt2_files_changed_after_prepare(tmp_path):
         f.write("x y\n")
     with pytest.raises(DataError, match=r"vocab.bpe changed since the data was prepared.*prepare the data again"):
         tokenizer_from_meta(read_meta(str(tmp_path / "out")))
-    with pytest.raises(DataError, match="gpt2_dir"):
-        prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out2"), progress=False)
+    # the recorded directory gone (data prepared on another machine): the shipped files, whose checksums match
+    for name in ("encoder.json", "vocab.bpe"):
+        (vocab / name).unlink()
+    assert tokenizer_from_meta(read_meta(str(tmp_path / "out"))).gpt2_dir == str(GPT2_DIR)
+    # no gpt2_dir: the shipped files, the same ids and checksums as the given copy of them
+    shipped = prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out2"), progress=False)
+    assert shipped["gpt2_dir"] == str(GPT2_DIR) and shipped["gpt2_sha256"] == meta["gpt2_sha256"]
+    np.testing.assert_array_equal(IndexedDataset(str(tmp_path / "out2")).tokens,
+                                  IndexedDataset(str(tmp_path / "out")).tokens)
+    with pytest.raises(DataError, match="encoder.json not found; set data.gpt2_dir"):
+        prepare([str(tmp_path / "t.txt")], "gpt2", str(tmp_path / "out3"), gpt2_dir=str(vocab), progress=False)
 
 
 def test_unigram_entropy():

@@ -17,7 +17,7 @@ import pytest
 from jaxllm.platform.distributed import LaunchError, Topology, detect, device_env, expand_nodelist, jax_local_device_ids
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
 LAUNCH_PREFIXES = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "PALS_", "PBS_", "MPI_", "JAXLLM_", "XLA_FLAGS")
 
 

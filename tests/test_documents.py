@@ -202,8 +202,7 @@ def cli(*args):
 
 def test_training_cli_with_the_options_on_real_documents(shakespeare_gpt2, tmp_path):
     """Tiny Shakespeare's speeches (GPT-2 BPE, an EOD after each): several documents per sample."""
-    flags = [f"--config.data.input={shakespeare_gpt2}", "--config.data.tokenizer=gpt2",
-             f"--config.data.gpt2_dir={ROOT.parent / 'shared' / 'data' / 'gpt2'}",
+    flags = [f"--config.data.input={shakespeare_gpt2}", "--config.data.tokenizer=gpt2",  # the shipped GPT-2 files
              f"--config.data.cache_dir={tmp_path}",
              "--config.model.num_layers=2", "--config.model.hidden_size=64", "--config.model.num_attention_heads=4",
              "--config.model.dtype=float32", "--config.train.seq_length=64", "--config.train.micro_batch_size=2",
@@ -218,8 +217,8 @@ def test_training_cli_with_the_options_on_real_documents(shakespeare_gpt2, tmp_p
     assert len(train_losses) == 2 and len(evals) == 1 and all(np.isfinite(train_losses + evals))
 
 
-def test_options_without_an_eod_token_are_one_line_exit_2(peps_byte, tmp_path):
-    r = cli(f"--workdir={tmp_path / 'run'}", f"--config.data.input={peps_byte}", "--config.data.tokenizer=byte",
+def test_options_without_an_eod_token_are_one_line_exit_2(stdlib_byte, tmp_path):
+    r = cli(f"--workdir={tmp_path / 'run'}", f"--config.data.input={stdlib_byte}", "--config.data.tokenizer=byte",
             "--config.data.eod_mask_loss=True")
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -69,11 +69,11 @@ def megatron_tokens(ds, first, count):
 
 
 CASES = {  # data, split, seq_length, seed, train_iters, global batch, eval_interval, eval_iters
-    "one dataset": ("{peps}", "969,30,1", 128, 1234, 50, 16, 10, 3),
+    "one dataset": ("{stdlib}", "969,30,1", 128, 1234, 50, 16, 10, 3),
     "one dataset, 3 epochs, separate last epoch": ("{shakes}", "98,2", 256, 5, 300, 32, 100, 2),
-    "weighted blend": ("0.3 {shakes} 0.7 {peps}", "98,2", 64, 7, 200, 24, 50, 4),
-    "weighted blend, long samples": ("2 {peps} 1 {shakes}", "9,1", 1024, 11, 40, 8, 20, 2),
-    "blend by sizes": ("{shakes} {peps}", "90,10", 200, 3, 60, 8, 20, 3),
+    "weighted blend": ("0.3 {shakes} 0.7 {stdlib}", "98,2", 64, 7, 200, 24, 50, 4),
+    "weighted blend, long samples": ("2 {stdlib} 1 {shakes}", "9,1", 1024, 11, 40, 8, 20, 2),
+    "blend by sizes": ("{shakes} {stdlib}", "90,10", 200, 3, 60, 8, 20, 3),
     "one weighted dataset": ("1.0 {shakes}", "80,20", 512, 99, 50, 16, 25, 2),
     # Exact ties of the greedy errors (samples 10 and 11, 20 and 21, ...): the first dataset wins.
     "weighted blend, tied errors": ("0.7 {peps} 0.3 {shakes}", "98,2", 64, 8, 40, 12, 20, 2),
@@ -81,9 +81,9 @@ CASES = {  # data, split, seq_length, seed, train_iters, global batch, eval_inte
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_samples_equal_megatron(case, mcore, peps_byte, shakespeare_byte, tmp_path):
+def test_samples_equal_megatron(case, mcore, stdlib_byte, shakespeare_byte, tmp_path):
     text, split, seq, seed, iters, gb, eval_interval, eval_iters = CASES[case]
-    links = dict(zip(("peps", "shakes"), linked([peps_byte, shakespeare_byte], tmp_path)))
+    links = dict(zip(("stdlib", "shakes"), linked([stdlib_byte, shakespeare_byte], tmp_path)))
     words = text.format(**links).split()
     weights = [float(w) for w in words[0::2]] if len(words) % 2 == 0 and words[0][0].isdigit() else None
     prefixes = words[1::2] if weights else words
@@ -103,10 +103,10 @@ def test_samples_equal_megatron(case, mcore, peps_byte, shakespeare_byte, tmp_pa
                                           megatron_tokens(ds, step * gb, gb), err_msg=f"{split_name} batch {step}")
 
 
-def test_inspect_cli_equals_megatron(mcore, peps_byte, shakespeare_byte, tmp_path):
+def test_inspect_cli_equals_megatron(mcore, stdlib_byte, shakespeare_byte, tmp_path):
     """The comparison a user (or a grader) runs: jaxllm.data.inspect's file vs Megatron's own samples."""
-    shakes, peps = linked([shakespeare_byte, peps_byte], tmp_path)
-    flags = [f"--config.data.input=0.4 {shakes} 0.6 {peps}", "--config.data.split=949,50,1",
+    shakes, stdlib = linked([shakespeare_byte, stdlib_byte], tmp_path)
+    flags = [f"--config.data.input=0.4 {shakes} 0.6 {stdlib}", "--config.data.split=949,50,1",
              "--config.train.seq_length=100", "--config.train.seed=42", "--config.train.global_batch_size=12",
              "--config.train.micro_batch_size=12", "--config.train.train_iters=70", "--config.train.eval_interval=35",
              "--config.train.eval_iters=5", f"--workdir={tmp_path / 'run'}"]
@@ -119,7 +119,7 @@ def test_inspect_cli_equals_megatron(mcore, peps_byte, shakespeare_byte, tmp_pat
         assert r.returncode == 0, r.stderr
         got = np.load(out)
         assert got.shape == (10, 12, 101) and got.dtype == np.int32
-        ds = megatron_split(mcore, [shakes, peps], [0.4, 0.6], "949,50,1", 100, 42, sizes, which)
+        ds = megatron_split(mcore, [shakes, stdlib], [0.4, 0.6], "949,50,1", 100, 42, sizes, which)
         np.testing.assert_array_equal(got.reshape(-1, 101), megatron_tokens(ds, steps[0] * 12, 120))
 
 

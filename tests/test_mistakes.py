@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 # A tiny run of the Shakespeare recipe: 2 layers, hidden 32, float32 (the recipe's own).
 TINY = ["--config=configs/shakespeare_char.py", "--config.model.num_layers=2", "--config.model.hidden_size=32",

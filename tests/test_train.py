@@ -15,7 +15,7 @@ from jaxllm import config, train
 from jaxllm.resolve import resolve, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 

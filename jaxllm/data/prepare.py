@@ -9,7 +9,8 @@ exactly ``PREFIX.bin`` and ``PREFIX.idx`` (no ``_text_document`` is appended). O
 
 * text file (``.py .txt .md .rst``, or any file named explicitly) -- or, with
   ``--document-marker M``, per part of it: a line starting with ``M`` begins a new document
-  and is itself dropped (``../shared/data/peps.txt``: ``--document-marker '<|file|>'``);
+  and is itself dropped (e.g. ``--document-marker '<|file|>'`` for a file whose documents each
+  begin with a line ``<|file|> NAME``);
 * line of a JSON Lines file (``.jsonl``, or ``.json`` named explicitly: Megatron's "loose
   json"), its text at ``--json-key`` (default ``text``);
 * row of a Parquet file (``.parquet``; needs ``pip install pyarrow``), column ``--json-key``.
@@ -49,6 +50,7 @@ from jaxllm.data.tokenizers import (
     TOKENIZER_NAMES,
     CharTokenizer,
     DataError,
+    gpt2_dir_or_packaged,
     make_tokenizer,
     sha256_file,
     tokenizer_from_meta,
@@ -389,7 +391,7 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, *, gpt2_dir: 
       inputs: text, JSON Lines or Parquet files and/or directories.
       tokenizer: "char", "byte", "gpt2", or a Hugging Face tokenizer.json (or a directory holding one).
       output_prefix: writes ``output_prefix.bin``, ``.idx`` and ``.meta.json``.
-      gpt2_dir: GPT-2's encoder.json + vocab.bpe (tokenizer "gpt2").
+      gpt2_dir: GPT-2's encoder.json + vocab.bpe (tokenizer "gpt2"); "": the files shipped with jaxllm.
       json_key: the text's key in JSON Lines records / column in Parquet files.
       document_marker: in text files, a line starting with it begins a new document ("": one per file).
       workers: tokenizing processes (1: this process, with the tokenizer's own threads).
@@ -435,11 +437,9 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
     sources = [[p, sha256_file(p)] for p in files]
     spec = data_cfg.tokenizer
     if spec == "gpt2":
-        if not data_cfg.gpt2_dir:
-            raise DataError("data.tokenizer=gpt2 needs data.gpt2_dir: the directory holding GPT-2's encoder.json "
-                            "and vocab.bpe")
-        tok_key = [sha256_file(os.path.join(data_cfg.gpt2_dir, n)) if os.path.isfile(
-            os.path.join(data_cfg.gpt2_dir, n)) else None for n in GPT2_FILES]
+        gpt2_dir = gpt2_dir_or_packaged(data_cfg.gpt2_dir)
+        tok_key = [sha256_file(os.path.join(gpt2_dir, n)) if os.path.isfile(
+            os.path.join(gpt2_dir, n)) else None for n in GPT2_FILES]
     elif spec in TOKENIZER_NAMES:
         tok_key = spec
     else:
@@ -470,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", required=True, metavar="{char,byte,gpt2,PATH}",
                    help="char, byte, gpt2, or a Hugging Face tokenizer.json / directory holding one")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, .meta.json")
-    p.add_argument("--gpt2-dir", default="", metavar="DIR", help="directory with encoder.json and vocab.bpe")
+    p.add_argument("--gpt2-dir", default="", metavar="DIR",
+                   help="directory with GPT-2's encoder.json and vocab.bpe (default: the files shipped with jaxllm)")
     p.add_argument("--json-key", default="text", help="key (JSON Lines) or column (Parquet) holding the text")
     p.add_argument("--document-marker", default="", metavar="MARKER",
                    help="in text files, a line starting with MARKER begins a new document (and is dropped)")

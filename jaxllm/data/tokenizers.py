@@ -24,6 +24,8 @@ import re
 import numpy as np
 
 GPT2_FILES = ("encoder.json", "vocab.bpe")
+# GPT-2's files as jaxllm ships them (package data; OpenAI's licence in the LICENSE file beside them).
+PACKAGED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2")
 GPT2_VOCAB_SIZE, GPT2_EOT_ID = 50257, 50256  # GPT-2's BPE: 50,257 tokens, <|endoftext|> the last
 # The vocabulary of the tokenizers whose size is known without reading data.
 KNOWN_VOCAB_SIZES = {"byte": 256, "gpt2": GPT2_VOCAB_SIZE}
@@ -32,6 +34,11 @@ REPLACEMENT = "\ufffd"
 
 class DataError(ValueError):
     """Bad data input. The message names the file or config key, the problem and the fix."""
+
+
+def gpt2_dir_or_packaged(gpt2_dir: str = "") -> str:
+    """``gpt2_dir`` (``data.gpt2_dir``), or the GPT-2 files shipped with jaxllm when it is empty."""
+    return gpt2_dir or PACKAGED_GPT2_DIR
 
 
 def sha256_file(path: str) -> str:
@@ -133,7 +140,8 @@ class GPT2Tokenizer:
     between documents).
 
     Args:
-      gpt2_dir: directory holding GPT-2's ``encoder.json`` and ``vocab.bpe``.
+      gpt2_dir: directory holding GPT-2's ``encoder.json`` and ``vocab.bpe``; "" (default): the
+        files shipped with jaxllm (:data:`PACKAGED_GPT2_DIR`).
     Raises:
       DataError: a file is missing or unreadable, or the vocabulary is not GPT-2's 50,257 tokens.
     """
@@ -142,15 +150,16 @@ class GPT2Tokenizer:
     # Pieces handed to encode_batch: big enough to amortize, small enough to run in parallel.
     chunk_chars = 1 << 20
 
-    def __init__(self, gpt2_dir: str):
+    def __init__(self, gpt2_dir: str = ""):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        self.gpt2_dir = os.path.abspath(gpt2_dir)
+        self.gpt2_dir = os.path.abspath(gpt2_dir_or_packaged(gpt2_dir))
         paths = [os.path.join(self.gpt2_dir, n) for n in GPT2_FILES]
         for p in paths:
             if not os.path.isfile(p):
                 raise DataError(f"gpt2 tokenizer: {p} not found; set data.gpt2_dir (--gpt2-dir) to the directory "
-                                f"holding GPT-2's encoder.json and vocab.bpe")
+                                f"holding GPT-2's encoder.json and vocab.bpe, or leave it empty for the files "
+                                f"shipped with jaxllm")
         try:
             tok = Tokenizer(models.BPE.from_file(*paths))
         except Exception as e:  # the library raises bare Exceptions on unparsable files
@@ -321,16 +330,13 @@ def make_tokenizer(spec: str, gpt2_dir: str = ""):
 
     Args:
       spec: "byte", "gpt2", or a path to a Hugging Face tokenizer.json or a directory holding one.
-      gpt2_dir: GPT-2's encoder.json + vocab.bpe directory (spec "gpt2").
+      gpt2_dir: GPT-2's encoder.json + vocab.bpe directory (spec "gpt2"); "": the files shipped with jaxllm.
     Raises:
       DataError: unknown spec, missing files.
     """
     if spec == "byte":
         return ByteTokenizer()
     if spec == "gpt2":
-        if not gpt2_dir:
-            raise DataError("data.tokenizer=gpt2 needs data.gpt2_dir (--gpt2-dir): the directory holding GPT-2's "
-                            "encoder.json and vocab.bpe")
         return GPT2Tokenizer(gpt2_dir)
     if spec == "char":
         raise ValueError("the char tokenizer is fitted to its corpus: CharTokenizer.fit(text)")
@@ -346,7 +352,9 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
     Args:
       meta: the parsed metadata.
       gpt2_dir: for gpt2, read the files from here instead of the recorded directory
-        (e.g. after moving them); their checksums must still match.
+        (e.g. after moving them); their checksums must still match. Where the recorded directory
+        is gone (data prepared on another machine, or by another installation of jaxllm), the
+        files shipped with jaxllm are used when their checksums are the recorded ones.
     Returns:
       a CharTokenizer, ByteTokenizer, GPT2Tokenizer or HFTokenizer.
     Raises:
@@ -375,6 +383,10 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
         directory = gpt2_dir or meta.get("gpt2_dir")
         if not isinstance(directory, str) or not isinstance(recorded, dict):
             raise DataError("meta.json: tokenizer 'gpt2' without 'gpt2_dir' and 'gpt2_sha256'; prepare the data again")
+        missing = not all(os.path.isfile(os.path.join(directory, n)) for n in GPT2_FILES)
+        if missing and not gpt2_dir and all(
+                sha256_file(os.path.join(PACKAGED_GPT2_DIR, n)) == recorded.get(n) for n in GPT2_FILES):
+            directory = PACKAGED_GPT2_DIR  # the same files, shipped with this jaxllm
         for n in GPT2_FILES:
             path = os.path.join(directory, n)
             if not os.path.isfile(path):
