@@ -76,7 +76,7 @@ CASES = {  # data, split, seq_length, seed, train_iters, global batch, eval_inte
     "blend by sizes": ("{shakes} {stdlib}", "90,10", 200, 3, 60, 8, 20, 3),
     "one weighted dataset": ("1.0 {shakes}", "80,20", 512, 99, 50, 16, 25, 2),
     # Exact ties of the greedy errors (samples 10 and 11, 20 and 21, ...): the first dataset wins.
-    "weighted blend, tied errors": ("0.7 {peps} 0.3 {shakes}", "98,2", 64, 8, 40, 12, 20, 2),
+    "weighted blend, tied errors": ("0.7 {stdlib} 0.3 {shakes}", "98,2", 64, 8, 40, 12, 20, 2),
 }
 
 
