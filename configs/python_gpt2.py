@@ -24,5 +24,5 @@ def get_config():
                    min_lr=2e-4, warmup_iters=50, eval_interval=100, eval_iters=20, log_interval=20)
     c.data.update(tokenizer="gpt2", split="9,1,0")
     c.checkpoint.interval = 100
-    c.log.sample_prompt = "def "
+    c.log.sample_prompt = "def"
     return c

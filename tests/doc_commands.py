@@ -28,10 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The README's end-to-end run trains on a corpus the repository does not ship (the PEPs, which
-# its commands name as ../shared/data/peps.txt); where a ../shared folder is beside this checkout,
-# the sandbox gets it too. No other command needs it.
-SHARED = ROOT.parent / "shared"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 E2E_BEGIN, E2E_END = "<!-- e2e -->", "<!-- /e2e -->"
 
@@ -171,14 +167,11 @@ def submission(text: str, sandbox: Path) -> tuple[dict[str, str], list[str]] | N
 
 def make_sandbox(path: Path) -> Path:
     """A checkout-like directory at ``path``: the repository's files linked (``tests/data`` holds the
-    shipped Tiny Shakespeare), and ``../shared`` beside it where this checkout has one."""
+    shipped Tiny Shakespeare); nothing beside it."""
     path.mkdir(parents=True, exist_ok=True)
     for name in ("jaxllm", "kernels", "configs", "launch", "benchmarks", "docs", "tests", "pyproject.toml",
                  "README.md"):
         (path / name).symlink_to(ROOT / name)
-    shared = path.parent / "shared"
-    if SHARED.is_dir() and not shared.exists():
-        shared.symlink_to(SHARED)
     return path
 
 
