@@ -10,7 +10,9 @@ CLI::
 ``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2 or Llama, whichever holds the model exactly
 (the tables and the parameter mapping are :mod:`jaxllm.model.hf`'s; any other model is a
 :class:`~jaxllm.model.hf.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
-tokenizer gets its files too (``vocab.json``, ``merges.txt``).
+tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hugging Face
+``tokenizer.json`` gets it with ``tokenizer_config.json`` and ``special_tokens_map.json``
+(``AutoTokenizer.from_pretrained(OUT)``; ``eos_token_id`` in config.json is its end-of-document token).
 
 ``--from-hf`` (:func:`import_to_workdir`) reads ``DIR/config.json`` and ``DIR/model.safetensors``
 (or the shards of ``model.safetensors.index.json``) into a step-0 checkpoint in ``WORKDIR``
@@ -49,8 +51,10 @@ from jaxllm.data.tokenizers import (
     GPT2_EOT_ID,
     GPT2_FILES,
     GPT2_VOCAB_SIZE,
+    TOKENIZER_NAMES,
     DataError,
     GPT2Tokenizer,
+    HFTokenizer,
     gpt2_dir_or_packaged,
 )
 from jaxllm.model.hf import (
@@ -91,15 +95,45 @@ def _write_gpt2_tokenizer(data: config.Data, m: config.Model, out: str, hf: dict
     hf.update(bos_token_id=GPT2_EOT_ID, eos_token_id=GPT2_EOT_ID)
 
 
+def _write_hf_tokenizer(data: config.Data, m: config.Model, out: str, hf: dict) -> None:
+    """Writes the run's Hugging Face tokenizer into ``out`` as transformers' ``AutoTokenizer`` reads it:
+    ``tokenizer.json`` (a copy), ``tokenizer_config.json`` and ``special_tokens_map.json`` (its
+    end-of-document token as ``eos_token``, with the ``bos_token``, ``unk_token``, ``pad_token`` and
+    ``chat_template`` of a ``tokenizer_config.json`` beside the source); sets ``eos_token_id``."""
+    if data.tokenizer in TOKENIZER_NAMES:
+        return
+    try:
+        tok = HFTokenizer(data.tokenizer)
+    except DataError as e:
+        warnings.warn(f"the run's tokenizer cannot be read ({e}); no tokenizer written", stacklevel=2)
+        return
+    source = os.path.join(os.path.dirname(tok.path), "tokenizer_config.json")
+    given = _read_json(source) if os.path.isfile(source) else {}
+    special = {k: given[k] for k in ("bos_token", "unk_token", "pad_token") if k in given}
+    special["eos_token"] = tok.decode([tok.eot_id])
+    shutil.copyfile(tok.path, os.path.join(out, "tokenizer.json"))
+    # clean_up_tokenization_spaces: decode as the tokenizers library (and jaxllm) does, " ," staying " ,"
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": m.max_position_embeddings,
+                "clean_up_tokenization_spaces": False}
+    if "chat_template" in given:
+        settings["chat_template"] = given["chat_template"]
+    for name, content in (("tokenizer_config.json", settings), ("special_tokens_map.json", special)):
+        with open(os.path.join(out, name), "w") as fp:
+            json.dump(content, fp, indent=2)
+    hf.update(eos_token_id=tok.eot_id)
+
+
 def save_hf(m: config.Model, params: dict, out: str, *, data: config.Data | None = None) -> dict:
-    """Writes ``out/config.json`` and ``out/model.safetensors`` (see :func:`jaxllm.model.hf.to_hf`), and GPT-2's
-    tokenizer files when ``data`` (the run's data section) used them; returns the config.json dict."""
+    """Writes ``out/config.json`` and ``out/model.safetensors`` (see :func:`jaxllm.model.hf.to_hf`), and the
+    tokenizer's files when ``data`` (the run's data section) used GPT-2's or a Hugging Face tokenizer.json
+    (char and byte tokenizers have no Hugging Face form); returns the config.json dict."""
     from safetensors.numpy import save_file
 
     hf, tensors = to_hf(m, params)
     os.makedirs(out, exist_ok=True)
     if data is not None:
         _write_gpt2_tokenizer(data, m, out, hf)
+        _write_hf_tokenizer(data, m, out, hf)
     save_file(tensors, os.path.join(out, SAFETENSORS), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as fp:
         json.dump(hf, fp, indent=2, sort_keys=True)

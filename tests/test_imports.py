@@ -8,7 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "jaxllm"
 # the command-line tools (python -m jaxllm.NAME): they may import the library, never the reverse
 TOOLS = {"jaxllm.train", "jaxllm.bench", "jaxllm.plan", "jaxllm.tune", "jaxllm.convert", "jaxllm.generate",
-         "jaxllm.plot", "jaxllm.cli", "jaxllm.default_config", "jaxllm.data.prepare", "jaxllm.data.inspect"}
+         "jaxllm.plot", "jaxllm.cli", "jaxllm.harness", "jaxllm.default_config", "jaxllm.data.prepare",
+         "jaxllm.data.inspect"}
 
 
 def _modules() -> dict[str, Path]:

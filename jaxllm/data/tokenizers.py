@@ -296,8 +296,11 @@ class HFTokenizer:
                             f"as the model's Hugging Face repository has")
         return self._tok.token_to_id(found[0])
 
-    def encode(self, text: str) -> np.ndarray:
-        """int32 [num_tokens] ids of ``text`` (the tokenizer's special tokens added as its post-processor says)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """int32 [num_tokens] ids of ``text``: with the special tokens its post-processor adds (e.g. a
+        beginning-of-text token), or without them (``add_special_tokens=False``: the text's own tokens)."""
+        if not add_special_tokens:
+            return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:

@@ -2,7 +2,9 @@
 
 The cache holds ``train.seq_length`` positions; when it is full, the last half
 of the text is re-encoded and decoding goes on, so the model never sees
-positions it was not trained on.
+positions it was not trained on.  A context is written into the cache in chunks of
+power-of-two lengths (its binary digits: 37 tokens as 32, 4 and 1), so prompts of any length
+compile at most ``log2(seq_length) + 1`` prefill shapes, not one per length.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ class Sampler:
 
         self._pick = jax.jit(pick, static_argnums=(3,))
 
+    def _prefill(self, context: np.ndarray, cache):
+        """Writes ``context`` (int32 ``[batch, n]``) into an empty ``cache`` at positions ``0..n-1``, in
+        chunks of decreasing powers of two; returns the logits after its last token and the cache."""
+        start, n = 0, context.shape[1]
+        for bit in reversed(range(n.bit_length())):
+            if n >> bit & 1:
+                chunk = context[:, start:start + (1 << bit)]
+                positions = np.broadcast_to(np.arange(start, start + chunk.shape[1], dtype=np.int32), chunk.shape)
+                logits, cache = self._run(self.params, chunk, positions, cache)
+                start += chunk.shape[1]
+        return logits, cache
+
     def __call__(self, prompt: np.ndarray, num_tokens: int, *, temperature=0.8, top_k=200, seed=0) -> np.ndarray:
         """Continues each row of ``prompt`` (int ``[batch, len]``, len >= 1) by ``num_tokens`` tokens.
 
@@ -54,8 +68,7 @@ class Sampler:
                 keep = max(1, self.max_length // 2) if cache is not None else self.max_length
                 context = tokens[:, -keep:]
                 cache = model.init_cache(self.model_cfg, batch, self.max_length)
-                positions = np.broadcast_to(np.arange(context.shape[1], dtype=np.int32), context.shape)
-                logits, cache = self._run(self.params, context, positions, cache)
+                logits, cache = self._prefill(context, cache)
                 pos = context.shape[1]
             key, sub = jax.random.split(key)
             nxt = np.asarray(self._pick(logits, sub, temperature, top_k), np.int32)[:, None]
