@@ -337,7 +337,7 @@ def shardings(config: Resolved, mesh: jax.sharding.Mesh) -> dict:
 
 def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=None):
     """Where the optimizer state lives in a run of ``config`` on ``mesh``: its moments as the parameters,
-    split further over ``data`` from ``parallel.zero_stage`` 1 (ZeRO), its counters replicated.
+    split further over ``data`` and ``sequence`` from ``parallel.zero_stage`` 1 (ZeRO), its counters replicated.
 
     Args:
       config, mesh: as :func:`shardings`.

@@ -59,11 +59,12 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     the config may name; the step is compiled by this machine's XLA either way.
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
-    ``temp`` (XLA's temporaries), ``total`` (arguments + temporaries + outputs not aliased
-    to donated inputs), ``model_flops`` (per step, all devices, :func:`jaxllm.runtime.flops.flops_per_step`),
-    ``compile_s``, ``dtype`` (the compute dtype planned), ``pipeline`` (stages, virtual stages,
-    microbatches, and the schedule's summary: bubble and activations in flight,
-    :func:`jaxllm.parallel.schedules.summary`).
+    ``split`` (for each of ``params, grads, opt_state``: the mesh axes ``{name: size}`` its ``embed``
+    dimension is split over, the ZeRO stage's rules table), ``temp`` (XLA's temporaries), ``total``
+    (arguments + temporaries + outputs not aliased to donated inputs), ``model_flops`` (per step, all
+    devices, :func:`jaxllm.runtime.flops.flops_per_step`), ``compile_s``, ``dtype`` (the compute dtype
+    planned), ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary: bubble and
+    activations in flight, :func:`jaxllm.parallel.schedules.summary`).
     Raises:
       ConfigError: the config does not fit the mesh or the model.
     """
@@ -80,7 +81,11 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     state = run.abstract_state
     grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state["params"],
                          sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
+    stage = cfg.parallel.zero_stage
+    split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
+                          if run.mesh.shape[a] > 1}
     return {
+        "split": {"params": split(stage >= 3), "grads": split(stage >= 2), "opt_state": split(stage >= 1)},
         "params": sharding.per_device_bytes(state["params"]),
         "grads": sharding.per_device_bytes(grads),
         "opt_state": sharding.per_device_bytes(state["opt_state"]),
@@ -99,13 +104,14 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
 def report(p: dict, device_memory: float | None, device_name: str | None) -> str:
     """The plan as text, with a fits / does-not-fit verdict against ``device_memory`` bytes."""
     gib = lambda b: f"{b / GiB:10.2f} GiB"  # noqa: E731
+    over = lambda axes: ("   (embed over " + " x ".join(f"{a} {n}" for a, n in axes.items()) + ")") if axes else ""  # noqa: E731
     state = p["params"] + p["grads"] + p["opt_state"]
     lines = [
         f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters; {p['dtype']}; compiled in {p['compile_s']:.1f} s",
         "per device:",
-        f"  parameters            {gib(p['params'])}",
-        f"  gradients             {gib(p['grads'])}",
-        f"  optimizer state       {gib(p['opt_state'])}",
+        f"  parameters            {gib(p['params'])}{over(p['split']['params'])}",
+        f"  gradients             {gib(p['grads'])}{over(p['split']['grads'])}",
+        f"  optimizer state       {gib(p['opt_state'])}{over(p['split']['opt_state'])}",
         f"  model state (sum)     {gib(state)}   "
         f"({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",

@@ -34,6 +34,12 @@ LAYOUTS = {
                                             "model": {"num_kv_heads": 4}},
     "sequence2_pipeline2_data2_ring": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ring"), "eval": True},
     "sequence2_pipeline2_data2_ulysses": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ulysses")},
+    # ZeRO over data x fsdp x sequence: the sequence devices hold shards of the model state, as data-parallel ones do
+    **{f"sequence4_{axis}2_{impl}_zero{stage}": {"mesh": {"sequence": 4, axis: 2}, **SP(impl, zero_stage=stage)}
+       for impl, stage, axis in (("ulysses", 1, "data"), ("ulysses", 2, "fsdp"), ("ulysses", 3, "data"),
+                                 ("ring", 1, "fsdp"), ("ring", 2, "data"), ("ring", 3, "fsdp"))},
+    "sequence2_pipeline2_data2_ring_zero3": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2},
+                                             **SP("ring", zero_stage=3, pipeline_schedule="1f1b")},
     # config errors, raised by config.resolve before anything compiles
     "error_ulysses_kv_heads": {"mesh": {"sequence": 8}, **SP("ulysses"), "model": {"num_kv_heads": 4}},
     "error_ulysses_heads": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ulysses"),
@@ -55,6 +61,21 @@ def test_sequence_layout_matches_single_device(results, name):
     assert_same_training(got, ref)
     if got["eval_loss"] is not None:  # the eval step (ring: reordered like the train step) on the trained parameters
         np.testing.assert_allclose(got["eval_loss"], ref["eval_loss"], rtol=1e-5)
+
+
+def test_zero_divides_the_model_state_over_the_sequence_devices(results):
+    """ZeRO's shards span sequence x data (x fsdp): 1/8 of the single device's bytes on 8 devices, where
+    the sequence devices used to hold full replicas (1/2 with data 2)."""
+    ref = results["single"]
+    for name, opt, params in (("sequence4_data2_ulysses_zero1", 8, 1), ("sequence4_fsdp2_ring_zero1", 8, 2),
+                              ("sequence4_data2_ring_zero2", 8, 1), ("sequence4_data2_ulysses_zero3", 8, 8),
+                              ("sequence4_fsdp2_ring_zero3", 8, 8),
+                              ("sequence2_pipeline2_data2_ring_zero3", 6, 6)):  # embeddings: not over pipeline
+        got = results[name]
+        assert got["opt_bytes"] <= ref["opt_bytes"] / opt * 1.05, name  # biases of heads and MLP: replicated
+        assert got["param_bytes"] <= ref["param_bytes"] / params * 1.05, name
+        if params == 1:
+            assert got["param_bytes"] == ref["param_bytes"], name
 
 
 @pytest.mark.parametrize("name, key, text", [

@@ -94,7 +94,7 @@ def test_rules_table_specs():
     cfg.parallel.megatron_sp = True
     assert sharding.logical_to_spec(("batch", "residual", "act_embed"), sharding.rules(cfg)) == P(
         ("data", "fsdp"), ("sequence", "tensor"), None)
-    assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data")
+    assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data", "sequence")
 
 
 def test_plan_gpt1_5b_on_8_devices_with_fsdp():
@@ -107,6 +107,8 @@ def test_plan_gpt1_5b_on_8_devices_with_fsdp():
     n = float(out.split("B parameters")[0].split()[-1]) * 1e9
     state_gib = float(out.split("model state (sum)")[1].split("GiB")[0])
     assert abs(state_gib * 2**30 - 16 * n / 8) / (16 * n / 8) < 0.10, out
+    for part in ("parameters", "gradients", "optimizer state"):  # the division, as the rules table makes it
+        assert out.split(f"\n  {part} ")[1].split("\n")[0].endswith("(embed over fsdp 8)"), out
     assert "FITS in H200" in out or "DOES NOT FIT in H200" in out
 
 

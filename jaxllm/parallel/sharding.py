@@ -15,9 +15,12 @@ Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
 * pipeline parallelism: ``layers`` (so each stage holds its own layers) and
   ``stage`` over ``pipeline`` (:mod:`jaxllm.parallel.pipeline`);
 * ZeRO (Rajbhandari et al. 2020): stage 1 splits the optimizer state's
-  ``embed`` dimension over the data-parallel axes, stage 2 also the gradients
-  (the all-reduce becomes a reduce-scatter), stage 3 also the parameters, which
-  is what the ``fsdp`` axis always does (FSDP: ``embed`` over ``fsdp``);
+  ``embed`` dimension over the data-parallel axes and the ``sequence`` axis (whose
+  devices hold the same model, as data-parallel ones do: DeepSpeed-Ulysses runs
+  ZeRO-3 over data x sequence, Megatron-LM's distributed optimizer spans data x
+  context), stage 2 also the gradients (the all-reduce becomes a reduce-scatter),
+  stage 3 also the parameters, which is what the ``fsdp`` axis always does (FSDP:
+  ``embed`` over ``fsdp``);
 * Megatron-LM tensor parallelism (Shoeybi et al. 2019): ``heads``, ``kv_heads``,
   ``mlp`` and ``vocab`` over ``tensor``, so QKV and the first MLP matrix are
   column-parallel, the output projections row-parallel, the embedding and the
@@ -72,13 +75,14 @@ def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
 
     Args:
       cfg: the run config (``parallel.megatron_sp`` adds ``tensor`` to ``residual``).
-      zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data``.
+      zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data`` and ``sequence``
+        (every axis whose devices hold replicas of the same weights, pipeline and tensor excepted).
     """
     table = dict(RULES)
     if cfg.parallel.megatron_sp:
         table["residual"] = ("sequence", "tensor")
     if zero:
-        table["embed"] = ("fsdp", "data")
+        table["embed"] = ("fsdp", "data", "sequence")
     return table
 
 
