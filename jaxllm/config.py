@@ -264,6 +264,13 @@ class Log(Section):
     sample_prompt: str = ""  # "": the first tokens of the validation split
     temperature: float = _key(0.8, ">0")
     top_k: int = _key(200, ">=0")
+    # Weights & Biases (pip install 'jaxllm[wandb]'): process 0 sends what goes to metrics.jsonl, at the same
+    # steps, and the resolved config; files in WORKDIR/wandb, the run's id in WORKDIR/wandb_run_id (a restart
+    # resumes the same W&B run). W&B's variables apply: WANDB_MODE=offline (or disabled), WANDB_API_KEY, ...
+    wandb: bool = False
+    wandb_project: str = "jaxllm"  # "": W&B's default (WANDB_PROJECT, else "uncategorized")
+    wandb_name: str = ""  # the run's display name; "": the WORKDIR's name
+    wandb_entity: str = ""  # the W&B user or team; "": your default entity
 
 
 @dataclasses.dataclass

@@ -109,9 +109,12 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
     """Checks config and data before anything compiles; returns ``(resolved config, Data)``.
 
     Raises:
-      ConfigError, DataError: with the key or file, the value and the fix.
+      ConfigError, DataError: with the key or file, the value and the fix (``log.wandb`` without wandb
+        installed included).
     """
     resolve(spec, num_devices=jax.device_count())  # every config error before the data is read
+    if spec.log.wandb:  # every process checks, so that all stop alike
+        metrics.import_wandb()
     if spec.train.eval_interval and samples.split_matrix(spec.data.split)[1] is None:
         # Megatron-LM builds no validation dataset for a zero weight and skips evaluation; so does jaxllm
         spec = config.from_dict(spec.to_dict())
@@ -165,7 +168,8 @@ def train(cfg, workdir: str, started: float | None = None) -> dict:
       Preempted: SIGTERM/SIGUSR1 arrived; a checkpoint was saved at the next step boundary.
       NonFiniteError: ``train.max_nonfinite_steps`` skipped (non-finite) steps in a row.
       jaxllm.runtime.checkpoint.CheckpointError: checkpoints exist and none can be restored.
-      ConfigError, DataError: see :func:`setup`; an unwritable ``train.compile_cache_dir``.
+      ConfigError, DataError: see :func:`setup`; an unwritable ``train.compile_cache_dir``; ``log.wandb``
+        and W&B cannot start the run (:func:`jaxllm.runtime.metrics.start_wandb`).
     """
     started = time.perf_counter() if started is None else started
     check_workdir(workdir)
@@ -233,6 +237,8 @@ def _train(cfg, workdir: str, started: float) -> dict:
               + (f", resuming at step {start}" if start else ""))
         print(run.describe(state["params"]))
 
+    # the W&B run starts (or resumes) before the compilation: a login problem stops the run at once
+    wandb_run = metrics.start_wandb(cfg, workdir) if primary and cfg.log.wandb else None
     t0 = time.perf_counter()
     with compile_cache.Hits() as hits:
         train_step = run.train_step.lower(state, *run.global_batch(*loader.train_batch(start))).compile()
@@ -247,7 +253,9 @@ def _train(cfg, workdir: str, started: float) -> dict:
 
     bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
     logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
-                                   progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start)
+                                   progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start,
+                                   wandb=wandb_run)
+    exit_code = 1  # what the W&B run records: 1 unless the loop ends or is preempted
     last, last_eval = {}, {}
     bubble = schedules.schedule_bubble(cfg)
     tick, steps_since = time.perf_counter(), 0
@@ -314,12 +322,14 @@ def _train(cfg, workdir: str, started: float) -> dict:
             with watchdog.waiting(f"the checkpoint at step {done}"):
                 checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
             if stop:
+                exit_code = EXIT_PREEMPTED
                 raise Preempted(done)
+        exit_code = 0
     finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
         with watchdog.waiting("the last checkpoint's save"):
             checkpointer.close()
         preemption.uninstall()
-        logger.close()
+        logger.close(exit_code, preempted=exit_code == EXIT_PREEMPTED)
 
     if primary and cfg.log.samples:
         split = "valid" if t.eval_interval else "train"

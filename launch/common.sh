@@ -25,6 +25,7 @@
 #   SAVE_INTERVAL   --config.checkpoint.interval         TRAIN_ITERS      --config.train.train_iters
 #   ADAM_BETA1/2    --config.train.beta1 / .beta2        ADAM_EPS         --config.train.adam_eps
 #   WEIGHT_DECAY    --config.train.weight_decay          CLIP_GRAD        --config.train.grad_clip
+#   WB_PROJECT, else WANDB_PROJECT  --config.log.wandb=True --config.log.wandb_project (W&B; WANDB_MODE applies)
 #   JAXLLM_ARGS     more jaxllm.train flags, space-separated (after the script's own arguments)
 # DP = world devices / (TP x PP x SP).  The mesh is pinned (tensor, pipeline, sequence, data)
 # only when one of TP, PP, SP, MICRO_BATCH, GAS is set, since the global batch needs DP;
@@ -164,6 +165,10 @@ jaxllm_recipe_overrides() {
   if [[ -n "${TRAIN_SPLIT:-}${VAL_SPLIT:-}${TEST_SPLIT:-}" ]]; then
     overrides+=("--config.data.split=${TRAIN_SPLIT:-990},${VAL_SPLIT:-10},${TEST_SPLIT:-0}")
   fi
+  # ALCF's pretrain_gpt_alcf.py logs to W&B project WB_PROJECT, else WANDB_PROJECT (default AuroraGPT); here
+  # W&B stays off unless one of them is set
+  local project=${WB_PROJECT:-${WANDB_PROJECT:-}}
+  if [[ -n "$project" ]]; then overrides+=("--config.log.wandb=True" "--config.log.wandb_project=$project"); fi
   if [[ -n "${TOKENIZER_TYPE:-}" ]]; then
     local tok
     tok=$(jaxllm_tokenizer) || exit 2

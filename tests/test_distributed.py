@@ -267,6 +267,13 @@ def test_sp_type_takes_alcf_values(sp_type, flag):
     assert train_args(commands[0])[1][0] == flag
 
 
+def test_wb_project_turns_wandb_on():
+    r, _, commands, _ = dry_run("local.sh", "2", "--dry-run", "--config.mesh.data=-1",
+                                "--config.train.micro_batch_size=2", PORT="23999", WB_PROJECT="AuroraGPT")
+    assert r.returncode == 0, r.stderr
+    assert train_args(commands[0])[1][:2] == ["--config.log.wandb=True", "--config.log.wandb_project=AuroraGPT"]
+
+
 def test_scripts_pass_shellcheck():
     r = subprocess.run(["shellcheck", "-x", *[f"launch/{s}" for s in [*SCRIPTS, "common.sh"]]], cwd=ROOT,
                        capture_output=True, text=True)

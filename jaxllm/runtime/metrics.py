@@ -1,5 +1,6 @@
 """The run's log: :class:`MetricsLogger` writes every logged step to ``WORKDIR/metrics.jsonl``,
-TensorBoard (``WORKDIR/tensorboard``) and one human line on stdout."""
+TensorBoard (``WORKDIR/tensorboard``), Weights & Biases (``log.wandb``: :func:`start_wandb`) and one
+human line on stdout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import sys
 
 import numpy as np
+
+from jaxllm.errors import ConfigError
 
 
 def _to_python(key, value):
@@ -55,10 +58,57 @@ _QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row"}  # logged to
 _QUIET_PREFIXES = ("startup_", "compile_cache")
 
 
-class MetricsLogger:
-    """Writes each logged step to ``WORKDIR/metrics.jsonl``, TensorBoard and stdout.
+def import_wandb():
+    """The ``wandb`` module, for ``log.wandb=True``.
 
-    ``MetricsLogger(workdir, *, enabled=True, tensorboard=True, progress_bar=True, total_steps=None)``
+    Raises:
+      ConfigError: it cannot be imported (not installed).
+    """
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("log.wandb", True, f"the wandb package cannot be imported ({e}); pip install "
+                          "'jaxllm[wandb]', or set --config.log.wandb=False") from None
+    return wandb
+
+
+def start_wandb(cfg, workdir: str):
+    """Starts the W&B run of ``workdir`` for the resolved config ``cfg`` (recorded as the run's config),
+    or resumes it: its id is kept in ``WORKDIR/wandb_run_id``, so a restart in the same directory logs to
+    the same W&B run. W&B's files go to ``WORKDIR/wandb``; its environment variables apply
+    (``WANDB_MODE=offline`` or ``disabled``, ``WANDB_API_KEY``, ...). Returns the ``wandb`` run, for
+    :class:`MetricsLogger`.
+
+    Raises:
+      ConfigError: wandb cannot be imported, or W&B cannot start the run (not logged in, ...).
+    """
+    wandb = import_wandb()
+    log = cfg.log
+    id_file = os.path.join(workdir, "wandb_run_id")
+    run_id = None  # the first start: W&B makes one
+    if os.path.exists(id_file):
+        with open(id_file, encoding="utf-8") as f:
+            run_id = f.read().strip()
+    try:
+        run = wandb.init(id=run_id, resume="allow", dir=workdir, project=log.wandb_project or None,
+                         name=log.wandb_name or os.path.basename(os.path.abspath(workdir)),
+                         entity=log.wandb_entity or None, config=cfg.to_dict())
+    except wandb.errors.Error as e:
+        raise ConfigError("log.wandb", True, f"W&B cannot start the run: {e}; log in (wandb login, or set "
+                          "WANDB_API_KEY), or set WANDB_MODE=offline (then wandb sync WORKDIR/wandb/offline-run-*)"
+                          ) from None
+    if run.id != run_id:
+        with open(id_file + ".tmp", "w", encoding="utf-8") as f:
+            f.write(run.id + "\n")
+        os.replace(id_file + ".tmp", id_file)  # a crash leaves no half-written id
+    return run
+
+
+class MetricsLogger:
+    """Writes each logged step to ``WORKDIR/metrics.jsonl``, TensorBoard, Weights & Biases and stdout.
+
+    ``MetricsLogger(workdir, *, enabled=True, tensorboard=True, progress_bar=True, total_steps=None,
+    wandb=None)``
 
     * ``metrics.jsonl``: one JSON object per :meth:`log` call, appended (a resumed run
       continues the file): ``{"step": int, "kind": "train"|"eval", **metrics}``; values are
@@ -66,6 +116,8 @@ class MetricsLogger:
       every line is strict JSON.
     * TensorBoard (tensorboardX ``SummaryWriter`` in ``WORKDIR/tensorboard``): every numeric
       metric as the scalar ``<kind>/<key>`` (``train/loss``, ``eval/eval_loss``).
+    * Weights & Biases, with ``wandb`` (the run :func:`start_wandb` started): each record of
+      ``metrics.jsonl`` under the same names at W&B's step ``step`` (non-finite floats as they are).
     * stdout: one line per call, e.g.
       ``step   200 | loss 2.1034 | lr 9.8e-04 | grad 0.83 | 12.3k tok/s | 0.05 TFLOP/s/dev | MFU 12.1% | 0.061 s/step``.
       Known keys: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``,
@@ -76,14 +128,15 @@ class MetricsLogger:
       moved by :meth:`advance`; the lines go through ``tqdm.write`` above it.
 
     ``enabled=False`` (processes other than 0) does nothing at all: no files, no output.
-    :meth:`close` flushes and closes everything; the logger is also a context manager.
+    :meth:`close` flushes and closes everything and finishes the W&B run; the logger is also a
+    context manager.
     """
 
     def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
-                 progress_bar: bool = True, total_steps: int | None = None):
+                 progress_bar: bool = True, total_steps: int | None = None, wandb=None):
         self.enabled = enabled
         self.workdir = workdir
-        self._file = self._writer = self._bar = None
+        self._file = self._writer = self._bar = self._wandb = None
         self._step_width = max(5, len(str(total_steps or "")))
         if not enabled:
             return
@@ -93,6 +146,7 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._wandb = wandb
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -124,6 +178,8 @@ class MetricsLogger:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._writer.add_scalar(f"{kind}/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
         line = self._human_line(step, values, kind)
         if self._bar is not None:
             if kind == "train" and isinstance(values.get("loss"), float):
@@ -156,22 +212,27 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.flush()
 
-    def close(self) -> None:
-        """Flushes and closes the files, the TensorBoard writer and the bar.
+    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+        """Flushes and closes the files, the TensorBoard writer and the bar, and finishes the W&B run
+        with ``exit_code`` (0: finished; else failed), first marked as preempted if ``preempted``.
 
         Safe to call twice; :meth:`log` and :meth:`advance` do nothing afterwards.
         """
+        if self._wandb is not None:
+            if preempted:
+                self._wandb.mark_preempting()
+            self._wandb.finish(exit_code=exit_code)
         if self._file is not None:
             self._file.close()
         if self._writer is not None:
             self._writer.close()
         if self._bar is not None:
             self._bar.close()
-        self._file = self._writer = self._bar = None
+        self._file = self._writer = self._bar = self._wandb = None
         self.enabled = False
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *_) -> None:
+        self.close(exit_code=0 if kind is None else 1)
