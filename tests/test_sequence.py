@@ -102,3 +102,15 @@ def test_ring_zigzag_balances_attention_work():
     # and the work the ring issues is mostly needed: one masked diagonal block pair of n + 1
     useful_flops = ring.mean() * r["flops_per_pair"]
     assert useful_flops / r["ring_zigzag"]["flops"] >= 8 / 9 - 0.01, (useful_flops, r["ring_zigzag"]["flops"])
+
+
+def test_ring_sends_the_next_block_before_the_attention():
+    """Double buffering: in every loop body of ring attention, forward and backward, no matmul reads what
+    the body's collective permutes receive (tests/ring_overlap.py), so XLA may overlap the two; the ring
+    sending first and attending to what it received (the loop before) had 4 and 12 such matmuls."""
+    script = Path(__file__).with_name("ring_overlap.py")
+    r = json.loads(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                                  check=True).stdout)
+    assert len(r["forward"]) == 1 and len(r["backward"]) == 2, r  # the backward recomputes the forward's loop
+    for permutes, waiting in r["forward"] + r["backward"]:
+        assert permutes >= 3 and waiting == 0, r

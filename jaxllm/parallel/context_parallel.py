@@ -24,7 +24,10 @@ the one layer whose tokens talk to each other; :func:`attention` runs it under
     Striped Attention, Brandon et al. 2023, balances with a stride instead), so at every ring
     step each device computes exactly two fully visible chunk x chunk blocks;
     :func:`zigzag` reorders the tokens, targets and positions of a batch before
-    the model (the mean loss does not depend on the order).
+    the model (the mean loss does not depend on the order).  Double buffering:
+    each step sends the next step's block (and, backward, the gradients gathered
+    for its own) before computing on the current one, which does not read them,
+    so XLA's latency-hiding scheduler can overlap the transfer with the attention.
 
 The shard_map is manual over every mesh axis, with in/out specs derived from the
 rules table (batch over the data axes, heads over ``tensor``, length over the
@@ -284,16 +287,22 @@ def _ring_forward(static, q, k, v, pos, seg=None):
     i = jax.lax.axis_index(axis)
     send = lambda xs: jax.lax.ppermute(xs, axis, _ring_perm(n))  # noqa: E731
     pos = (pos, seg)  # the tokens: what the mask reads, travelling with their keys
+    # Double buffering: the block of step t + 1 is sent before step t's attention, which does not read
+    # it, so the transfer can overlap the compute; the last step sends nothing.
+    block = send((k, v, pos))
     o, lse = _diagonal(q, k, v, pos, pos, impl)
 
-    def body(carry, t):
-        o, lse, k, v, kp = carry
-        k, v, kp = send((k, v, kp))
-        ot, lt = _zigzag_step(q, k, v, pos, kp, t <= i, impl)
-        o, lse = _merge(o, lse, ot, lt)
-        return (o, lse, k, v, kp), None
+    def attend(o, lse, block, t):  # merges step t's block (keys, values, their tokens) into (o, lse)
+        k, v, kp = block
+        return _merge(o, lse, *_zigzag_step(q, k, v, pos, kp, t <= i, impl))
 
-    (o, lse, _, _, _), _ = jax.lax.scan(body, (o, lse, k, v, pos), jnp.arange(1, n))
+    def body(carry, t):
+        o, lse, block = carry
+        following = send(block)
+        return (*attend(o, lse, block, t), following), None
+
+    (o, lse, block), _ = jax.lax.scan(body, (o, lse, block), jnp.arange(1, n - 1))
+    o, lse = attend(o, lse, block, n - 1)
     return o.astype(q.dtype), lse
 
 
@@ -330,17 +339,26 @@ def _ring_bwd(static, res, dout):
         d_l = w * (jnp.sum(dout * ob, axis=-1) - d_all).transpose(0, 2, 1)
         return vjp((d_o.astype(ob.dtype), d_l))
 
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    # Double buffering as in the forward pass: step t sends the block of step t + 1 and the gradients
+    # accumulated for its own block (``pending``) before its vjp, which reads neither.
+    block = send((k, v, pos))
     dq, dk, dv = block_grads(lambda q, k, v, kp: _diagonal(q, k, v, pos, kp, impl), k, v, pos)
+    dq, pending = f32(dq), (f32(dk), f32(dv))
+
+    def grads(dq, block, acc, t):  # adds step t's block's gradients: to dq and to the block's ``acc``
+        gq, gk, gv = block_grads(lambda q, k, v, kp: _zigzag_step(q, k, v, pos, kp, t <= i, impl), *block)
+        return dq + gq, (acc[0] + gk, acc[1] + gv)
 
     def body(carry, t):
-        dq, k, v, kp, dk, dv = carry
-        k, v, kp, dk, dv = send((k, v, kp, dk, dv))
-        gq, gk, gv = block_grads(lambda q, k, v, kp: _zigzag_step(q, k, v, pos, kp, t <= i, impl), k, v, kp)
-        return (dq + gq, k, v, kp, dk + gk, dv + gv), None
+        dq, block, pending = carry
+        following, acc = send(block), send(pending)
+        dq, pending = grads(dq, block, acc, t)
+        return (dq, following, pending), None
 
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    (dq, _, _, _, dk, dv), _ = jax.lax.scan(body, (f32(dq), k, v, pos, f32(dk), f32(dv)), jnp.arange(1, n))
-    dk, dv = send((dk, dv))
+    (dq, block, pending), _ = jax.lax.scan(body, (dq, block, pending), jnp.arange(1, n - 1))
+    dq, pending = grads(dq, block, send(pending), n - 1)
+    dk, dv = send(pending)  # one more hop: every block's gradients back on its owner
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
