@@ -236,10 +236,10 @@ def test_shardings_lay_out_a_tensor_parallel_run(workdir):
         assert p["['wte']"] == "('tensor', 'fsdp')" and p["['ln_f']['scale']"] == "('fsdp',)"
         assert out[zero]["wq_shard"] == [2, 64, 2, 16]  # heads split in 2
         assert out[zero]["same_values"] and out[zero]["logits_err"] < TOL
-    # the optimizer moments: as the parameters, then (ZeRO-1) embed over data too; Adam's count replicated
+    # the optimizer moments: as the parameters, then (ZeRO-1) embed over data and sequence too; Adam's count replicated
     mu = "[1][0].mu['layers']['attn']['wq']"
     assert out["0"]["opt"][mu] == "('pipeline', 'fsdp', 'tensor', None)"
-    assert out["1"]["opt"][mu] == "('pipeline', ('fsdp', 'data'), 'tensor', None)"
+    assert out["1"]["opt"][mu] == "('pipeline', ('fsdp', 'data', 'sequence'), 'tensor', None)"
     assert out["1"]["opt"]["[1][0].count"] == "()"
     assert "is not the config's" in out["mismatch"] and "jaxllm.make_mesh(config)" in out["mismatch"]
     assert "a resolved config is needed" in out["unresolved"]
