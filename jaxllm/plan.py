@@ -8,6 +8,7 @@ step, and whether it fits the named accelerator's memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -24,6 +25,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from jaxllm import cli, config  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
+from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import schedules, sharding  # noqa: E402
 from jaxllm.platform.hardware import DEVICES, GiB, named_device  # noqa: E402
 from jaxllm.resolve import resolve
@@ -56,7 +58,10 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
 
     ``backend`` is the kind of machine planned for (``"cuda"``, ``"rocm"``; None: this one): it
     decides what ``model.dtype="auto"`` is (bfloat16 on GPUs) and which attention implementations
-    the config may name; the step is compiled by this machine's XLA either way.
+    the config may name (``auto`` is the GPU's); the step is compiled by this machine's XLA either
+    way, on a GPU's plan with its flash attention's memory (the Pallas kernel interpreted,
+    :func:`jaxllm.model.attention.lowering_target`): linear in the sequence, where this machine's
+    ``xla`` attention holds the ``[seq, seq]`` scores.
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``split`` (for each of ``params, grads, opt_state``: the mesh axes ``{name: size}`` its ``embed``
@@ -74,8 +79,12 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
     run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
+    # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
+    gpu = attention.lowering_target(cfg.backend, interpret=True) if cfg.backend in attention.TARGET_FAMILY \
+        else contextlib.nullcontext()
     t0 = time.perf_counter()
-    compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
+    with gpu:
+        compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = memory_report(compiled)
     state = run.abstract_state

@@ -47,6 +47,8 @@ SHORTER = [
     (r"-m jaxllm\.bench\b", ["--steps=2", "--warmup=0"]),
     (r"-m jaxllm\.tune\b", ["--budget=1", "--steps=1", "--warmup=0", "--confirm=1", *GPT3_SMALL]),
     (r"-m jaxllm\.generate\b", ["--num_tokens=16"]),
+    # plans compile, allocate nothing: two layers (a pipeline's stages need the documented depth)
+    (r"-m jaxllm\.plan\b(?!.*mesh\.pipeline)", ["--config.model.num_layers=2"]),
     (r"benchmarks/pipeline\.py", ["--microbatches=4", "--steps=1", "--hidden=64", "--seq=32",
                                   "--schedules=gpipe,1f1b"]),
     (r"benchmarks/sequence_memory\.py",

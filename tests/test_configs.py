@@ -84,3 +84,15 @@ def test_a_fresh_clone_runs_the_configs():
     resolve(shakespeare, num_devices=1)
     python = resolve(load("python_gpt2").get_config(), num_devices=1)
     assert python.data.input == sysconfig.get_paths()["stdlib"] and python.data.tokenizer == "gpt2"
+
+
+@pytest.mark.parametrize("key, impl", [("DS4Science", "ulysses"), ("DS4Science-ring", "ring")])
+def test_long_context_recipes_are_the_deepspeed4science_run(key, impl):
+    """GPT25B (64 x 6144, 64 heads), rotary, 430,080 tokens over 32 sequence devices with ZeRO-3 and full remat."""
+    cfg = resolve(load("long_context").get_config(key), num_devices=32, vocab_size=50257, data_files=False,
+                  backend="cuda")
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.position_embedding, m.remat) == (
+        64, 6144, 64, "rotary", "full")
+    assert (cfg.train.seq_length, cfg.train.global_batch_size, cfg.mesh_shape["sequence"]) == (430_080, 1, 32)
+    assert (cfg.parallel.sequence_impl, cfg.parallel.zero_stage, m.dtype) == (impl, 3, "bfloat16")

@@ -44,22 +44,30 @@ AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: x
 # Pallas tiles when lowering for a GPU that is not here: Pallas itself then lowers for compute
 # capability 9.0 (its fallback without a GPU), so Hopper's; CDNA's for ROCm.
 TARGET_FAMILY = {"cuda": "hopper", "rocm": "cdna"}
-_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("jaxllm_attention_target",
+# (kind, family) inside lowering_target; family None: compiled here, the Pallas kernel interpreted
+_TARGET: contextvars.ContextVar[tuple[str, str | None] | None] = contextvars.ContextVar("jaxllm_attention_target",
                                                                                   default=None)
 
 
 @contextlib.contextmanager
-def lowering_target(kind: str, family: str | None = None):
+def lowering_target(kind: str, family: str | None = None, *, interpret: bool = False):
     """Trace attention for the GPU backend ``kind`` (``"cuda"`` or ``"rocm"``) instead of the default backend.
 
-    For lowering ahead of time for a GPU this machine lacks (``jax.export`` with
-    ``platforms=[kind]``): inside the block the dispatch's backend kind is ``kind``, so ``auto``
-    and the availability checks follow it, and the Pallas kernel is traced for Triton (not
-    interpret mode) with the tiles of ``family`` (a key of
-    :data:`jaxllm_kernels.pallas_attention.DEFAULT_BLOCK_SIZES`; default :data:`TARGET_FAMILY`
-    of ``kind``).  A program traced inside runs only on ``kind``.  JAX's tracing caches do not
-    know this setting, so they are cleared on entry and exit (``jax.clear_caches``): nothing
-    traced inside is reused outside, or the reverse.
+    Inside the block the dispatch's backend kind is ``kind``, so ``auto`` and the availability
+    checks follow it.  JAX's tracing caches do not know this setting, so they are cleared on
+    entry and exit (``jax.clear_caches``): nothing traced inside is reused outside, or the reverse.
+
+    ``interpret=False``: for lowering ahead of time for a GPU this machine lacks (``jax.export``
+    with ``platforms=[kind]``); the Pallas kernel is traced for Triton (not interpret mode) with
+    the tiles of ``family`` (a key of :data:`jaxllm_kernels.pallas_attention.DEFAULT_BLOCK_SIZES`;
+    default :data:`TARGET_FAMILY` of ``kind``).  A program traced inside runs only on ``kind``.
+
+    ``interpret=True``: for compiling here what ``kind`` would run, as :mod:`jaxllm.plan` does to
+    measure a GPU's memory.  Every flash implementation (``cudnn``, ``pallas``, ``triton``) is
+    traced as the Pallas kernel in interpret mode: the same residuals for the backward pass (the
+    output and the float32 log-sum-exp) and a working set of one tile, so XLA's temporaries grow
+    linearly with the sequence as on the GPU, not with its square as the ``xla`` path's scores do.
+    ``family`` is ignored (a tile's registers are not device memory).
 
     Raises:
       ValueError: ``kind`` is not ``"cuda"`` or ``"rocm"``, or ``family`` is unknown.
@@ -69,13 +77,12 @@ def lowering_target(kind: str, family: str | None = None):
         raise ValueError(f"lowering_target({kind!r}, {family!r}): choose a kind of {', '.join(TARGET_FAMILY)} and a "
                          f"family of {', '.join(pallas_attention.DEFAULT_BLOCK_SIZES)}")
     jax.clear_caches()
-    token = _TARGET.set((kind, family))
+    token = _TARGET.set((kind, None if interpret else family))
     try:
         yield
     finally:
         _TARGET.reset(token)
         jax.clear_caches()
-
 
 
 def _backend_kind(backend=None) -> str:
@@ -167,21 +174,32 @@ def _xla(q, k, v, **kw):
     return reference.attention(q, k, v, **kw)
 
 
+def _interpreted():
+    """True inside ``lowering_target(..., interpret=True)``: flash implementations run as the interpreted kernel."""
+    target = _TARGET.get()
+    return target is not None and target[1] is None
+
+
 def _pallas(q, k, v, **kw):
     target = _TARGET.get()
-    if target is not None:  # lowering for a GPU that is not here: Triton, that GPU family's tiles
+    if _interpreted():
+        kw.update(interpret=True)
+    elif target is not None:  # lowering for a GPU that is not here: Triton, that GPU family's tiles
         kw.update(interpret=False, block_sizes=pallas_attention.DEFAULT_BLOCK_SIZES[target[1]])
     return pallas_attention.flash_attention(q, k, v, **kw)
 
 
 def _triton(q, k, v, **kw):
+    if _interpreted():
+        return _pallas(q, k, v, **kw)
     return triton_attention.flash_attention(q, k, v, **kw)
 
 
 def _cudnn(q, k, v, *, causal, q_segment_ids, kv_segment_ids, window, q_positions, kv_positions, return_lse):
     reason = cudnn_unsupported(q, k, causal=causal, q_segment_ids=q_segment_ids, window=window,
                                q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
-    if reason is not None:  # documented fallback: the Pallas kernel has the reference's exact semantics
+    # the documented fallback (the Pallas kernel has the reference's exact semantics), and a plan's stand-in
+    if reason is not None or _interpreted():
         return _pallas(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                        window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
     return jax.nn.dot_product_attention(
