@@ -135,3 +135,27 @@ def shakespeare_byte(shakespeare_jsonl):
     prefix = shakespeare_jsonl.parent / "shakespeare_byte"
     prepare([str(shakespeare_jsonl)], "byte", str(prefix), progress=False)
     return str(prefix)
+
+
+# --- helpers of the tests that train a tiny run through the CLI and read it back (test_api, test_lm_eval) --
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(*args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python ARGS`` in the repository (env: default this one's with ``JAX_PLATFORMS=cpu``); asserts exit 0."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"} if env is None else env
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{args[:2]}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def word_sentences(words: list[str], n: int = 500, seed: int = 0) -> str:
+    """``n`` lines of 3-9 words drawn from ``words``, each ending ``.``: a corpus a tiny model learns in a minute."""
+    rng = np.random.default_rng(seed)
+    return "".join(" ".join(rng.choice(words, rng.integers(3, 10))) + ".\n" for _ in range(n))

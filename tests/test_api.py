@@ -9,7 +9,6 @@ log-likelihoods and its greedy text.  Also: bad inputs, ``jaxllm.shardings`` on 
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import run_python, word_sentences
 
 import jaxllm
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 TOL = 1e-4
 SEQ, VOCAB, PADDED = 32, 256, 288
 STEPS = (60, 120)
@@ -36,20 +35,11 @@ TRAIN = ["--config.data.tokenizer=byte", "--config.data.sampling=uniform", "--co
 TEXT = "the quick brown fox jumps over the lazy dog.\n"
 
 
-def run_python(*args, cwd=ROOT, env=ENV, timeout=300):
-    r = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{args[:2]}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return r
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A run the training CLI made, as a user makes one: a text file, a few flags."""
     d = tmp_path_factory.mktemp("api")
-    rng = np.random.default_rng(0)
-    words = TEXT.split()
-    (d / "corpus.txt").write_text("".join(" ".join(rng.choice(words, rng.integers(3, 10))) + ".\n"
-                                          for _ in range(500)))
+    (d / "corpus.txt").write_text(word_sentences(TEXT.split()))
     run_python("-m", "jaxllm.train", f"--workdir={d / 'run'}", f"--config.data.input={d / 'corpus.txt'}", *TRAIN)
     assert sorted(int(s) for s in os.listdir(d / "run" / "checkpoints") if s.isdigit()) == list(STEPS)
     return d / "run"

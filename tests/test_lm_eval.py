@@ -11,13 +11,12 @@ Python and through the command line ``python -m jaxllm.harness``.  Offline: noth
 import glob
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import transformers
+from conftest import run_python, word_sentences
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
@@ -39,20 +38,13 @@ TRAIN = ["--config.data.sampling=uniform", "--config.data.split=9,1", "--config.
 TASK = "jaxllm_tiny_choice"
 
 
-def run_python(*args, timeout=300):
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{args[:2]}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return r
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """``(workdir, export)``: a run the training CLI made on its own tokenizer.json, and its --to-hf export."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     d = tmp_path_factory.mktemp("lm_eval")
-    rng = np.random.default_rng(0)
-    text = "".join(" ".join(rng.choice(WORDS, rng.integers(3, 10))) + ".\n" for _ in range(500))
+    text = word_sentences(WORDS)
     (d / "corpus.txt").write_text(text)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
@@ -61,8 +53,8 @@ def run(tmp_path_factory):
         show_progress=False))
     tok.save(str(d / "tokenizer.json"))
     run_python("-m", "jaxllm.train", f"--workdir={d / 'run'}", f"--config.data.input={d / 'corpus.txt'}",
-               f"--config.data.tokenizer={d / 'tokenizer.json'}", *TRAIN)
-    run_python("-m", "jaxllm.convert", "--to-hf", str(d / "run"), str(d / "hf"))
+               f"--config.data.tokenizer={d / 'tokenizer.json'}", *TRAIN, env=ENV)
+    run_python("-m", "jaxllm.convert", "--to-hf", str(d / "run"), str(d / "hf"), env=ENV)
     return d / "run", d / "hf"
 
 
@@ -151,6 +143,6 @@ def test_task_accuracy_equals_hf_backend_in_python_and_cli(ours, hf, run, tmp_pa
     np.testing.assert_allclose([[r[0][0] for r in s["resps"]] for s in mine["samples"][TASK]],
                                [[r[0][0] for r in s["resps"]] for s in theirs["samples"][TASK]], atol=TOL, rtol=0)
     run_python("-m", "jaxllm.harness", "--model", "jaxllm", "--model_args", f"workdir={run[0]}", "--batch_size", "4",
-               "--tasks", TASK, "--include_path", str(tasks), "--output_path", str(tmp_path / "out"))
+               "--tasks", TASK, "--include_path", str(tasks), "--output_path", str(tmp_path / "out"), env=ENV)
     [path] = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)
     assert json.loads(Path(path).read_text())["results"][TASK]["acc,none"] == acc
