@@ -62,12 +62,10 @@ def main():
     p.add_argument("--step", type=int, default=0, help="tokens added per try (0: double)")
     p.add_argument("extra", nargs="*", help="more --config.* flags for every plan")
     a = p.parse_args()
-    extra, budget = list(a.extra), a.budget or 4.0
-    if a.device:
-        from jaxllm.platform.hardware import named_device  # noqa: PLC0415
+    from jaxllm.platform.hardware import named_device  # noqa: PLC0415
 
-        budget = a.budget or named_device(a.device)[0] / GiB
-        extra.append(f"--device={a.device}")
+    extra = [*a.extra, *([f"--device={a.device}"] if a.device else [])]
+    budget = a.budget or (named_device(a.device)[0] / GiB if a.device else 4.0)
     rows, base = [], None
     for n in map(int, a.sizes.split(",")):
         for impl in (("allgather",) if n == 1 else a.impls.split(",")):

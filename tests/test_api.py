@@ -11,17 +11,15 @@ import json
 import os
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import run_python, word_sentences
+from conftest import ROOT, run_python, word_sentences
 
 import jaxllm
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 SEQ, VOCAB, PADDED = 32, 256, 288
 STEPS = (60, 120)

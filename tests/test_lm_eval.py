@@ -24,7 +24,6 @@ from lm_eval.tasks import TaskManager
 
 from jaxllm.harness import JaxLLM
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 TOL = 1e-4
 SEQ = 32
