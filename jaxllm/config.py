@@ -239,8 +239,12 @@ class Parallel(Section):
     pipeline_schedule: str = _key("gpipe", choices=("gpipe", "interleaved", "1f1b", "interleaved_1f1b", "zb_h1"))
     pipeline_virtual_stages: int = _key(1, ">0")
     # attention with mesh.sequence > 1: allgather (keys/values gathered), ring (context
-    # parallelism, load-balanced), ulysses (all-to-all to heads)
-    sequence_impl: str = _key("allgather", choices=("allgather", "ring", "ulysses"))
+    # parallelism, load-balanced), ulysses (all-to-all to heads), usp (ulysses inside groups of
+    # ulysses_degree devices, ring across the groups)
+    sequence_impl: str = _key("allgather", choices=("allgather", "ring", "ulysses", "usp"))
+    # usp: consecutive devices of the sequence axis in each all-to-all group; 0: mesh.sequence (a node's),
+    # so the ring runs over mesh.dcn_sequence
+    ulysses_degree: int = _key(0, ">=0")
 
 
 @dataclasses.dataclass

@@ -277,6 +277,8 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     for a in MESH_AXES:
         if getattr(mesh, a) == -1:
             setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))
+    if cfg.parallel.sequence_impl == "usp" and not cfg.parallel.ulysses_degree:
+        cfg.parallel.ulysses_degree = mesh.sequence  # the all-to-all inside a node, the ring across nodes
     cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"],
                                   backend=backend)
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters

@@ -8,8 +8,8 @@ virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_s
 1. Constraints: :func:`constraint` puts each candidate through :func:`jaxllm.resolve.resolve` (heads,
    FFN and vocabulary divisible by tensor, hidden by fsdp, sequence by the sequence axis,
    global batch by micro batch x data-parallel size; pipeline: layers divisible by stages
-   x virtual stages, microbatches a multiple of the stages; ulysses: heads and key/value
-   heads divisible by tensor x sequence; ring: sequence divisible by 2 x sequence axis)
+   x virtual stages, microbatches a multiple of the stages; ulysses: heads divisible by tensor
+   x sequence; ring: sequence divisible by 2 x sequence axis)
    and the attention impl available on this backend.  Rejected candidates
    are counted by the key that rejects them; nothing is compiled for them.
 2. Memory: :func:`jaxllm.plan.plan` compiles the step ahead of time; a candidate whose
@@ -436,8 +436,10 @@ if __name__ == "__main__":
     flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
     flags.DEFINE_string("pipeline_schedules", ",".join(config.choices("parallel.pipeline_schedule")),
                         "pipeline schedules tried when mesh.pipeline > 1 (interleaved ones: virtual stages > 1)")
-    flags.DEFINE_string("sequence_impls", ",".join(config.choices("parallel.sequence_impl")),
-                        "sequence_impl values tried when mesh.sequence > 1")
+    flags.DEFINE_string("sequence_impls", "allgather,ring,ulysses",
+                        "sequence_impl values tried when mesh.sequence > 1 (usp: with the base config's "
+                        "parallel.ulysses_degree; left out by default, as the tuned devices are one node's, "
+                        "where its default is ulysses)")
     flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")
     flags.DEFINE_integer("seed", 0, "Optuna sampler seed")
     flags.DEFINE_integer("steps", 3, "timed steps per measurement")

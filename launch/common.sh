@@ -7,7 +7,7 @@
 #   MICRO_BATCH     --config.train.micro_batch_size
 #   GAS             --config.train.global_batch_size = MICRO_BATCH x GAS x DP
 #   TP / PP / SP    --config.mesh.tensor / .pipeline / .sequence, and --config.mesh.data = DP
-#   SP_TYPE         megatron: --config.parallel.megatron_sp=True; ds or ulysses, ring, allgather:
+#   SP_TYPE         megatron: --config.parallel.megatron_sp=True; ds or ulysses, ring, allgather, usp:
 #                   --config.parallel.sequence_impl
 #   ZERO_STAGE      --config.parallel.zero_stage
 #   WORKDIR         --workdir
@@ -125,8 +125,8 @@ jaxllm_train_cmd() {
     "") ;;
     megatron) overrides+=("--config.parallel.megatron_sp=True") ;;
     ds) overrides+=("--config.parallel.sequence_impl=ulysses") ;;
-    allgather | ring | ulysses) overrides+=("--config.parallel.sequence_impl=$SP_TYPE") ;;
-    *) jaxllm_die "SP_TYPE=$SP_TYPE: choose megatron, ds (= ulysses), allgather, ring or ulysses" ;;
+    allgather | ring | ulysses | usp) overrides+=("--config.parallel.sequence_impl=$SP_TYPE") ;;
+    *) jaxllm_die "SP_TYPE=$SP_TYPE: choose megatron, ds (= ulysses), allgather, ring, ulysses or usp" ;;
   esac
   if [[ -n "${ZERO_STAGE:-}" ]]; then
     [[ "$ZERO_STAGE" =~ ^[0-3]$ ]] || jaxllm_die "ZERO_STAGE=$ZERO_STAGE: choose 0, 1, 2 or 3"

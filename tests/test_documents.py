@@ -178,6 +178,8 @@ LAYOUTS = {
                                   "data": DOCS},
     "sequence4_tensor2_ulysses": {"mesh": {"sequence": 4, "tensor": 2}, "parallel": {"sequence_impl": "ulysses"},
                                   "data": DOCS},
+    "sequence4_data2_usp2": {"mesh": {"sequence": 4, "data": 2},  # ids gathered in a group, sent round the ring
+                             "parallel": {"sequence_impl": "usp", "ulysses_degree": 2}, "data": DOCS, "eval": True},
 }
 
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism (allgather, Ulysses, zigzag ring) computes what one device computes.
+"""Sequence parallelism (allgather, Ulysses, zigzag ring, USP) computes what one device computes.
 
 8 fake CPU devices, float32, causal, three training steps on the same seed and data as
 the single-device run (tests/multidevice.py); and ring attention's load balance, counted
@@ -21,6 +21,7 @@ LAYOUTS = {
     "single": {"eval": True},
     "single_rotary": {"model": {"position_embedding": "rotary"}},
     "single_gqa": {"model": {"num_kv_heads": 4}},
+    "single_kv2": {"model": {"num_kv_heads": 2}},
     "single_dropout": {"model": {"dropout": 0.1}},
     **{f"sequence8_{impl}": {"mesh": {"sequence": 8}, **SP(impl), "eval": True} for impl in IMPLS},
     "sequence8_ring_rotary": {"mesh": {"sequence": 8}, **SP("ring"), "model": {"position_embedding": "rotary"}},
@@ -32,21 +33,33 @@ LAYOUTS = {
                                              "model": {"dropout": 0.1}},
     "sequence2_data2_tensor2_ulysses_gqa": {"mesh": {"sequence": 2, "data": 2, "tensor": 2}, **SP("ulysses"),
                                             "model": {"num_kv_heads": 4}},
+    # USP: ulysses in groups of ulysses_degree devices, ring over the groups; by default a node's devices
+    # (mesh.sequence) form a group and the ring crosses the nodes (dcn_sequence)
+    "sequence8_usp2": {"mesh": {"sequence": 8}, **SP("usp", ulysses_degree=2), "eval": True},
+    "sequence2_dcn_sequence4_usp": {"mesh": {"sequence": 2, "dcn_sequence": 4}, **SP("usp")},
+    "sequence4_tensor2_usp2_megatron_sp": {"mesh": {"sequence": 4, "tensor": 2}, **SP("usp", ulysses_degree=2,
+                                                                                     megatron_sp=True)},
+    # fewer key/value heads than a group's devices: each repeated (2 heads over groups of 4; ulysses alike)
+    "sequence8_usp4_kv2": {"mesh": {"sequence": 8}, **SP("usp", ulysses_degree=4), "model": {"num_kv_heads": 2}},
     "sequence2_pipeline2_data2_ring": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ring"), "eval": True},
     "sequence2_pipeline2_data2_ulysses": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ulysses")},
     # ZeRO over data x fsdp x sequence: the sequence devices hold shards of the model state, as data-parallel ones do
     **{f"sequence4_{axis}2_{impl}_zero{stage}": {"mesh": {"sequence": 4, axis: 2}, **SP(impl, zero_stage=stage)}
        for impl, stage, axis in (("ulysses", 1, "data"), ("ulysses", 2, "fsdp"), ("ulysses", 3, "data"),
                                  ("ring", 1, "fsdp"), ("ring", 2, "data"), ("ring", 3, "fsdp"))},
+    "sequence4_fsdp2_usp2_zero3": {"mesh": {"sequence": 4, "fsdp": 2}, **SP("usp", ulysses_degree=2, zero_stage=3)},
     "sequence2_pipeline2_data2_ring_zero3": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2},
                                              **SP("ring", zero_stage=3, pipeline_schedule="1f1b")},
     # config errors, raised by config.resolve before anything compiles
-    "error_ulysses_kv_heads": {"mesh": {"sequence": 8}, **SP("ulysses"), "model": {"num_kv_heads": 4}},
+    "error_usp_heads": {"mesh": {"sequence": 8}, **SP("usp", ulysses_degree=4),
+                        "model": {"num_attention_heads": 2, "num_kv_heads": 2}},
+    "error_usp_degree": {"mesh": {"sequence": 4, "dcn_sequence": 2}, **SP("usp", ulysses_degree=3)},
+    "error_ulysses_degree_without_usp": {"mesh": {"sequence": 8}, **SP("ring", ulysses_degree=2)},
     "error_ulysses_heads": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ulysses"),
                             "model": {"num_attention_heads": 4, "num_kv_heads": 4}},
     "error_ring_length": {"mesh": {"sequence": 8}, **SP("ring"), "train": {"seq_length": 24}},
 }
-REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa", "dropout": "single_dropout"}
+REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa", "kv2": "single_kv2", "dropout": "single_dropout"}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +82,7 @@ def test_zero_divides_the_model_state_over_the_sequence_devices(results):
     ref = results["single"]
     for name, opt, params in (("sequence4_data2_ulysses_zero1", 8, 1), ("sequence4_fsdp2_ring_zero1", 8, 2),
                               ("sequence4_data2_ring_zero2", 8, 1), ("sequence4_data2_ulysses_zero3", 8, 8),
-                              ("sequence4_fsdp2_ring_zero3", 8, 8),
+                              ("sequence4_fsdp2_ring_zero3", 8, 8), ("sequence4_fsdp2_usp2_zero3", 8, 8),
                               ("sequence2_pipeline2_data2_ring_zero3", 6, 6)):  # embeddings: not over pipeline
         got = results[name]
         assert got["opt_bytes"] <= ref["opt_bytes"] / opt * 1.05, name  # biases of heads and MLP: replicated
@@ -79,7 +92,10 @@ def test_zero_divides_the_model_state_over_the_sequence_devices(results):
 
 
 @pytest.mark.parametrize("name, key, text", [
-    ("error_ulysses_kv_heads", "model.num_kv_heads", "mesh.tensor x mesh.sequence"),
+    ("error_usp_heads", "model.num_attention_heads", "mesh.tensor x parallel.ulysses_degree = 4"),
+    ("error_usp_degree", "parallel.ulysses_degree", "must divide the sequence devices (mesh.sequence x "
+                                                    "mesh.dcn_sequence = 8)"),
+    ("error_ulysses_degree_without_usp", "parallel.ulysses_degree", "set parallel.sequence_impl=usp"),
     ("error_ulysses_heads", "model.num_attention_heads", "parallel.sequence_impl=ulysses"),
     ("error_ring_length", "train.seq_length", "2 x mesh.sequence"),
 ])

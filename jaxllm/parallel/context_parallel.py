@@ -4,7 +4,7 @@ With ``mesh.sequence`` = n > 1 every activation from the embedding to the loss i
 split along the sequence (the rules table maps ``length`` and ``residual`` to
 ``sequence``; GSPMD partitions the position-wise layers by itself).  Attention is
 the one layer whose tokens talk to each other; :func:`attention` runs it under
-``jax.shard_map`` with one of three algorithms (``parallel.sequence_impl``):
+``jax.shard_map`` with one of four algorithms (``parallel.sequence_impl``):
 
 ``allgather``
     Queries stay split, keys and values are all-gathered (MaxText's default).
@@ -28,13 +28,26 @@ the one layer whose tokens talk to each other; :func:`attention` runs it under
     each step sends the next step's block (and, backward, the gradients gathered
     for its own) before computing on the current one, which does not read them,
     so XLA's latency-hiding scheduler can overlap the transfer with the attention.
+``usp``
+    Unified sequence parallelism (Fang & Zhao 2024, "USP: A Unified Sequence
+    Parallelism Approach"; Megatron-LM's hierarchical ``a2a+p2p`` context
+    parallelism): the n devices of the sequence axes form n / U groups of U
+    consecutive ones (``parallel.ulysses_degree``; consecutive is inside a node, as
+    the mesh puts ``dcn_sequence`` outermost).  Ulysses' all-to-all runs inside each
+    group, and ring attention runs over the groups, in the zigzag order of n / U
+    ring devices, among the devices that hold the same heads.  U = n is ``ulysses``,
+    U = 1 is ``ring``.
+
+Grouped-query attention under ``ulysses`` and ``usp``: when a tensor shard's key/value
+heads do not divide by U, each is repeated until they do (as USP and Megatron-LM's
+context parallelism do), so only the query heads must divide by U.
 
 The shard_map is manual over every mesh axis, with in/out specs derived from the
 rules table (batch over the data axes, heads over ``tensor``, length over the
 sequence axes), and the collectives run over the mesh axes the table assigns to
 ``length``: model code names no mesh axis.  Local attention goes through
 :func:`jaxllm.model.attention.attention` (``return_lse`` where ring merges), so a
-kernel serves all three; with the ``xla`` reference the queries are processed in
+kernel serves all four; with the ``xla`` reference the queries are processed in
 rematerialized chunks so no ``[seq, seq]`` score matrix is kept for the backward
 pass.  With one device on the sequence axes and the ``xla`` implementation,
 :class:`Attention` is exactly the model's plain causal attention.
@@ -58,29 +71,58 @@ from jaxllm_kernels.reference import MASKED
 _CHUNK_SCORES = 1 << 22  # query chunk x key length of the xla reference's rematerialized chunks
 
 
+def ulysses_degree(sequence_impl: str, n: int, degree: int) -> int:
+    """Devices in each all-to-all group: ``n`` (the sequence devices) for ``ulysses``, ``degree``
+    (``parallel.ulysses_degree``, resolved) for ``usp``, 1 otherwise."""
+    return {"ulysses": n, "usp": degree}.get(sequence_impl, 1)
+
+
+def ring_devices(layout: Layout | None, parallel) -> int:
+    """Devices on the ring of ring attention: the sequence devices for ``ring``, their ``usp`` groups
+    for ``usp``, 1 (no ring) otherwise or with ``layout`` None.  ``parallel``: the resolved
+    ``parallel`` section."""
+    if layout is None or parallel.sequence_impl not in ("ring", "usp"):
+        return 1
+    n = layout.size("length")
+    return n // ulysses_degree(parallel.sequence_impl, n, parallel.ulysses_degree)
+
+
 def check(cfg) -> None:
-    """What ``parallel.sequence_impl`` needs of a config being resolved (``mesh_shape`` filled).
+    """What ``parallel.sequence_impl`` needs of a config being resolved (``mesh_shape`` filled,
+    ``parallel.ulysses_degree`` resolved).
 
     Raises:
-      ConfigError: ring with a sequence not divisible by 2 x the sequence devices; ulysses with
-        (key/value) heads not divisible by the tensor x sequence devices.
+      ConfigError: ``parallel.ulysses_degree`` set without ``usp`` or not dividing the sequence
+        devices; ring or usp with a sequence not divisible by 2 x the ring devices; ulysses or usp
+        with heads not divisible by the tensor devices x the all-to-all group.
     """
-    table, m = rules(cfg), cfg.model
+    table, m, p = rules(cfg), cfg.model, cfg.parallel
     n = math.prod(cfg.mesh_shape[a] for a in table["length"])
+    devices = " x ".join(f"mesh.{a} x mesh.dcn_{a}" for a in table["length"]) + f" = {n}"
+    if p.sequence_impl != "usp" and p.ulysses_degree:
+        raise ConfigError("parallel.ulysses_degree", p.ulysses_degree,
+                          "only parallel.sequence_impl=usp takes it (ulysses spans every sequence device); "
+                          "set parallel.sequence_impl=usp or leave parallel.ulysses_degree at 0")
+    if p.sequence_impl == "usp" and n % p.ulysses_degree:
+        raise ConfigError("parallel.ulysses_degree", p.ulysses_degree,
+                          f"must divide the sequence devices ({devices}): usp's all-to-all groups tile them")
     if n == 1:
         return
-    if cfg.parallel.sequence_impl == "ring" and cfg.train.seq_length % (2 * n):
+    degree = ulysses_degree(p.sequence_impl, n, p.ulysses_degree)
+    ring = n // degree if p.sequence_impl in ("ring", "usp") else 1
+    if ring > 1 and cfg.train.seq_length % (2 * ring):
+        what = "mesh.sequence" if p.sequence_impl == "ring" else "(mesh.sequence x mesh.dcn_sequence / " \
+                                                                 "parallel.ulysses_degree)"
         raise ConfigError("train.seq_length", cfg.train.seq_length,
-                          f"must be divisible by 2 x mesh.sequence = {2 * n} (parallel.sequence_impl=ring cuts "
-                          "the sequence into 2 chunks per device)")
-    if cfg.parallel.sequence_impl == "ulysses":
-        split = n * math.prod(cfg.mesh_shape[a] for a in table["heads"])
-        for key, heads in (("model.num_attention_heads", m.num_attention_heads),
-                           ("model.num_kv_heads", m.num_kv_heads)):
-            if heads % split:
-                raise ConfigError(key, heads, f"must be divisible by mesh.tensor x mesh.sequence = {split} "
-                                              "(parallel.sequence_impl=ulysses splits each tensor shard's heads "
-                                              "over sequence)")
+                          f"must be divisible by 2 x {what} = {2 * ring} (parallel.sequence_impl="
+                          f"{p.sequence_impl} cuts the sequence into 2 chunks per ring device)")
+    if degree > 1:
+        split = degree * math.prod(cfg.mesh_shape[a] for a in table["heads"])
+        group = "mesh.sequence" if p.sequence_impl == "ulysses" else "parallel.ulysses_degree"
+        if m.num_attention_heads % split:
+            raise ConfigError("model.num_attention_heads", m.num_attention_heads,
+                              f"must be divisible by mesh.tensor x {group} = {split} (parallel.sequence_impl="
+                              f"{p.sequence_impl} splits each tensor shard's heads over the all-to-all group)")
 
 
 def zigzag_order(seq_len: int, n: int) -> np.ndarray:
@@ -98,26 +140,26 @@ def zigzag_order(seq_len: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def zigzag(layout: Layout | None, sequence_impl: str, inputs, targets, docs=None):
+def zigzag(ring: int, inputs, targets, docs=None):
     """Puts a batch in ring attention's load-balanced order (see :func:`zigzag_order`).
 
     Args:
-      layout: the mesh and rules table (None: one device).
-      sequence_impl: ``parallel.sequence_impl``; only ``"ring"`` reorders.
+      ring: the devices on the ring (:func:`ring_devices`); 1 reorders nothing.
       inputs, targets: int ``[..., seq]``, permuted identically along the last axis.
       docs: a dict of ``[..., seq]`` arrays (the data options' positions, segment ids, loss
         mask), permuted alike, or None.
     Returns:
       ``(inputs, targets, order, docs)``: order int32 broadcast to ``inputs.shape`` (the
       index in the sequence of each token, which the causal mask follows, and its position
-      unless ``docs`` holds positions), or None where nothing is reordered (not ring, or one
-      sequence device); ``docs`` ``{}`` for None.
+      unless ``docs`` holds positions), or None where nothing is reordered (``ring`` 1);
+      ``docs`` ``{}`` for None.
+    Raises:
+      ValueError: the sequence is not divisible by ``2 x ring``.
     """
     docs = docs or {}
-    n = 1 if layout is None else layout.size("length")
-    if sequence_impl != "ring" or n == 1:
+    if ring == 1:
         return inputs, targets, None, docs
-    order = jnp.asarray(zigzag_order(inputs.shape[-1], n))
+    order = jnp.asarray(zigzag_order(inputs.shape[-1], ring))
     return (inputs[..., order], targets[..., order], jnp.broadcast_to(order, inputs.shape),
             {k: a[..., order] for k, a in docs.items()})
 
@@ -129,17 +171,20 @@ class Attention:
 
     ``allgather``: keys/values all-gathered (MaxText); ``ulysses``: DeepSpeed-Ulysses
     all-to-all (Jacobs et al. 2023); ``ring``: ring attention (Liu et al. 2023) in zigzag
-    order with a log-sum-exp merge and a ring backward pass (see the module docstring).
+    order with a log-sum-exp merge and a ring backward pass; ``usp``: Ulysses inside groups
+    of ``ulysses_degree`` devices, ring across them (Fang & Zhao 2024; see the module docstring).
     A kernel (any impl but ``xla``) runs under ``shard_map`` on every mesh, sequence-split
     or not: it is a custom call, which XLA's partitioner would feed the gathered inputs.
 
     Attributes:
       layout: the mesh and rules table.
-      sequence_impl: ``"allgather"``, ``"ring"`` or ``"ulysses"`` (``parallel.sequence_impl``).
+      sequence_impl: ``"allgather"``, ``"ring"``, ``"ulysses"`` or ``"usp"`` (``parallel.sequence_impl``).
+      ulysses_degree: ``usp``'s all-to-all group (``parallel.ulysses_degree``, resolved: > 0).
     """
 
     layout: Layout
     sequence_impl: str = "allgather"
+    ulysses_degree: int = 1
 
     def __call__(self, q, k, v, order=None, segment_ids=None, impl="xla"):
         """Attention of one layer.
@@ -148,15 +193,15 @@ class Attention:
           q: ``[batch, len, heads, head_dim]``; k, v: ``[batch, len, kv_heads, head_dim]``
             (global shapes, split along ``len`` over the sequence axes).
           order: int ``[batch, len]``, each token's index in the sequence, which the causal mask
-            follows (so any order works for ``allgather`` and ``ulysses``; ``ring`` expects the
-            order of :func:`zigzag`); None: the array's order.
+            follows (so any order works for ``allgather`` and ``ulysses``; ``ring`` and ``usp``
+            expect the order of :func:`zigzag` over :func:`ring_devices`); None: the array's order.
           segment_ids: int ``[batch, len]`` (in the order of ``q``) or None: a token attends only
             within its segment (``data.reset_attention_mask``).
           impl: ``model.attention_impl`` for the local attention.
         Returns:
           ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
         Raises:
-          ValueError: unknown ``sequence_impl``; ring with a local length that is odd.
+          ValueError: unknown ``sequence_impl``; ring or usp with a ring device's length odd.
         """
         layout = self.layout
         n = layout.size("length")
@@ -173,13 +218,14 @@ class Attention:
                                       kv_segment_ids=segment_ids)
         elif self.sequence_impl == "allgather":
             body = functools.partial(_allgather, axis=axis, impl=impl)
-        elif self.sequence_impl == "ulysses":
-            body = functools.partial(_ulysses, axis=axis, impl=impl)
+        elif self.sequence_impl in ("ulysses", "usp"):
+            degree = ulysses_degree(self.sequence_impl, n, self.ulysses_degree)
+            body = functools.partial(_ulysses, axis=axis, n=n, degree=degree, impl=impl)
         elif self.sequence_impl == "ring":
             def body(q, k, v, order, segment_ids=None):
-                return _ring((axis, n, impl), q, k, v, order, segment_ids)
+                return _ring((axis, n, 1, impl), q, k, v, order, segment_ids)
         else:
-            raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring or ulysses")
+            raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring, ulysses or usp")
         if order is None:
             order = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         token_spec = layout.spec(("batch", "length"))
@@ -224,17 +270,36 @@ def _allgather(q, k, v, pos, seg=None, *, axis, impl):
     return jax.checkpoint(f)(q, k, v, pos, seg)
 
 
-def _ulysses(q, k, v, pos, seg=None, *, axis, impl):
-    """All-to-all sequence-split -> head-split, full-sequence attention on 1/n of the heads, and back."""
+def _repeat_kv(x, degree):
+    """Key/value heads ``[b, s, kvh, d]`` repeated (each head in place) until ``degree`` divides them:
+    ``lcm(kvh, degree)`` heads, so that head ``j`` of the queries still reads key/value head
+    ``j // (heads / kvh)`` after the all-to-all gives each device ``1 / degree`` of both."""
+    kvh = x.shape[2]
+    return x if kvh % degree == 0 else jnp.repeat(x, math.lcm(kvh, degree) // kvh, axis=2)
+
+
+def _ulysses(q, k, v, pos, seg=None, *, axis, n, degree, impl):
+    """All-to-all sequence-split -> head-split inside groups of ``degree`` consecutive devices, attention on
+    ``1 / degree`` of the heads over the group's tokens (ring attention across the ``n / degree`` groups
+    where there are several: USP), and the all-to-all back."""
+    ring = n // degree
+    groups = None if ring == 1 else [list(range(r * degree, (r + 1) * degree)) for r in range(ring)]
 
     def f(q, k, v, pos, seg):
-        to_heads = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
-        gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
-        full, full_seg = gather(pos), gather(seg)
-        out = local_attention(to_heads(q), to_heads(k), to_heads(v), full, full, impl, full_seg, full_seg)[0]
-        return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+        to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True, axis_index_groups=groups)  # noqa: E731
+        gather = lambda x: None if x is None else jax.lax.all_gather(  # noqa: E731
+            x, axis, axis=1, tiled=True, axis_index_groups=groups)
+        q, k, v = to_heads(q), to_heads(_repeat_kv(k, degree)), to_heads(_repeat_kv(v, degree))
+        pos, seg = gather(pos), gather(seg)
+        if ring == 1:
+            out = local_attention(q, k, v, pos, pos, impl, seg, seg)[0]
+        else:
+            out = _ring((axis, ring, degree, impl), q, k, v, pos, seg)
+        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True, axis_index_groups=groups)
 
-    return jax.checkpoint(f)(q, k, v, pos, seg)
+    # Ulysses alone redoes the all-to-alls in the backward pass rather than keep q, k, v twice; under USP
+    # the ring's backward needs its head-split inputs, which recomputing would cost a whole ring pass.
+    return (jax.checkpoint(f) if ring == 1 else f)(q, k, v, pos, seg)
 
 
 # ----- ring attention -------------------------------------------------------------------------
@@ -276,16 +341,18 @@ def _zigzag_step(q, k, v, qt, kt, before, impl):
     return jnp.concatenate([oa, ob], axis=1), jnp.concatenate([la, lb], axis=2)
 
 
-def _ring_perm(n):
-    return [(s, (s + 1) % n) for s in range(n)]
+def _ring_index_and_send(axis, n, stride):
+    """This device's place on the ring and the send to the next: ``n`` ring devices, each ``stride``
+    apart on ``axis`` (USP: the devices of the other all-to-all groups that hold the same heads)."""
+    perm = [(r * stride + u, (r + 1) % n * stride + u) for r in range(n) for u in range(stride)]
+    return jax.lax.axis_index(axis) // stride, lambda xs: jax.lax.ppermute(xs, axis, perm)
 
 
 def _ring_forward(static, q, k, v, pos, seg=None):
-    axis, n, impl = static
+    axis, n, stride, impl = static
     if q.shape[1] % 2:
         raise ValueError(f"ring attention: local length {q.shape[1]} is odd; the sequence must divide by 2 x {n}")
-    i = jax.lax.axis_index(axis)
-    send = lambda xs: jax.lax.ppermute(xs, axis, _ring_perm(n))  # noqa: E731
+    i, send = _ring_index_and_send(axis, n, stride)
     pos = (pos, seg)  # the tokens: what the mask reads, travelling with their keys
     # Double buffering: the block of step t + 1 is sent before step t's attention, which does not read
     # it, so the transfer can overlap the compute; the last step sends nothing.
@@ -309,7 +376,8 @@ def _ring_forward(static, q, k, v, pos, seg=None):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(static, q, k, v, pos, seg):
     """Ring attention on one device's zigzag shards: ``[b, 2c, h, d]`` queries, ``[b, 2c, kvh, d]`` keys,
-    positions and segment ids (or None) ``[b, 2c]``."""
+    positions and segment ids (or None) ``[b, 2c]``.  ``static``: ``(axis, ring devices, their stride
+    on the axis, impl)``."""
     return _ring_forward(static, q, k, v, pos, seg)[0]
 
 
@@ -324,10 +392,9 @@ def _ring_bwd(static, res, dout):
     block's gradient is the vjp of its (out, lse) (recomputed), with the cotangents the
     log-sum-exp merge gives: ``d out_b = w_b dout``, ``d lse_b = w_b (<dout, out_b> - <dout, out>)``,
     ``w_b = exp(lse_b - lse)``."""
-    axis, n, impl = static
+    axis, n, stride, impl = static
     q, k, v, pos, out, lse = res
-    i = jax.lax.axis_index(axis)
-    send = lambda xs: jax.lax.ppermute(xs, axis, _ring_perm(n))  # noqa: E731
+    i, send = _ring_index_and_send(axis, n, stride)
     dout = dout.astype(jnp.float32)
     d_all = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [b, q, h]
 

@@ -43,7 +43,8 @@ class Run:
         self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
         self.mesh = layout.mesh
         ops = model.Ops(constrain=layout.constrain,
-                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl),
+                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
+                                                             cfg.parallel.ulysses_degree),
                         embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout))
         if cfg.model.fp8:
             ops = dataclasses.replace(ops, dense=fp8.dense)

@@ -81,6 +81,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     """
     pin = (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)) if grad_sharding else (lambda g: g)
     dropout = cfg.model.dropout > 0
+    ring = context_parallel.ring_devices(layout, cfg.parallel)
     base_key = jax.random.key(cfg.train.seed)
     schedule = optim.lr_schedule(cfg.train)
 
@@ -110,8 +111,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     def train_step(state, inputs, targets, docs=None):
         params = state["params"]
         keys = row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
-        inputs, targets, order, docs = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets,
-                                                               docs)
+        inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
         loss, grads = loss_and_grads(params, inputs, targets, order, docs, keys)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -138,15 +138,14 @@ def make_eval_step(cfg, spec, layout=None):
     """``eval_step(params, inputs, targets[, docs]) -> mean loss`` (nats/token) on a ``[batch, seq]`` batch
     (``docs``: as the train step's, ``[batch, seq]``; with a ``loss_mask``, ``sum(loss x mask) / sum(mask)``).
 
-    Ring attention reorders the batch as the train step does; with pipeline stages the batch
+    Ring attention (and usp) reorders the batch as the train step does; with pipeline stages the batch
     goes through the pipeline as ``cfg.microbatches`` micro batches (row ``r`` in micro batch
     ``r % microbatches``, as in training).
     """
-    m = cfg.microbatches
+    m, ring = cfg.microbatches, context_parallel.ring_devices(layout, cfg.parallel)
 
     def eval_step(params, inputs, targets, docs=None):
-        inputs, targets, order, docs = context_parallel.zigzag(layout, cfg.parallel.sequence_impl, inputs, targets,
-                                                               docs)
+        inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
         if cfg.stages == 1:
             loss = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
             return loss / token_count(targets, docs)
