@@ -106,9 +106,15 @@ class Model(Section):
     init_std: float = _key(0.02, ">0")
     # what each layer keeps for the backward pass (jaxllm.model.gpt.REMAT_POLICIES, MaxText's names): none (all),
     # minimal_with_context, minimal (every layer matmul's output), save_dots, save_dots_except_mlp, save_qkv_proj,
-    # full (nothing: the layer is recomputed); *_offloaded: those outputs kept in host memory instead
+    # full (only the layer's input: the layer is recomputed); *_offloaded: those outputs kept in host memory
+    # instead; offload: full with the layer's input in host memory (backends with host memory: GPUs, CPUs)
     remat: str = _key("none", choices=("none", "minimal_with_context", "minimal", "save_dots", "save_dots_except_mlp",
-                                       "save_qkv_proj", "full", "minimal_offloaded", "qkv_proj_offloaded"))
+                                       "save_qkv_proj", "full", "minimal_offloaded", "qkv_proj_offloaded",
+                                       "offload"))
+    # the MLP over this many chunks of each sequence, one at a time, each recomputed in the backward pass: its
+    # [tokens, ffn_hidden_size] intermediates 1/mlp_chunks as large, for one more forward of the MLP (long
+    # sequences, where they bound the length); train.seq_length / mesh.sequence must divide by it
+    mlp_chunks: int = _key(1, ">0")
     # the layers as one jax.lax.scan (compile time independent of depth) or written out one after another;
     # auto: unrolled on CPUs without remat (XLA:CPU zero-fills and copies a scan's stacked activations every
     # step; its schedule of unrolled layers keeps what remat would free), else scan

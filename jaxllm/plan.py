@@ -9,6 +9,7 @@ step, and whether it fits the named accelerator's memory.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
@@ -21,9 +22,10 @@ if __name__ == "__main__":  # the device count must be fixed before jax is impor
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxllm import cli, config  # noqa: E402
+from jaxllm import cli, config, model  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import schedules, sharding  # noqa: E402
@@ -61,12 +63,17 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     the config may name (``auto`` is the GPU's); the step is compiled by this machine's XLA either
     way, on a GPU's plan with its flash attention's memory (the Pallas kernel interpreted,
     :func:`jaxllm.model.attention.lowering_target`): linear in the sequence, where this machine's
-    ``xla`` attention holds the ``[seq, seq]`` scores.
+    ``xla`` attention holds the ``[seq, seq]`` scores.  A GPU's bfloat16 is compiled here as float16,
+    its stand-in of the same bytes: XLA:CPU runs few operations in bfloat16 and widens their buffers
+    to float32 around them (a scan's stacked layer inputs, all-gathered weights), which a GPU does not;
+    float16 it runs as it is.  ``model.remat=offload`` keeps the layer inputs in host memory, which
+    this machine's compile does not separate: :func:`offloaded_bytes` are taken off its total.
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``split`` (for each of ``params, grads, opt_state``: the mesh axes ``{name: size}`` its ``embed``
     dimension is split over, the ZeRO stage's rules table), ``temp`` (XLA's temporaries), ``total``
-    (arguments + temporaries + outputs not aliased to donated inputs), ``model_flops`` (per step, all
+    (arguments + temporaries + outputs not aliased to donated inputs), ``host`` (:func:`offloaded_bytes`),
+    ``device`` (``total - host``: what the verdict checks), ``model_flops`` (per step, all
     devices, :func:`jaxllm.runtime.flops.flops_per_step`), ``compile_s``, ``dtype`` (the compute dtype
     planned), ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary: bubble and
     activations in flight, :func:`jaxllm.parallel.schedules.summary`).
@@ -77,6 +84,11 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
     cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+    dtype = cfg.model.dtype
+    if cfg.backend in attention.TARGET_FAMILY and dtype == "bfloat16":
+        stand_in = config.from_dict(cfg.to_dict())
+        stand_in.model.dtype = "float16"
+        cfg = resolve(stand_in, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
     run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
@@ -101,13 +113,30 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
         "batch": 2 * sharding.per_device_bytes(batch),
         "temp": mem["temp"],
         "total": mem["total"],
+        "host": offloaded_bytes(cfg, run),
+        "device": mem["total"] - (offloaded_bytes(cfg, run) or 0),
         "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
-        "dtype": cfg.model.dtype,
+        "dtype": dtype if dtype == cfg.model.dtype else f"{dtype} (compiled as {cfg.model.dtype}, the same bytes)",
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
     }
+
+
+def offloaded_bytes(cfg, run: Run) -> int | None:
+    """Bytes per device that ``model.remat=offload`` keeps in host memory: every layer's input, ``[rows,
+    seq, embed]`` of one micro batch in the compute dtype, split as the residual stream
+    (:data:`jaxllm.model.RESIDUAL`); 0 for the other policies (the ``*_offloaded`` ones' host bytes are
+    counted on the device: an overestimate); None with pipeline stages, whose schedules keep several
+    micro batches' inputs at once (not computed: counted on the device)."""
+    if cfg.model.remat != "offload":
+        return 0
+    if cfg.stages > 1:
+        return None
+    shape = (cfg.batch_shape[1], cfg.train.seq_length, cfg.model.hidden_size)
+    local = run.layout.sharding(model.RESIDUAL).shard_shape(shape)
+    return cfg.model.num_layers * math.prod(local) * jnp.dtype(cfg.model.dtype).itemsize
 
 
 def report(p: dict, device_memory: float | None, device_name: str | None) -> str:
@@ -125,15 +154,20 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"({state / p['num_params'] * len(jax.devices()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
+        *([f"  offloaded to host     {gib(p['host'])}   (model.remat=offload: the layer inputs; this machine's "
+           "compile holds them, a GPU's does not)", f"  total on the device   {gib(p['device'])}"]
+          if p["host"] else []),
+        *(["  offloaded to host     (with pipeline stages not computed: counted on the device above)"]
+          if p["host"] is None else []),
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.runtime.flops.flops_per_step)",
     ]
     stages, virtual, microbatches, schedule = p["pipeline"]
     if stages > 1:
         lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, {schedule}")
     if device_memory:
-        verdict = "FITS" if p["total"] <= device_memory else "DOES NOT FIT"
+        verdict = "FITS" if p["device"] <= device_memory else "DOES NOT FIT"
         lines.append(f"{verdict} in {device_name or ''} {device_memory / GiB:.1f} GiB "
-                     f"({p['total'] / device_memory:.0%} used)")
+                     f"({p['device'] / device_memory:.0%} used)")
     return "\n".join(lines)
 
 

@@ -247,6 +247,22 @@ def _check_fp8(cfg: Resolved, backend: str | None) -> None:
                           "parallel.pipeline_schedule=1f1b (or interleaved_1f1b), or model.fp8=False")
 
 
+def _check_offload(cfg: Resolved, backend: str | None) -> None:
+    remat = cfg.model.remat
+    why = (remat == "offload" or remat.endswith("_offloaded")) and hardware.host_offload_unsupported(backend)
+    if why:
+        raise ConfigError("model.remat", remat, f"{why}; use model.remat=full (or a policy without offloading)")
+
+
+def _check_mlp_chunks(cfg) -> None:
+    """``model.mlp_chunks`` must divide each device's share of the sequence (chunks are local)."""
+    chunks, n = cfg.model.mlp_chunks, math.prod(cfg.mesh_shape[a] for a in sharding.rules(cfg)["length"])
+    if (cfg.train.seq_length // n) % chunks:
+        raise ConfigError("model.mlp_chunks", chunks,
+                          f"must divide the tokens of each sequence device, train.seq_length / mesh.sequence = "
+                          f"{cfg.train.seq_length} / {n} = {cfg.train.seq_length // n}")
+
+
 def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
             backend: str | None = None, data_files: bool = True) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
@@ -299,8 +315,10 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     schedules.check(out)
     sharding.check(out, gpt.logical_sizes(out.model, t.seq_length))
     context_parallel.check(out)
+    _check_mlp_chunks(out)
     attention.check_config(out, backend)
     _check_fp8(out, backend)
+    _check_offload(out, backend)
     for section in out.sections().values():
         section._freeze()
     out._freeze()

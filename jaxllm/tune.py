@@ -156,12 +156,12 @@ class Tuner:
                                          baseline=baseline)
             self.log(f"  {c.mesh_text():<28} failed to plan: {r.error}")
             return r
-        if self.memory_limit is not None and p["total"] > self.memory_limit:
-            r = self.results[c] = Result(c, "pruned (memory)", memory=p["total"], baseline=baseline)
+        if self.memory_limit is not None and p["device"] > self.memory_limit:
+            r = self.results[c] = Result(c, "pruned (memory)", memory=p["device"], baseline=baseline)
             self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} plan {p['total'] / GiB:.3f} GiB > "
                      f"{self.memory_limit / GiB:.3f} GiB: pruned")
             return r
-        r = self.results[c] = Result(c, "measured", memory=p["total"], baseline=baseline)
+        r = self.results[c] = Result(c, "measured", memory=p["device"], baseline=baseline)
         self._measure(r)
         self.measured_count += 1
         return r

@@ -6,12 +6,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, run_python
 
 from jaxllm import config, model
 from jaxllm.data.tokenizers import PACKAGED_GPT2_DIR
 from jaxllm.resolve import resolve
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name):
@@ -86,13 +85,25 @@ def test_a_fresh_clone_runs_the_configs():
     assert python.data.input == sysconfig.get_paths()["stdlib"] and python.data.tokenizer == "gpt2"
 
 
-@pytest.mark.parametrize("key, impl", [("DS4Science", "ulysses"), ("DS4Science-ring", "ring")])
+@pytest.mark.parametrize("key, impl", [("DS4Science", "ulysses"), ("DS4Science-ring", "ring"),
+                                       ("DS4Science-usp", "usp")])
 def test_long_context_recipes_are_the_deepspeed4science_run(key, impl):
-    """GPT25B (64 x 6144, 64 heads), rotary, 430,080 tokens over 32 sequence devices with ZeRO-3 and full remat."""
+    """GPT25B (64 x 6144, 64 heads), rotary, 430,080 tokens over 32 sequence devices with ZeRO-3, each layer
+    recomputed with its input in host memory, the MLP in 8 chunks; USP in groups of a node's 4 devices."""
     cfg = resolve(load("long_context").get_config(key), num_devices=32, vocab_size=50257, data_files=False,
                   backend="cuda")
     m = cfg.model
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.position_embedding, m.remat) == (
-        64, 6144, 64, "rotary", "full")
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.position_embedding, m.remat, m.mlp_chunks) == (
+        64, 6144, 64, "rotary", "offload", 8)
     assert (cfg.train.seq_length, cfg.train.global_batch_size, cfg.mesh_shape["sequence"]) == (430_080, 1, 32)
     assert (cfg.parallel.sequence_impl, cfg.parallel.zero_stage, m.dtype) == (impl, 3, "bfloat16")
+    assert cfg.parallel.ulysses_degree == (4 if impl == "usp" else 0)
+
+
+def test_deepspeed4science_plans_fit_a100_40gb():
+    """The acceptance of the long-sequence work: the DeepSpeed4Science run's plan (Ulysses over 32 A100-40GB,
+    ZeRO-3, 430,080 tokens) fits, and so does USP in groups of 4, as the command line prints it."""
+    for key in ("DS4Science", "DS4Science-usp"):
+        out = run_python("-m", "jaxllm.plan", f"--config=configs/long_context.py:{key}", "--devices=32",
+                         "--device=A100-40GB")
+        assert "\nFITS in A100-40GB" in out.stdout, out.stdout + out.stderr

@@ -59,10 +59,13 @@ def test_flops_per_token_hand_count(activation, plain, recomputed):
 @pytest.mark.parametrize("remat, per_layer", [
     ("none", 0), ("full", 1984), ("minimal", 64), ("save_dots", 64), ("minimal_with_context", 32),
     ("save_dots_except_mlp", 1600), ("save_qkv_proj", 1728), ("minimal_offloaded", 64),
-    ("qkv_proj_offloaded", 1728)])
+    ("qkv_proj_offloaded", 1728), ("offload", 1984)])
 def test_recompute_flops_of_every_policy_hand_count(remat, per_layer):
     m = make_cfg("swiglu", **TINY).model
     assert flops.recompute_flops_per_token(m, 4, remat) == 2 * per_layer
+    # the chunked MLP recomputes each chunk in its backward pass: one more forward of the MLP, 1536
+    chunked = make_cfg("swiglu", train={"seq_length": 4}, mlp_chunks=2, **TINY).model
+    assert flops.recompute_flops_per_token(chunked, 4, remat) == 2 * (per_layer + 1536)
 
 
 def test_recompute_is_four_thirds_of_the_layer_part():

@@ -348,11 +348,48 @@ def test_remat_policies_keep_their_named_activations(remat, kept):
     """What each named policy keeps for the backward pass, read off JAX's own list of saved residuals
     (``mlpwo`` is allowed but never kept: only its sum with the residual stream is needed, the layer's
     output)."""
-    cfg = small_cfg(remat=remat, layer_loop="unrolled", **VARIANTS[1])
+    assert set(re.findall(r"named '(\w+)'", saved_residuals(remat, "unrolled"))) == kept
+
+
+def saved_residuals(remat, layer_loop):
+    """JAX's list of what the small model's loss keeps for its backward pass, one line per array."""
+    cfg = small_cfg(remat=remat, layer_loop=layer_loop, **VARIANTS[1])
     spec = model.describe(cfg.model)
     tokens = jnp.zeros((2, 32), jnp.int32)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(lambda p: model.loss(spec.graphdef, p, tokens, tokens),
                                                 model.init(cfg.model, 0))
-    assert set(re.findall(r"named '(\w+)'", out.getvalue())) == kept
+    return out.getvalue()
+
+
+def test_offload_keeps_the_layer_inputs_in_host_memory():
+    """``model.remat=offload``: the layers' stacked inputs ``[layers, batch, seq, embed]`` are kept in host
+    memory and nothing else of the layers is kept, where ``full`` keeps the same array on the device."""
+    stacked = "[2,2,32,64] output of scan"  # 2 layers of [2, 32, 64]
+    full, offload = saved_residuals("full", "scan"), saved_residuals("offload", "scan")
+    assert f"f32{stacked}" in full and "<host>" not in full
+    assert f"f32<host>{stacked}" in offload and f"f32{stacked}" not in offload
+    assert offload.replace("f32<host>", "f32") == full
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_mlp_chunks_give_the_same_loss_and_gradients_in_less_memory(remat):
+    """``model.mlp_chunks=4``: the MLP over 4 strided chunks of the sequence, each recomputed, against the
+    whole MLP (float32, swiglu); and the compiled step's temporaries shrink, as only one chunk's
+    ``[batch, seq / 4, ffn]`` intermediates are live (the model's widest buffers here: ffn 1024 = 16 x embed)."""
+    tokens = jax.random.randint(jax.random.key(1), (4, 256), 0, 97)
+    results = {}
+    for chunks in (1, 4):
+        cfg = small_cfg(remat=remat, layer_loop="scan", mlp_chunks=chunks, ffn_hidden_size=1024,
+                        train={"seq_length": 256}, **VARIANTS[1])
+        graphdef = model.describe(cfg.model).graphdef
+        step = jax.jit(lambda p, t, g=graphdef: loss_and_grads(g, p, t))
+        params = model.init(cfg.model, 0)
+        results[chunks] = (step(params, tokens), step.lower(params, tokens).compile().memory_analysis())
+    (loss, grads), memory = results[4]
+    (ref_loss, ref_grads), ref_memory = results[1]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7, err_msg=str(path))
+    assert memory.temp_size_in_bytes < 0.6 * ref_memory.temp_size_in_bytes, (memory, ref_memory)

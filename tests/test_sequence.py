@@ -37,8 +37,10 @@ LAYOUTS = {
     # (mesh.sequence) form a group and the ring crosses the nodes (dcn_sequence)
     "sequence8_usp2": {"mesh": {"sequence": 8}, **SP("usp", ulysses_degree=2), "eval": True},
     "sequence2_dcn_sequence4_usp": {"mesh": {"sequence": 2, "dcn_sequence": 4}, **SP("usp")},
-    "sequence4_tensor2_usp2_megatron_sp": {"mesh": {"sequence": 4, "tensor": 2}, **SP("usp", ulysses_degree=2,
-                                                                                     megatron_sp=True)},
+    "sequence4_tensor2_usp2_megatron_sp": {"mesh": {"sequence": 4, "tensor": 2},  # and the MLP in 2 chunks
+                                           **SP("usp", ulysses_degree=2, megatron_sp=True), "model": {"mlp_chunks": 2}},
+    "sequence4_pipeline2_usp2_1f1b": {"mesh": {"sequence": 4, "pipeline": 2},
+                                      **SP("usp", ulysses_degree=2, pipeline_schedule="1f1b")},
     # fewer key/value heads than a group's devices: each repeated (2 heads over groups of 4; ulysses alike)
     "sequence8_usp4_kv2": {"mesh": {"sequence": 8}, **SP("usp", ulysses_degree=4), "model": {"num_kv_heads": 2}},
     "sequence2_pipeline2_data2_ring": {"mesh": {"sequence": 2, "pipeline": 2, "data": 2}, **SP("ring"), "eval": True},

@@ -1,11 +1,14 @@
 """jaxllm.tune: the search space (jaxllm.parallel.layouts), constraint and memory pruning counts against hand
 counts and jaxllm.plan, the measured candidates, and the CLI's outputs on 2 devices (Optuna) and bad flags."""
 
+import contextlib
 import csv
 import dataclasses
+import io
 import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +115,7 @@ def test_plan_for_a_gpu_resolves_auto_dtype_for_it():
     c = tiny()
     c.model.dtype = "auto"
     cpu, gpu = plan.plan(c, 1), plan.plan(c, 1, backend="cuda")
-    assert (cpu["dtype"], gpu["dtype"]) == ("float32", "bfloat16")
+    assert (cpu["dtype"], gpu["dtype"]) == ("float32", "bfloat16 (compiled as float16, the same bytes)")
     assert gpu["params"] == cpu["params"]  # float32 master weights either way
     assert gpu["temp"] != cpu["temp"]  # a different program (XLA:CPU's bfloat16 temporaries are no GPU's figure)
 
@@ -131,6 +134,49 @@ def test_gpu_plan_has_flash_attention_memory():
     assert temps["cuda", "auto", 4096] <= 5 * temps["cuda", "auto", 1024], temps
     assert temps["cuda", "cudnn", 4096] == temps["cuda", "auto", 4096], temps
     assert temps[None, "auto", 4096] >= 10 * temps[None, "auto", 1024], temps
+
+
+def test_gpu_plan_keeps_a_layer_input_in_two_bytes():
+    """With full remat each more layer keeps its input, ``[seq, embed]`` in bfloat16 on a GPU, and its share
+    of the weights' gradients.  XLA:CPU compiling bfloat16 itself adds a float32 copy of the stacked inputs
+    (1.35 MB per layer here, against 0.52 MB of input); the GPU plan, compiled in float16 (the same bytes),
+    does not (0.81 MB)."""
+    temps = {}
+    for layers in (2, 6):
+        c = tiny()
+        c.model.update(num_layers=layers, dtype="bfloat16", remat="full")
+        c.train.update(seq_length=4096, global_batch_size=1)
+        temps[layers] = plan.plan(c, 1, backend="cuda")["temp"]
+    assert (temps[6] - temps[2]) / 4 < 2 * 4096 * H * 2, temps
+
+
+def test_gpu_plan_takes_the_offloaded_layer_inputs_off_the_device():
+    """``model.remat=offload`` planned for a GPU: this machine's compile keeps the layer inputs where a
+    GPU moves them to host memory, so the plan takes off exactly what JAX lists as kept in host memory
+    (its saved residuals marked ``<host>``: the stacked layer inputs), and judges the rest."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxllm import model  # noqa: PLC0415
+    from jaxllm.resolve import resolve  # noqa: PLC0415
+
+    plans = {}
+    for remat in ("full", "offload"):
+        c = tiny()
+        c.model.update(remat=remat, dtype="bfloat16", num_layers=4)
+        plans[remat] = plan.plan(c, 1, backend="cuda")
+    cfg = resolve(c, num_devices=1, backend="cuda", data_files=False)
+    spec, tokens = model.describe(cfg.model), jnp.zeros((cfg.train.micro_batch_size, cfg.train.seq_length), jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: model.loss(spec.graphdef, p, tokens, tokens),
+                                                model.init(cfg.model, 0))
+    host = sum(int(bits) // 8 * math.prod(map(int, shape.split(",")))  # e.g. bf16<host>[4,1,32,64]
+               for bits, shape in re.findall(r"[a-z]+(\d+)<host>\[([\d,]+)\]", out.getvalue()))
+    assert host == 4 * S * H * 2  # 4 layers' [1, seq, embed] inputs in bfloat16
+    assert plans["offload"]["host"] == host and plans["full"]["host"] == 0
+    assert plans["offload"]["total"] == plans["full"]["total"]  # the CPU's compile: the same program
+    assert plans["offload"]["device"] == plans["full"]["device"] - host
 
 
 def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):

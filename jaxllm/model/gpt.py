@@ -84,6 +84,9 @@ class Ops:
         ``[..., batch, len, embed]``, targets int32 ``[..., batch, len]``, each token's loss times
         ``weights`` float32 ``[..., batch, len]`` (None: 1), logits of ids ``>= vocab_size`` masked
         (:func:`jaxllm.model.fused_loss.cross_entropy`).
+      param: ``(w, axes) -> w``: pins a parameter cast to the compute dtype to the parameters' own
+        layout, so that a table consumed whole (the embeddings, the loss's output layer) is gathered
+        after the cast, in the compute dtype (identity on one device).
       dense: ``(x, w, b, spec, dtype) -> y``: every layer matmul with a weight (q, k, v,
         attention output, MLP), :func:`dense` by default; ``w`` and ``b`` (or None) are the very
         parameter values of the layer (the zb_h1 pipeline schedule takes input and weight
@@ -94,6 +97,7 @@ class Ops:
     attention: Callable = _plain_attention
     embed: Callable = _plain_embed
     cross_entropy: Callable = fused_loss.cross_entropy
+    param: Callable = _unconstrained
     dense: Callable = dense
 
 
@@ -255,7 +259,14 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block."""
+    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block, ``[batch, len, embed]`` to the same.
+
+    With ``model.mlp_chunks`` = m > 1 the tokens go through in m chunks, one after another, each
+    under ``jax.checkpoint``: only one chunk's ``[batch, len / m, ffn]`` intermediates are live, in the
+    forward and the backward pass, for one more forward of the MLP (the tiled MLP of Arctic Long
+    Sequence Training, Bekman et al. 2025).  Chunk j holds tokens j, j + m, ... so that every device's
+    sequence shard splits into m local chunks.  A length m does not divide runs whole.
+    """
 
     def __init__(self, cfg, rngs, ops):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
@@ -267,6 +278,14 @@ class MLP(nnx.Module):
         self.b2 = _param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
+        m, (b, s, e) = self.cfg.mlp_chunks, x.shape
+        if m == 1 or s % m:  # generation's prompts and single tokens run whole: the same values
+            return self._mlp(x)
+        chunks = jnp.moveaxis(x.reshape(b, s // m, m, e), 2, 0)  # [m, batch, len / m, embed]
+        out = jax.lax.map(jax.checkpoint(self._mlp), chunks)
+        return jnp.moveaxis(out, 0, 2).reshape(b, s, e)
+
+    def _mlp(self, x):
         dt = jnp.dtype(self.cfg.dtype)
         y = checkpoint_name(_dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt), "mlpwi")
         if self.wg is None:
@@ -287,6 +306,7 @@ class Block(nnx.Module):
         self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs, ops)
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
+        x = checkpoint_name(x, "decoder_layer_input")  # every use below reads it through the name
         k1, k2 = _split_rows(key, 2) if key is not None else (None, None)
         y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
         x = self.ops.constrain(x + _dropout(y, self.dropout, k1, order), RESIDUAL)
@@ -296,8 +316,9 @@ class Block(nnx.Module):
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
 
-# The layer's named activations (``checkpoint_name``, MaxText's names): each matmul's output and the
-# attention output (``context``).  A remat policy saves some for the backward pass and recomputes the rest.
+# The layer's named activations (``checkpoint_name``, MaxText's names): its input (``decoder_layer_input``),
+# each matmul's output and the attention output (``context``).  A remat policy saves some for the backward
+# pass and recomputes the rest.
 QKV = ("query_proj", "key_proj", "value_proj")
 MATMULS = (*QKV, "out_proj", "mlpwi", "mlpwi_gate", "mlpwo")
 _names = jax.checkpoint_policies.save_only_these_names
@@ -311,8 +332,11 @@ def _offloaded(*names):
 
 
 # ``model.remat``: what each layer keeps for its backward pass (MaxText's policy names; "none": everything).
-# The saved sets, by size: full < save_qkv_proj < save_dots_except_mlp < minimal ~ save_dots (the same
-# matmuls, whose outputs have no dot batch dimension; minimal keeps them after the bias) < minimal_with_context.
+# ``full`` keeps only the layer's input (the checkpointed function's argument); ``offload`` keeps that in
+# host memory (MaxText's ``decoder_layer_input: offload``): nothing of the layer stays on the device, so
+# device memory no longer grows with layers x tokens.  The saved sets, by size: offload < full < save_qkv_proj
+# < save_dots_except_mlp < minimal ~ save_dots (the same matmuls, whose outputs have no dot batch dimension;
+# minimal keeps them after the bias) < minimal_with_context.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "minimal": _names(*MATMULS),
@@ -322,6 +346,7 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "minimal_offloaded": _offloaded(*MATMULS),
     "qkv_proj_offloaded": _offloaded(*QKV),
+    "offload": _offloaded("decoder_layer_input"),
 }
 
 
@@ -396,9 +421,10 @@ class GPT(nnx.Module):
         dropout, and the per-layer dropout keys ``[layers, batch]`` (None without ``dropout_key``;
         the arguments as :meth:`__call__`)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x = self.ops.embed(self.wte[...].astype(dt), tokens)
+        x = self.ops.embed(self.ops.param(self.wte[...].astype(dt), ("vocab", "embed")), tokens)
         if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)
-            x = x + self.ops.constrain(self.wpe[...].astype(dt), (None, None))[positions]
+            wpe = self.ops.param(self.wpe[...].astype(dt), (None, "embed"))
+            x = x + self.ops.constrain(wpe, (None, None))[positions]
         keys = None
         if dropout_key is not None:
             if dropout_key.ndim == 0:
@@ -462,8 +488,11 @@ class GPT(nnx.Module):
         :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
         (:func:`jaxllm.model.fused_loss.cross_entropy`)."""
         dt = jnp.dtype(self.cfg.dtype)
-        table = self.wte[...] if self.lm_head is None else self.lm_head[...].T
-        return self.ops.cross_entropy(self.ln_f(x), table.astype(dt), targets, self.cfg.vocab_size, loss_mask)
+        if self.lm_head is None:
+            table = self.ops.param(self.wte[...].astype(dt), ("vocab", "embed"))
+        else:
+            table = self.ops.param(self.lm_head[...].astype(dt), ("embed", "vocab")).T
+        return self.ops.cross_entropy(self.ln_f(x), table, targets, self.cfg.vocab_size, loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)

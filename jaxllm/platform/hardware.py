@@ -87,6 +87,21 @@ def fp8_unsupported(backend: str | None = None) -> str | None:
                             "H100, H200; AMD MI300 or later)")
 
 
+def host_offload_unsupported(backend: str | None = None) -> str | None:
+    """Why activations cannot be kept in host memory (``model.remat=offload`` and the ``*_offloaded``
+    policies) on ``backend`` (as :func:`fp8_unsupported`), or None where they can: its devices have a
+    ``pinned_host`` memory (JAX's NVIDIA, AMD and TPU backends; the CPU's host memory is its device
+    memory, so there the offload changes nothing).  A kind named from a machine without it (a plan
+    for ``--device``) is taken on trust."""
+    kind = backend_kind(backend)
+    if backend in _KINDS and backend_kind() != kind:
+        return None
+    device = jax.local_devices()[0]
+    kinds = [m.kind for m in device.addressable_memories()]
+    return None if "pinned_host" in kinds else (
+        f"{device.device_kind} ({kind}) has no pinned host memory to offload to (its memories: {', '.join(kinds)})")
+
+
 # Dense (no 2:4 sparsity) peak FLOP/s of one device (one GCD for the MI250X) by device kind
 # and dtype. "float32" is the best full-FP32 matmul rate: NVIDIA's non-tensor-core FP32
 # (TF32 tensor-core rates are higher: XLA's default precision may use TF32 for float32 dots

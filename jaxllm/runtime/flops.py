@@ -85,13 +85,13 @@ def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
 
     Args:
       cfg: a resolved config.
-      recompute: count the recomputed forward; None: ``cfg.model.remat == "full"``
+      recompute: count the recomputed forward; None: ``cfg.model.remat`` ``"full"`` or ``"offload"``
         (``"save_dots"`` keeps every matmul output, so it recomputes no matmul FLOPs).
     Returns:
       FLOPs per step (a float).
     """
     if recompute is None:
-        recompute = cfg.model.remat == "full"
+        recompute = cfg.model.remat in ("full", "offload")
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     return tokens * flops_per_token(cfg.model, cfg.train.seq_length, recompute=recompute)
 
@@ -121,6 +121,7 @@ _RECOMPUTED = {
     "save_qkv_proj": ("scores", "values", "out_proj", "mlp_in", "mlp_out"),
     "minimal_offloaded": ("scores", "values"),
     "qkv_proj_offloaded": ("scores", "values", "out_proj", "mlp_in", "mlp_out"),
+    "offload": ("qkv", "scores", "values", "out_proj", "mlp_in", "mlp_out"),
 }
 
 
@@ -136,7 +137,8 @@ def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
       ``L * 2*s*n*d`` per token (causal-halved as in :func:`flops_per_token`); ``"minimal_with_context"``
       keeps the attention output, so only the scores; ``"save_dots_except_mlp"`` adds the MLP,
       ``"save_qkv_proj"`` the MLP and the output projection.  The offloaded policies recompute what
-      their in-device counterparts do.
+      their in-device counterparts do (``"offload"``: ``"full"``'s).  ``model.mlp_chunks`` > 1 adds
+      one more forward of the MLP (each chunk is recomputed in its backward pass), whatever the policy.
 
     Approximation: norms, softmax, GELU and the other elementwise work that is also recomputed are
     not matmuls and are not counted, like everywhere in this module; a fused attention kernel
@@ -156,7 +158,8 @@ def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
         raise ValueError(f"remat={remat!r}: choose one of {', '.join(_RECOMPUTED)}")
     flops_per_token(model_cfg, seq_length)  # the same checks
     per_layer = _layer_forward_flops(model_cfg, seq_length)
-    return float(model_cfg.num_layers * sum(per_layer[k] for k in _RECOMPUTED[remat]))
+    chunked = ("mlp_in", "mlp_out") if model_cfg.mlp_chunks > 1 else ()
+    return float(model_cfg.num_layers * sum(per_layer[k] for k in (*_RECOMPUTED[remat], *chunked)))
 
 
 def hardware_flops_per_step(cfg) -> float:

@@ -45,7 +45,9 @@ class Run:
         ops = model.Ops(constrain=layout.constrain,
                         attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
                                                              cfg.parallel.ulysses_degree),
-                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout))
+                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
+                        param=sharding.Layout(self.mesh, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3)
+                                              ).constrain)
         if cfg.model.fp8:
             ops = dataclasses.replace(ops, dense=fp8.dense)
         if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
