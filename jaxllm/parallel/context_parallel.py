@@ -34,9 +34,10 @@ the one layer whose tokens talk to each other; :func:`attention` runs it under
     parallelism): the n devices of the sequence axes form n / U groups of U
     consecutive ones (``parallel.ulysses_degree``; consecutive is inside a node, as
     the mesh puts ``dcn_sequence`` outermost).  Ulysses' all-to-all runs inside each
-    group, and ring attention runs over the groups, in the zigzag order of n / U
-    ring devices, among the devices that hold the same heads.  U = n is ``ulysses``,
-    U = 1 is ``ring``.
+    group (as U - 1 collective permutes: a grouped all-to-all has no batching rule,
+    and pipeline stages are a ``vmap``), and ring attention runs over the groups, in
+    the zigzag order of n / U ring devices, among the devices that hold the same
+    heads.  U = n is ``ulysses``, U = 1 is ``ring``.
 
 Grouped-query attention under ``ulysses`` and ``usp``: when a tensor shard's key/value
 heads do not divide by U, each is repeated until they do (as USP and Megatron-LM's
@@ -278,24 +279,45 @@ def _repeat_kv(x, degree):
     return x if kvh % degree == 0 else jnp.repeat(x, math.lcm(kvh, degree) // kvh, axis=2)
 
 
+def _group_all_to_all(x, split_axis, concat_axis, *, axis, degree, ring):
+    """A tiled all-to-all inside each group of ``degree`` consecutive devices on ``axis``, as ``degree - 1``
+    collective permutes (the member ``s`` places on receives chunk ``s`` places on): JAX has no batching
+    rule for an all-to-all over ``axis_index_groups``, which pipeline stages (a ``vmap``) need.  With
+    ``split_axis`` None every member's whole ``x`` is gathered (an all-gather)."""
+    u = jax.lax.axis_index(axis) % degree
+
+    def send(piece, s):  # to the member s places on
+        return jax.lax.ppermute(piece, axis, [(g * degree + v, g * degree + (v + s) % degree)
+                                              for g in range(ring) for v in range(degree)])
+
+    chunks = jnp.stack(jnp.split(x, degree, axis=split_axis)) if split_axis is not None else None
+    pieces = [x if chunks is None else chunks[(u + s) % degree] for s in range(degree)]
+    got = jnp.stack([pieces[0], *(send(p, s) for s, p in enumerate(pieces) if s)])  # got[s]: member u - s's
+    got = got[(u - jnp.arange(degree)) % degree]  # by member
+    return jnp.concatenate([got[j] for j in range(degree)], axis=concat_axis)
+
+
 def _ulysses(q, k, v, pos, seg=None, *, axis, n, degree, impl):
     """All-to-all sequence-split -> head-split inside groups of ``degree`` consecutive devices, attention on
     ``1 / degree`` of the heads over the group's tokens (ring attention across the ``n / degree`` groups
     where there are several: USP), and the all-to-all back."""
     ring = n // degree
-    groups = None if ring == 1 else [list(range(r * degree, (r + 1) * degree)) for r in range(ring)]
+    if ring == 1:  # one group: the axis's own collectives
+        exchange = functools.partial(jax.lax.all_to_all, axis_name=axis, tiled=True)
+        gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
+    else:
+        exchange = functools.partial(_group_all_to_all, axis=axis, degree=degree, ring=ring)
+        gather = functools.partial(exchange, split_axis=None, concat_axis=1)
 
     def f(q, k, v, pos, seg):
-        to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True, axis_index_groups=groups)  # noqa: E731
-        gather = lambda x: None if x is None else jax.lax.all_gather(  # noqa: E731
-            x, axis, axis=1, tiled=True, axis_index_groups=groups)
+        to_heads = lambda x: exchange(x, split_axis=2, concat_axis=1)  # noqa: E731
         q, k, v = to_heads(q), to_heads(_repeat_kv(k, degree)), to_heads(_repeat_kv(v, degree))
-        pos, seg = gather(pos), gather(seg)
+        pos, seg = gather(pos), None if seg is None else gather(seg)
         if ring == 1:
             out = local_attention(q, k, v, pos, pos, impl, seg, seg)[0]
         else:
             out = _ring((axis, ring, degree, impl), q, k, v, pos, seg)
-        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True, axis_index_groups=groups)
+        return exchange(out, split_axis=1, concat_axis=2)
 
     # Ulysses alone redoes the all-to-alls in the backward pass rather than keep q, k, v twice; under USP
     # the ring's backward needs its head-split inputs, which recomputing would cost a whole ring pass.
