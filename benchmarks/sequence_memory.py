@@ -3,7 +3,8 @@
 
     python benchmarks/sequence_memory.py [--config=configs/gpt3.py:GPT125M] [--budget=4] [-- --config.X=Y ...]
     python benchmarks/sequence_memory.py --config=configs/long_context.py:DS4Science --sizes=32 \\
-        --impls=ulysses,ring --device=H100 --budget=A100-40GB,MI250X,H100 --start=65536 --step=65536
+        --impls=ulysses,ring,usp --ulysses-degree=4 --device=H100 --budget=A100-40GB,MI250X,H100 \\
+        --start=65536 --step=65536
 
 Each point is one ``python -m jaxllm.plan --devices=N --config.mesh.sequence=N`` run (fake CPU
 devices: the compiled program's memory, nothing allocated), batch 1.  ``--budget``: GiB per device
@@ -36,8 +37,10 @@ def total_gib(config, n, impl, seq, extra):
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     # with model.remat=offload the plan also prints what stays on the device (what its verdict checks)
-    return float(re.search(r"total (?:on the device|\(compiled\))\s+([0-9.]+) GiB(?![\s\S]*total on the device)",
-                           r.stdout).group(1))
+    got = float(re.search(r"total (?:on the device|\(compiled\))\s+([0-9.]+) GiB(?![\s\S]*total on the device)",
+                          r.stdout).group(1))
+    print(f"  sequence {n} {impl} length {seq}: {got:.2f} GiB", file=sys.stderr, flush=True)
+    return got
 
 
 def longest(total, budget, start, step, shortest):
@@ -77,6 +80,7 @@ def main():
     p.add_argument("--device", default=None, help="plan for this GPU (jaxllm.plan --device)")
     p.add_argument("--sizes", default="1,2,4,8")
     p.add_argument("--impls", default="allgather,ring,ulysses", help="sequence_impl values for sizes > 1")
+    p.add_argument("--ulysses-degree", type=int, default=0, help="usp's all-to-all group (parallel.ulysses_degree)")
     p.add_argument("--start", type=int, default=256, help="first length tried for the first size")
     p.add_argument("--step", type=int, default=0, help="lengths are start + k x step (0: start x 2^k)")
     p.add_argument("extra", nargs="*", help="more --config.* flags for every plan")
@@ -91,17 +95,14 @@ def main():
     for n in map(int, a.sizes.split(",")):
         for impl in (("allgather",) if n == 1 else a.impls.split(",")):
             start = a.start if base is None or a.step else base * n // 2
-
-            def total(seq, n=n, impl=impl):
-                t = total_gib(a.config, n, impl, seq, extra)
-                if isinstance(t, float):
-                    print(f"  sequence {n} {impl} length {seq}: {t:.2f} GiB", file=sys.stderr, flush=True)
-                return t
-
+            usp = impl == "usp" and a.ulysses_degree
+            group = (f"--config.parallel.ulysses_degree={a.ulysses_degree}",) if usp else ()
+            total = functools.partial(total_gib, a.config, n, impl, extra=(*extra, *group))
             got = [longest(total, b, start, a.step, 2 * n) for b in budgets]
             if isinstance(got[0], tuple) and n == 1:
                 base = got[0][0]
-            rows.append((n, "- (plain attention)" if n == 1 else impl, got))
+            name = f"usp (groups of {a.ulysses_degree})" if usp else impl
+            rows.append((n, "- (plain attention)" if n == 1 else name, got))
     cell = lambda g: f"{g[0]} ({g[1]:.2f} GiB)" if isinstance(g, tuple) else (g or "none")  # noqa: E731
     label = lambda name, b: f"{name} ({b:.2f} GiB)" if not re.fullmatch(r"[0-9.]+", name) else f"{b:.2f} GiB"  # noqa: E731
     print("| sequence | impl | " + " | ".join(f"longest in {label(nm, b)}" for nm, b in zip(names, budgets))
