@@ -102,7 +102,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     state = run.abstract_state
     grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state["params"],
                          sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
-    stage = cfg.parallel.zero_stage
+    stage, host = cfg.parallel.zero_stage, offloaded_bytes(cfg, run)
     split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
                           if run.mesh.shape[a] > 1}
     return {
@@ -113,8 +113,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
         "batch": 2 * sharding.per_device_bytes(batch),
         "temp": mem["temp"],
         "total": mem["total"],
-        "host": offloaded_bytes(cfg, run),
-        "device": mem["total"] - (offloaded_bytes(cfg, run) or 0),
+        "host": host,
+        "device": mem["total"] - (host or 0),
         "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
         "dtype": dtype if dtype == cfg.model.dtype else f"{dtype} (compiled as {cfg.model.dtype}, the same bytes)",
