@@ -72,20 +72,21 @@ from jaxllm_kernels.reference import MASKED
 _CHUNK_SCORES = 1 << 22  # query chunk x key length of the xla reference's rematerialized chunks
 
 
-def ulysses_degree(sequence_impl: str, n: int, degree: int) -> int:
-    """Devices in each all-to-all group: ``n`` (the sequence devices) for ``ulysses``, ``degree``
-    (``parallel.ulysses_degree``, resolved) for ``usp``, 1 otherwise."""
-    return {"ulysses": n, "usp": degree}.get(sequence_impl, 1)
+def groups(sequence_impl: str, n: int, degree: int) -> tuple[int, int]:
+    """``(devices in each all-to-all group, devices on the ring)`` of ``n`` sequence devices: ``(n, 1)``
+    for ``ulysses``, ``(degree, n / degree)`` for ``usp`` (``degree``: ``parallel.ulysses_degree``,
+    resolved), ``(1, n)`` for ``ring``, ``(1, 1)`` for ``allgather``."""
+    group = {"ulysses": n, "usp": degree}.get(sequence_impl, 1)
+    return group, (n // group if sequence_impl in ("ring", "usp") else 1)
 
 
 def ring_devices(layout: Layout | None, parallel) -> int:
     """Devices on the ring of ring attention: the sequence devices for ``ring``, their ``usp`` groups
     for ``usp``, 1 (no ring) otherwise or with ``layout`` None.  ``parallel``: the resolved
     ``parallel`` section."""
-    if layout is None or parallel.sequence_impl not in ("ring", "usp"):
+    if layout is None:
         return 1
-    n = layout.size("length")
-    return n // ulysses_degree(parallel.sequence_impl, n, parallel.ulysses_degree)
+    return groups(parallel.sequence_impl, layout.size("length"), parallel.ulysses_degree)[1]
 
 
 def check(cfg) -> None:
@@ -109,8 +110,7 @@ def check(cfg) -> None:
                           f"must divide the sequence devices ({devices}): usp's all-to-all groups tile them")
     if n == 1:
         return
-    degree = ulysses_degree(p.sequence_impl, n, p.ulysses_degree)
-    ring = n // degree if p.sequence_impl in ("ring", "usp") else 1
+    degree, ring = groups(p.sequence_impl, n, p.ulysses_degree)
     if ring > 1 and cfg.train.seq_length % (2 * ring):
         what = "mesh.sequence" if p.sequence_impl == "ring" else "(mesh.sequence x mesh.dcn_sequence / " \
                                                                  "parallel.ulysses_degree)"
@@ -220,8 +220,8 @@ class Attention:
         elif self.sequence_impl == "allgather":
             body = functools.partial(_allgather, axis=axis, impl=impl)
         elif self.sequence_impl in ("ulysses", "usp"):
-            degree = ulysses_degree(self.sequence_impl, n, self.ulysses_degree)
-            body = functools.partial(_ulysses, axis=axis, n=n, degree=degree, impl=impl)
+            degree, ring = groups(self.sequence_impl, n, self.ulysses_degree)
+            body = functools.partial(_ulysses, axis=axis, degree=degree, ring=ring, impl=impl)
         elif self.sequence_impl == "ring":
             def body(q, k, v, order, segment_ids=None):
                 return _ring((axis, n, 1, impl), q, k, v, order, segment_ids)
@@ -297,11 +297,10 @@ def _group_all_to_all(x, split_axis, concat_axis, *, axis, degree, ring):
     return jnp.concatenate([got[j] for j in range(degree)], axis=concat_axis)
 
 
-def _ulysses(q, k, v, pos, seg=None, *, axis, n, degree, impl):
+def _ulysses(q, k, v, pos, seg=None, *, axis, degree, ring, impl):
     """All-to-all sequence-split -> head-split inside groups of ``degree`` consecutive devices, attention on
     ``1 / degree`` of the heads over the group's tokens (ring attention across the ``n / degree`` groups
     where there are several: USP), and the all-to-all back."""
-    ring = n // degree
     if ring == 1:  # one group: the axis's own collectives
         exchange = functools.partial(jax.lax.all_to_all, axis_name=axis, tiled=True)
         gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
