@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from jaxllm.errors import ConfigError
 
 # the mesh axes, outermost first (jaxllm.parallel.sharding builds the mesh and maps logical axes to them)
-MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "sequence")
+MESH_AXES = ("data", "fsdp", "expert", "pipeline", "tensor", "sequence")
 
 __all__ = ["Config", "ConfigError", "Resolved", "MESH_AXES", "OPTIMIZERS", "OPTIMIZER_ALIASES", "get_config",
            "from_dict", "override"]
@@ -126,6 +126,17 @@ class Model(Section):
     # the layer matmuls in FP8 (e4m3 forward, e5m2 gradients, current scaling; jaxllm.model.fp8): GPUs with FP8
     # matmuls (H100, H200, MI300); parameters, optimizer state, norms and the loss keep their dtypes
     fp8: bool = False
+    # mixture of experts (Megatron-LM's names; jaxllm.model.moe): 0 experts is the dense MLP. Each token goes to
+    # its moe_router_topk experts (token choice, float32 router), each an MLP of moe_ffn_hidden_size (0:
+    # ffn_hidden_size); no token is dropped unless moe_capacity_factor > 0 (each expert then takes at most
+    # capacity_factor x tokens x topk / num_experts of a micro batch's tokens, those of highest router probability)
+    num_experts: int = _key(0, ">=0")
+    moe_router_topk: int = _key(2, ">0")
+    moe_ffn_hidden_size: int = _key(0, ">=0")
+    moe_aux_loss_coeff: float = _key(0.0, ">=0")  # the Switch/GShard load-balancing loss's weight
+    moe_z_loss_coeff: float = _key(0.0, ">=0")  # the router z-loss's weight (ST-MoE)
+    moe_capacity_factor: float = _key(0.0, ">=0")
+    moe_shared_expert_intermediate_size: int = _key(0, ">=0")  # a dense MLP every token also takes; 0: none
     padded_vocab_size: int = _derived()  # rows of the embedding and output tables
 
     @property
@@ -225,8 +236,10 @@ class Mesh(Section):
     pipeline: int = 1
     tensor: int = 1
     sequence: int = 1
+    expert: int = 1  # the experts' weights split over it (Megatron's --expert-model-parallel-size), batch too
     dcn_data: int = 1
     dcn_fsdp: int = 1
+    dcn_expert: int = 1
     dcn_pipeline: int = 1
     dcn_tensor: int = 1
     dcn_sequence: int = 1
@@ -317,7 +330,7 @@ class Resolved(Config):
     backend: str = ""
     num_devices: int = 0  # devices the mesh covers
     mesh_shape: dict = dataclasses.field(default_factory=dict)  # devices along each mesh axis (ICI x DCN)
-    data_parallel: int = 0  # replicas the global batch is split over: the data x fsdp axes
+    data_parallel: int = 0  # replicas the global batch is split over: the data x fsdp x expert axes
     microbatches: int = 0  # micro batches per step and replica: global / (micro batch x data_parallel)
     stages: int = 0  # pipeline stages: devices along the pipeline axis
     # a step's batch as the train step takes it: [microbatches, micro batch x data_parallel, seq_length]
@@ -365,6 +378,8 @@ MEGATRON_NAMES = {
     "sequence_parallel": "parallel.megatron_sp", "zero_stage": "parallel.zero_stage",
     "num_layers_per_virtual_pipeline_stage": "parallel.pipeline_virtual_stages (virtual stages per device)",
     "virtual_pipeline_model_parallel_size": "parallel.pipeline_virtual_stages",
+    "expert_model_parallel_size": "mesh.expert", "moe_grouped_gemm": "nothing: the experts are always grouped "
+    "matmuls", "moe_layer_freq": "nothing: every layer is a mixture of experts when model.num_experts > 0",
 }
 
 

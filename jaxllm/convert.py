@@ -1,4 +1,5 @@
-"""Hugging Face conversion: jaxllm workdirs <-> ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` directories.
+"""Hugging Face conversion: jaxllm workdirs <-> ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and
+``MixtralForCausalLM`` directories.
 
 CLI::
 
@@ -7,9 +8,9 @@ CLI::
 
 ``--to-hf`` (:func:`export_workdir`) writes the latest (or ``--step``) checkpoint of a run as
 ``OUT/config.json`` + ``OUT/model.safetensors`` (float32) for
-``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2 or Llama, whichever holds the model exactly
-(the tables and the parameter mapping are :mod:`jaxllm.model.hf`'s; any other model is a
-:class:`~jaxllm.model.hf.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
+``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2, Llama or (a mixture of experts) Mixtral,
+whichever holds the model exactly (the tables and the parameter mapping are :mod:`jaxllm.model.hf`'s;
+any other model is a :class:`~jaxllm.model.hf.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
 tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hugging Face
 ``tokenizer.json`` gets it with ``tokenizer_config.json`` and ``special_tokens_map.json``
 (``AutoTokenizer.from_pretrained(OUT)``; ``eos_token_id`` in config.json is its end-of-document token).
@@ -21,10 +22,12 @@ tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hu
 (and ``jaxllm.generate --workdir=WORKDIR``).  HF's ``vocab_size`` is ``model.vocab_size``;
 ``n_positions`` / ``max_position_embeddings`` is ``model.max_position_embeddings`` and
 ``train.seq_length`` (which ``--config.train.seq_length`` may shorten); GPT-2's ``resid_pdrop`` is
-``model.dropout``.  Other keys are jaxllm's defaults, changed with ``--config.SECTION.KEY=VALUE``
-(of the model keys only :data:`FREE_MODEL_KEYS`).  **The data must be tokenized as the model
-expects**: GPT-2's tokenizer in ``DIR`` (``vocab.json`` + ``merges.txt``, or such a
-``tokenizer.json``) is copied to ``WORKDIR/tokenizer`` and used; otherwise set ``--config.data.*``.
+``model.dropout``; Mixtral's ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size`` and
+``router_aux_loss_coef`` are ``model.num_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size`` (and
+``ffn_hidden_size``) and ``moe_aux_loss_coeff``.  Other keys are jaxllm's defaults, changed with
+``--config.SECTION.KEY=VALUE`` (of the model keys only :data:`FREE_MODEL_KEYS`).  **The data must be
+tokenized as the model expects**: GPT-2's tokenizer in ``DIR`` (``vocab.json`` + ``merges.txt``, or such
+a ``tokenizer.json``) is copied to ``WORKDIR/tokenizer`` and used; otherwise set ``--config.data.*``.
 
 In Python: :func:`from_hf` (a directory as a resolved config and parameters) and :func:`save_hf`
 (a model section and parameters as a directory).  Only JSON and safetensors are read:
@@ -70,7 +73,8 @@ from jaxllm.resolve import resolve, resolve_model
 from jaxllm.runtime import checkpoint, optim, step
 
 # Model keys --from-hf lets the user set; the others come from config.json.
-FREE_MODEL_KEYS = ("dtype", "remat", "attention_impl", "dropout", "init_std", "make_vocab_size_divisible_by")
+FREE_MODEL_KEYS = ("dtype", "remat", "attention_impl", "dropout", "init_std", "make_vocab_size_divisible_by",
+                   "moe_aux_loss_coeff", "moe_z_loss_coeff")
 
 
 # --------------------------------------------------------------------------- export
@@ -190,7 +194,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
 
 
 def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[config.Resolved, dict]:
-    """A Hugging Face GPT-2 or Llama directory as a jaxllm config and parameters.
+    """A Hugging Face GPT-2, Llama or Mixtral directory as a jaxllm config and parameters.
 
     Args:
       directory: holds ``config.json`` and ``model.safetensors`` (or its sharded index).
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI (see the module docstring); errors are one line on stderr and exit status 2."""
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.convert",
-        description="Convert between jaxllm checkpoints and Hugging Face GPT-2 / Llama directories "
+        description="Convert between jaxllm checkpoints and Hugging Face GPT-2 / Llama / Mixtral directories "
                     "(safetensors; see the module docstring).",
         epilog="--from-hf also takes --config.SECTION.KEY=VALUE options (e.g. --config.data.input=FILE, "
                "--config.data.tokenizer=char): the data must be tokenized with the model's tokenizer.")
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
               f"data section (data.tokenizer={cfg.data.tokenizer}, data.input={cfg.data.input}); the data must be "
               f"tokenized as the model expects: import again with --config.data.* or edit {config_py}",
               file=sys.stderr)
-    kind = "GPT-2" if cfg.model.position_embedding == "learned" else "Llama"
+    kind = {"gpt2": "GPT-2", "llama": "Llama", "mixtral": "Mixtral"}[hf_architecture(cfg.model).model_type]
     print(f"imported {kind} from {directory} into "
           f"{workdir} (step 0, data.tokenizer={cfg.data.tokenizer})\n"
           f"train on:  python -m jaxllm.train --config={config_py} --workdir={workdir}\n"

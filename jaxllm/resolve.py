@@ -67,6 +67,12 @@ def _check_values(cfg: Config) -> None:
                           f"the learned position table must cover train.seq_length={t.seq_length}")
     if not m.dropout < 1.0:
         raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+    if m.num_experts and m.moe_router_topk > m.num_experts:
+        raise ConfigError("model.moe_router_topk", m.moe_router_topk,
+                          f"must be <= model.num_experts={m.num_experts} (each token takes that many distinct experts)")
+    if not m.num_experts and cfg.mesh.expert * cfg.mesh.dcn_expert > 1:
+        raise ConfigError("mesh.expert", cfg.mesh.expert * cfg.mesh.dcn_expert,
+                          "splits the experts' weights: set model.num_experts > 0, or mesh.expert=1")
     for key in ("beta1", "beta2", "sgd_momentum"):
         if not getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
@@ -203,6 +209,7 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     m = dataclasses.replace(m)  # a copy that may be written, also of a resolved (read-only) section
     m.num_kv_heads = m.num_kv_heads or m.num_attention_heads
     m.ffn_hidden_size = _ffn_size(m)
+    m.moe_ffn_hidden_size = m.moe_ffn_hidden_size or m.ffn_hidden_size
     m.dtype = resolve_dtype(m.dtype, backend)
     if m.layer_loop == "auto":
         m.layer_loop = cpu.layer_loop(hardware.backend_kind(backend), m.remat)
@@ -299,11 +306,11 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
                                   backend=backend)
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters
     t.optimizer = config.OPTIMIZER_ALIASES.get(t.optimizer, t.optimizer)
-    data_parallel = shape["data"] * shape["fsdp"]
+    data_parallel = shape["data"] * shape["fsdp"] * shape["expert"]
     if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise ConfigError(
             "train.global_batch_size", t.global_batch_size,
-            f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp) "
+            f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp x expert) "
             f"= {t.micro_batch_size} x {data_parallel} = {t.micro_batch_size * data_parallel}")
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
     microbatches = t.global_batch_size // (t.micro_batch_size * data_parallel)

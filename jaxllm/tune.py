@@ -367,7 +367,8 @@ def main(argv):
         if n < 1 or n > len(jax.devices()):
             raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
         trials, seconds = parse_budget(F.budget)
-        dims = layouts.dimensions(base, axes=F.axes, micro_batch=F.micro_batch, remat=F.remat, attention=F.attention,
+        axes = F.axes if F.axes != "auto" else ",".join(a for a in AXES if a != "expert" or base.model.num_experts)
+        dims = layouts.dimensions(base, axes=axes, micro_batch=F.micro_batch, remat=F.remat, attention=F.attention,
                                   virtual_stages=F.virtual_stages, pipeline_schedules=F.pipeline_schedules,
                                   sequence_impls=F.sequence_impls)
         if F.sampler not in ("auto", "grid", "optuna"):
@@ -428,7 +429,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)")
     flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICES)}")
     flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)")
-    flags.DEFINE_string("axes", ",".join(AXES), "mesh axes to factorize the devices over")
+    flags.DEFINE_string("axes", "auto", "mesh axes to factorize the devices over (auto: every axis, expert only "
+                        "for a mixture of experts)")
     flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)")
     flags.DEFINE_string("remat", "none,full,save_dots", "remat policies")
     flags.DEFINE_string("attention", "auto",

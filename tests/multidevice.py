@@ -8,7 +8,8 @@ of :func:`base_config` (with Megatron's document options in ``data`` the batches
 end-of-document token :data:`EOD` in five, and the steps take their ``docs`` arrays;
 ``"eval": True`` adds the validation loss of 200 batches after training, as
 the training loop evaluates: one compiled program over the stacked batches, the case that deadlocked
-XLA:CPU when each batch was its own execution); the result holds the three losses, the parameters after
+XLA:CPU when each batch was its own execution); the result holds the three losses (and a mixture of
+experts' logged routing statistics, ``moe``, per step), the parameters after
 three steps (compared by the caller against the single-device run), whether
 every parameter's sharding is the one the rules table declares, and the bytes
 per device of parameters and optimizer state.  ``"hlo": True`` only compiles the train step and
@@ -114,10 +115,11 @@ def run_layout(layout, batches, doc_batches):
         return compiled_vocab_shapes(run, batches)
     state = run.initial_state()
     rows = run.process_rows()
-    losses = []
+    losses, moe = [], []
     for x, y in batches:
         state, m = run.train_step(state, *run.global_batch(x[rows], y[rows], *documents(cfg, x[rows])))
         losses.append(float(m["loss"]))
+        moe.append({k: float(v) for k, v in m.items() if k.startswith("moe_")})
     declared = sharding.param_specs(run.spec.axes, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
     mismatched = [
         jax.tree_util.keystr(path)
@@ -131,7 +133,7 @@ def run_layout(layout, batches, doc_batches):
     eval_loss = None
     if evaluate:
         eval_loss = run.evaluate(state["params"], ValidationBatches(cfg, rows))
-    return {"losses": losses, "params": flat, "sharding_mismatches": mismatched, "eval_loss": eval_loss,
+    return {"losses": losses, "moe": moe, "params": flat, "sharding_mismatches": mismatched, "eval_loss": eval_loss,
             "param_bytes": sharding.per_device_bytes(state["params"]),
             "opt_bytes": sharding.per_device_bytes(state["opt_state"])}
 

@@ -1,12 +1,14 @@
 """Hugging Face conversion (the tables of jaxllm.model.hf, the workdirs and CLI of jaxllm.convert) against real
 transformers + PyTorch (CPU, float32, small random models).
 
-Import: transformers' GPT-2 / Llama logits == jaxllm's on the imported parameters.
+Import: transformers' GPT-2 / Llama / Mixtral logits == jaxllm's on the imported parameters (Mixtral's
+experts also in transformers 5's fused layout).
 Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
 CLI, and from a jaxllm-initialized model with a padded vocabulary) and gives jaxllm's logits,
-with exactly the tensors transformers itself saves.  The imported workdir's config.py loads
-through the training CLI's --config flag.  Bad inputs: pickle-only directories, unsupported
-configs both ways, options the import cannot honour.
+with exactly the tensors transformers itself saves; a jaxllm mixture of experts trained a few steps
+exports as Mixtral, whose cross entropy on the run's validation batches is the run's eval_loss.  The
+imported workdir's config.py loads through the training CLI's --config flag.  Bad inputs: pickle-only
+directories, unsupported configs both ways, options the import cannot honour.
 """
 
 import json
@@ -48,8 +50,17 @@ def llama(tied=False):
         vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
 
 
+def mixtral(tied=False):
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        tie_word_embeddings=tied, rope_theta=500.0, router_aux_loss_coef=0.02))
+
+
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
-          "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True)}
+          "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
+          "mixtral-gqa-untied": lambda: mixtral(False)}
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def randomize(m, seed):
@@ -107,13 +118,18 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert (m.position_embedding, m.norm, m.activation) == (("learned", "layernorm", "gelu") if "gpt2" in name
                                                             else ("rotary", "rmsnorm", "swiglu"))
     assert m.tie_embeddings == ("untied" not in name)
-    if "llama" in name:
+    if "gpt2" not in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
+    if "mixtral" in name:  # dropless top-2 of 4 experts of 48, as Mixtral
+        assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 48)
+        assert (m.moe_aux_loss_coeff, m.moe_capacity_factor, m.moe_shared_expert_intermediate_size) == (0.02, 0, 0)
+    else:
+        assert m.num_experts == 0
     out = jax_logits(m, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
     hf_config, tensors = to_hf(m, params)
-    assert hf_config["architectures"] == [("GPT2LMHeadModel" if "gpt2" in name else "LlamaForCausalLM")]
+    assert hf_config["architectures"] == [HF_CLASSES[name.split("-")[0]]]
     convert.save_hf(m, params, str(tmp_path / "back"))
     back = load_hf(tmp_path / "back")
     np.testing.assert_allclose(hf_logits(back, tokens()), ref, atol=TOL, rtol=0)
@@ -148,17 +164,39 @@ def test_rotary_layout_is_hf_llamas(hf_dir):
     assert np.abs(jax_logits(cfg.model, wrong, toks, positions=positions) - out).max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("hf_dir", ["mixtral-gqa-untied"], indirect=True)
+def test_mixtral_fused_experts_import(hf_dir, tmp_path):
+    """transformers 5's own layout of Mixtral's experts (``save_original_format=False``: the router as
+    ``mlp.gate.weight``, each layer's experts as ``gate_up_proj [E, 2f, h]`` and ``down_proj [E, h, f]``)
+    imports as the per-expert layout of the Hub's checkpoints does; a wrong shape is named."""
+    from safetensors.numpy import load_file, save_file
+
+    _, d, ref = hf_dir
+    load_hf(d).save_pretrained(tmp_path / "fused", safe_serialization=True, save_original_format=False)
+    fused = load_file(str(tmp_path / "fused" / "model.safetensors"))
+    assert fused["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
+    assert not any("block_sparse_moe" in k for k in fused)
+    cfg, params = convert.from_hf(str(tmp_path / "fused"), F32)
+    np.testing.assert_allclose(jax_logits(cfg.model, params, tokens()), ref, atol=TOL, rtol=0)
+    fused["model.layers.1.mlp.experts.down_proj"] = fused["model.layers.1.mlp.experts.down_proj"][:3]
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    with pytest.raises(ConvertError, match=r"model.layers.1.mlp.experts.down_proj has shape \[3, 64, 48\], "
+                                           r"config.json implies \[4, 64, 48\]"):
+        convert.from_hf(str(tmp_path / "fused"), F32)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
 def test_cli_round_trip_through_workdir(arch, tmp_path):
     """--from-hf writes a real step-0 training checkpoint; --to-hf exports it; transformers agrees."""
     torch.manual_seed(1)
-    m = randomize(gpt2(True) if arch == "gpt2" else llama(False), seed=7)
+    m = randomize({"gpt2": lambda: gpt2(True), "llama": llama, "mixtral": mixtral}[arch](), seed=7)
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
     ref = hf_logits(m, tokens())
     work = tmp_path / "work"
     r = cli("--from-hf", str(tmp_path / "hf"), str(work), "--config.train.train_iters=5",
             "--config.train.warmup_iters=1", "--config.model.dtype=float32")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"imported {dict(gpt2='GPT-2', llama='Llama', mixtral='Mixtral')[arch]} from ")
     assert "jaxllm.train --config=" in r.stdout and (work / "config.py").is_file()
     assert "the data must be tokenized as the model expects" in r.stderr
 
@@ -219,6 +257,7 @@ def small_cfg(**changes):
 
 LLAMA_CFG = dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False,
                  num_kv_heads=2, tie_embeddings=False, rotary_base=10000.0, norm_eps=1e-6)
+MOE_CFG = dict(LLAMA_CFG, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -235,6 +274,46 @@ def test_jaxllm_model_exports(kind, tmp_path):
     assert (m.padded_vocab_size, hf["vocab_size"]) == (128, 100)
     toks = tokens(vocab=100)
     np.testing.assert_allclose(hf_logits(load_hf(tmp_path), toks), jax_logits(m, params, toks), atol=TOL, rtol=0)
+
+
+def test_moe_run_exports_as_mixtral_with_its_eval_loss(tmp_path):
+    """A jaxllm mixture of experts (4 experts, top 2, vocab 100 padded to 128) trained 3 steps with its
+    router's losses, saved as training saves it and exported by the --to-hf CLI: transformers'
+    MixtralForCausalLM gives the run's eval_loss (Run.evaluate) as its cross entropy on the same batches."""
+    c = config.get_config()
+    # init_std 0.2: the router and the experts weigh on the loss (0.02 leaves it near ln 100 whatever
+    # they are; here swapping the experts' gate and up, or two experts' router rows, moves it by > 0.1)
+    c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, dtype="float32", vocab_size=100,
+                   init_std=0.2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, **MOE_CFG)
+    c.train.update(seq_length=SEQ, micro_batch_size=4, global_batch_size=4, train_iters=3, warmup_iters=1,
+                   lr=1e-2, eval_iters=2)
+    cfg = resolve(c, num_devices=1)
+    run = Run(cfg, devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 100, (4, SEQ + 1)).astype(np.int32) for _ in range(5)]
+    state = run.initial_state()
+    for b in batches[:3]:
+        state, _ = run.train_step(state, *run.global_batch(b[:, :-1], b[:, 1:]))
+    validation = batches[3:]
+
+    class Validation:
+        def eval_batch(self, i):
+            return validation[i][:, :-1], validation[i][:, 1:]
+
+    eval_loss = run.evaluate(state["params"], Validation())
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "run"), cfg)
+    ckpt.maybe_save(3, state, force=True)
+    ckpt.close()
+    assert convert.main(["--to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    hf = load_hf(tmp_path / "hf")
+    assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.vocab_size == 100
+    assert (hf.config.num_local_experts, hf.config.num_experts_per_tok, hf.config.intermediate_size) == (4, 2, 48)
+    assert hf.config.router_aux_loss_coef == 0.01 and hf.config.sliding_window is None
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(torch.tensor(hf_logits(hf, b[:, :-1])).reshape(-1, 100),
+                                                    torch.tensor(b[:, 1:], dtype=torch.long).reshape(-1))
+                  for b in validation]
+    assert abs(float(np.mean(losses)) - eval_loss) < TOL, (np.mean(losses), eval_loss)
 
 
 def test_bfloat16_safetensors_import(tmp_path):
@@ -299,6 +378,9 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (dict(norm="rmsnorm", activation="swiglu"), ("model.norm", "model.activation")),
     (dict(num_kv_heads=2), ("model.num_kv_heads",)),
     (dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu"), ("model.use_bias",)),
+    (dict(MOE_CFG, moe_capacity_factor=1.25), ("model.moe_capacity_factor",)),  # Mixtral is dropless
+    (dict(MOE_CFG, moe_shared_expert_intermediate_size=32), ("model.moe_shared_expert_intermediate_size",)),
+    (dict(num_experts=4), ("model.num_experts",)),  # GPT-2's layer with experts: no such HF model
 ])
 def test_unsupported_combination_names_keys(changes, keys):
     m = small_cfg(**changes).model
@@ -328,9 +410,14 @@ def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ("llama", {"head_dim": 32}, "head_dim"),
     ("mistral", {}, "model_type"),
+    ("mixtral", {"sliding_window": SEQ // 2}, "sliding_window"),  # shorter than its positions
+    ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}},
+     "rope_parameters.rope_type"),
 ])
 def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
-    hf = (gpt2() if model_type == "gpt2" else llama()).config.to_dict()
+    hf = {"gpt2": gpt2, "mixtral": mixtral}.get(model_type, llama)().config.to_dict()
     hf.update(change)
     if model_type == "mistral":
         hf["model_type"] = "mistral"

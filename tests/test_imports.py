@@ -5,6 +5,8 @@ the library (checked on the source: module-level imports, as Python runs them at
 import ast
 from pathlib import Path
 
+from jaxllm import config
+
 ROOT = Path(__file__).resolve().parents[1] / "jaxllm"
 # the command-line tools (python -m jaxllm.NAME): they may import the library, never the reverse
 TOOLS = {"jaxllm.train", "jaxllm.bench", "jaxllm.plan", "jaxllm.tune", "jaxllm.convert", "jaxllm.generate",
@@ -92,7 +94,7 @@ def test_config_imports_nothing_of_the_library():
 def test_model_names_no_mesh_axis_and_no_backend():
     """The model knows a layout only through ``Ops`` and logical axis names: no mesh axis, no
     ``jax.sharding``, no CPU-only path (those are chosen in jaxllm.runtime.cpu)."""
-    mesh_axes = ("data", "fsdp", "pipeline", "tensor", "sequence")
+    mesh_axes = config.MESH_AXES
     for path in (ROOT / "model").glob("*.py"):
         tree = ast.parse(path.read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}

@@ -1,5 +1,6 @@
 """The model: the GPT (:mod:`~jaxllm.model.gpt`), its attention dispatch (:mod:`~jaxllm.model.attention`),
-the fused chunked loss (:mod:`~jaxllm.model.fused_loss`), the FP8 matmul (:mod:`~jaxllm.model.fp8`) and
+the fused chunked loss (:mod:`~jaxllm.model.fused_loss`), mixture-of-experts routing
+(:mod:`~jaxllm.model.moe`), the FP8 matmul (:mod:`~jaxllm.model.fp8`) and
 the Hugging Face architecture tables (:mod:`~jaxllm.model.hf`).  It names no mesh axis: :class:`Ops` is all
 it knows of a layout.
 
@@ -9,6 +10,7 @@ it knows of a layout.
 from jaxllm.model.gpt import (
     GPT,
     LOCAL,
+    MOE_STATS,
     REMAT_POLICIES,
     RESIDUAL,
     Ops,
@@ -26,5 +28,5 @@ from jaxllm.model.gpt import (
     row_keys,
 )
 
-__all__ = ["GPT", "LOCAL", "REMAT_POLICIES", "RESIDUAL", "Ops", "Spec", "dense", "describe", "forward", "gelu",
-           "init", "init_cache", "logical_sizes", "loss", "num_params", "rotary", "row_keys"]
+__all__ = ["GPT", "LOCAL", "MOE_STATS", "REMAT_POLICIES", "RESIDUAL", "Ops", "Spec", "dense", "describe", "forward",
+           "gelu", "init", "init_cache", "logical_sizes", "loss", "num_params", "rotary", "row_keys"]

@@ -38,7 +38,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model import attention as dispatch
-from jaxllm.model import fused_loss
+from jaxllm.model import fused_loss, moe
 from jaxllm_kernels.reference import MASKED
 
 if TYPE_CHECKING:
@@ -91,6 +91,11 @@ class Ops:
         attention output, MLP), :func:`dense` by default; ``w`` and ``b`` (or None) are the very
         parameter values of the layer (the zb_h1 pipeline schedule takes input and weight
         gradients apart here, :mod:`jaxllm.parallel.pipeline`).
+      experts: ``(x, ids, weights, w1, wg, w2, b1, b2, *, activation, dtype) -> y``: the mixture of
+        experts' expert computation, ``x`` ``[batch, len, embed]``, routing ``[batch, len, topk]``
+        (:func:`jaxllm.model.moe.local_experts`; expert parallelism replaces it).
+      router_loss: ``(x, loss) -> x``: joins a router's auxiliary loss to the objective
+        (:func:`jaxllm.model.moe.attach_loss`, its gradient the step's 1 / micro batches).
     """
 
     constrain: Callable = _unconstrained
@@ -99,6 +104,8 @@ class Ops:
     cross_entropy: Callable = fused_loss.cross_entropy
     param: Callable = _unconstrained
     dense: Callable = dense
+    experts: Callable = moe.local_experts
+    router_loss: Callable = moe.loss_scaler(1.0)
 
 
 LOCAL = Ops()
@@ -297,24 +304,68 @@ class MLP(nnx.Module):
         return checkpoint_name(_dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt), "mlpwo")
 
 
+class MoE(nnx.Module):
+    """Mixture of experts in place of the MLP (``model.num_experts`` > 0): a float32 router picks each token's
+    ``moe_router_topk`` experts (:func:`jaxllm.model.moe.route`), each an MLP of ``moe_ffn_hidden_size`` with
+    the model's activation, combined by the router's weights; plus a shared dense MLP of
+    ``moe_shared_expert_intermediate_size`` that every token takes (Qwen-MoE, DeepSeekMoE), if set.
+
+    The router's losses (``moe_aux_loss_coeff`` x load-balancing loss + ``moe_z_loss_coeff`` x z-loss) join the
+    objective through ``ops.router_loss``; the call returns the output ``[batch, len, embed]`` and the
+    routing statistics (float32 scalars, :func:`jaxllm.model.moe.route`).
+    """
+
+    def __init__(self, cfg, rngs, ops):
+        h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.cfg, self.ops = cfg, ops
+        self.router = _param(rngs.params(), (h, e), std, ("embed", None))
+        self.w1 = _param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
+        self.wg = (_param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
+                   if cfg.activation == "swiglu" else None)
+        self.w2 = _param(rngs.params(), (e, f, h), out_std, ("experts", "expert_mlp", "expert_embed"))
+        self.b1 = _param(None, (e, f), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
+        self.b2 = _param(None, (e, h), 0, ("experts", "expert_embed")) if cfg.use_bias else None
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), rngs, ops) if shared else None
+
+    def __call__(self, x):
+        cfg, value = self.cfg, lambda p: None if p is None else p[...]  # noqa: E731
+        logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...])
+        ids, weights, stats = moe.route(logits, cfg.moe_router_topk, cfg.moe_capacity_factor)
+        y = self.ops.experts(x, ids, weights, self.w1[...], value(self.wg), self.w2[...], value(self.b1),
+                             value(self.b2), activation=gelu, dtype=jnp.dtype(cfg.dtype))
+        y = self.ops.router_loss(y, cfg.moe_aux_loss_coeff * stats["aux_loss"] + cfg.moe_z_loss_coeff * stats["z_loss"])
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, stats
+
+
 class Block(nnx.Module):
-    """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (the MLP a
+    mixture of experts when ``model.num_experts`` > 0)."""
 
     def __init__(self, cfg, rngs, ops):
         self.dropout, self.ops = cfg.dropout, ops
         self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs, ops)
-        self.ln2, self.mlp = Norm(cfg), MLP(cfg, rngs, ops)
+        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if cfg.num_experts else MLP(cfg, rngs, ops))
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
+        """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of
+        experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP)."""
         x = checkpoint_name(x, "decoder_layer_input")  # every use below reads it through the name
         k1, k2 = _split_rows(key, 2) if key is not None else (None, None)
         y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
         x = self.ops.constrain(x + _dropout(y, self.dropout, k1, order), RESIDUAL)
-        x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2, order)
-        return self.ops.constrain(x, RESIDUAL), cache
+        y, stats = self.mlp(self.ln2(x)), None
+        if isinstance(self.mlp, MoE):
+            y, stats = y
+        x = x + _dropout(y, self.dropout, k2, order)
+        return self.ops.constrain(x, RESIDUAL), (cache if cache is not None else stats)
 
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
+MOE_STATS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")  # the logged routing statistics
 
 # The layer's named activations (``checkpoint_name``, MaxText's names): its input (``decoder_layer_input``),
 # each matmul's output and the attention output (``context``).  A remat policy saves some for the backward
@@ -405,16 +456,29 @@ class GPT(nnx.Module):
         return logits if cache is None else (logits, cache_out)
 
     def loss(self, tokens, targets, *, positions=None, order=None, segment_ids=None, loss_mask=None,
-             dropout_key=None):
+             dropout_key=None, with_stats=False):
         """Summed next-token cross entropy (nats, float32 scalar) of ``targets`` int32 ``[batch, len]``
         after ``tokens``, each token's loss times ``loss_mask`` float32 ``[batch, len]`` (None: 1), the
-        other arguments as :meth:`__call__`, without the logits (:meth:`output_loss`)."""
+        other arguments as :meth:`__call__`, without the logits (:meth:`output_loss`).  ``with_stats``:
+        ``(loss, stats)`` with the mixture of experts' statistics (:meth:`moe_stats`; ``{}`` when dense)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x, keys = self.embed(tokens, positions, dropout_key, order)
-        x, _ = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, order=order,
-                               segment_ids=segment_ids)
-        return self.output_loss(x, targets, loss_mask)
+        x, stats = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, order=order,
+                                   segment_ids=segment_ids)
+        loss = self.output_loss(x, targets, loss_mask)
+        return (loss, self.moe_stats(stats)) if with_stats else loss
+
+    @staticmethod
+    def moe_stats(stats) -> dict:
+        """The logged routing statistics from the layers' ``[layers]`` ones (:func:`jaxllm.model.moe.route`):
+        ``moe_aux_loss`` and ``moe_z_loss`` (the layers' mean, without their coefficients), ``moe_max_load``
+        (the largest over the layers: the busiest expert's tokens over the mean) and ``moe_dropped`` (the
+        layers' mean fraction of dropped token copies); ``{}`` for a dense model (``stats`` None)."""
+        if stats is None:
+            return {}
+        return dict(zip(MOE_STATS, (stats["aux_loss"].mean(), stats["z_loss"].mean(), stats["max_load"].max(),
+                                    stats["dropped"].mean())))
 
     def embed(self, tokens, positions, dropout_key=None, order=None):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
@@ -504,7 +568,7 @@ class Spec:
       params: the parameters' ``jax.ShapeDtypeStruct`` (float32), a nested dict as :func:`init` gives.
       axes: each parameter's logical axis names, a dict shaped as ``params`` with tuple leaves.
       decay: which parameters get weight decay (the matrices that multiply the ``embed``
-        axis: embeddings and projections, not norms or biases), bool leaves.
+        axis: embeddings, projections, routers and experts, not norms or biases), bool leaves.
     """
 
     graphdef: Any
@@ -520,7 +584,8 @@ def describe(cfg: ModelConfig, ops: Ops = LOCAL) -> Spec:
     axes = nnx.to_pure_dict(jax.tree.map(
         lambda v: tuple(v.get_metadata()["out_sharding"] or (None,) * v.value.ndim), state,
         is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    decay = jax.tree.map(lambda a: "embed" in a and len([n for n in a if n != "layers"]) >= 2, axes,
+    decay = jax.tree.map(lambda a: bool({"embed", "expert_embed"} & set(a))
+                         and len([n for n in a if n not in ("layers", "experts")]) >= 2, axes,
                          is_leaf=lambda x: isinstance(x, tuple))
     return Spec(graphdef, nnx.to_pure_dict(state), axes, decay)
 
@@ -535,6 +600,9 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
         "vocab": (cfg.padded_vocab_size, "model.vocab_size"),
         "embed": (cfg.hidden_size, "model.hidden_size"),
         "layers": (cfg.num_layers, "model.num_layers"),
+        "experts": (cfg.num_experts, "model.num_experts"),
+        "expert_embed": (cfg.hidden_size, "model.hidden_size"),
+        "expert_mlp": (cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size"),
         "length": (seq_length, "train.seq_length"),
         "residual": (seq_length, "train.seq_length"),
     }

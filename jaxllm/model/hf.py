@@ -1,12 +1,15 @@
-"""The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel`` and
-``LlamaForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
+"""The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel``,
+``LlamaForCausalLM`` and ``MixtralForCausalLM`` in jaxllm's terms, and the pure mapping of parameters
+both ways.
 
 Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
 config.json keys <-> model keys, the config.json values supported, and the table of its
 :class:`Tensor` rows: HF name, our parameters, layout), so import and export are inverses by
 construction.  **GPT-2** holds learned positions, LayerNorm, GELU, biases and multi-head
-attention; **Llama** rotary, RMSNorm, SwiGLU, no biases, grouped-query attention; either with tied
-or untied embeddings (any other model is a :class:`ConvertError` naming the keys that do not fit).
+attention; **Llama** rotary, RMSNorm, SwiGLU, no biases, grouped-query attention; **Mixtral** Llama's
+layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
+shared expert); each with tied or untied embeddings (any other model is a :class:`ConvertError` naming
+the keys that do not fit).
 The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the
 logits of its padding rows, so without them HF's logits and softmax are exactly jaxllm's.
 
@@ -59,7 +62,9 @@ class Tensor(NamedTuple):
     """A row of an architecture's table: one Hugging Face tensor and the jaxllm parameters it holds.
 
     ``name``: HF's; with ``{i}``, one tensor per layer ``i``, holding that layer's slice of our
-    ``[layers, ...]`` parameters.  ``params``: our parameter paths, several concatenated along
+    ``[layers, ...]`` parameters; with ``{e}`` too, one per layer and expert ``e``, holding the slice
+    ``[i, e]`` of our ``[layers, experts, ...]`` parameters (Mixtral's ``w1 [L, E, h, f]`` -> ``experts.{e}.w3
+    [f, h]``).  ``params``: our parameter paths, several concatenated along
     HF's output axis (GPT-2's ``c_attn = [wq | wk | wv]``).  ``fan_in``: the leading axes of a
     (per-layer) parameter that form the input axis, the rest the output axis (``wq [h, heads, d]``,
     1: ``[h, heads*d]``; ``wo [heads, d, h]``, 2: ``[heads*d, h]``); 0: a vector, flattened.
@@ -83,7 +88,9 @@ class Arch:
     ``supports``: config.json key -> the values jaxllm supports (export writes the first);
     ``extra``: further config.json entries export writes; ``prefix``: the base model's, absent from
     a bare base model's checkpoint; ``buffers``: regex of non-parameter tensors checkpoints may
-    hold; ``tensors``: the table, every parameter in one row (``lm_head`` only when untied)."""
+    hold; ``tensors``: the table, every parameter in one row (``lm_head`` only when untied);
+    ``layouts``: ``(tensors, model section) -> tensors``, a checkpoint's other layouts of the same
+    parameters renamed and split into the table's (None: the table's is the only one)."""
 
     model_type: str
     hf_class: str
@@ -94,11 +101,13 @@ class Arch:
     prefix: str
     buffers: str
     tensors: tuple[Tensor, ...]
+    layouts: Callable[[dict, config.Model], dict] | None = None
 
 
 GPT2 = Arch(
     model_type="gpt2", hf_class="GPT2LMHeadModel",
-    needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True},
+    needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True,
+           "num_experts": 0},
     keys={"n_layer": ("num_layers", 12), "n_embd": ("hidden_size", 768), "n_head": ("num_attention_heads", 12),
           "n_inner": ("ffn_hidden_size", None), "vocab_size": ("vocab_size", GPT2_VOCAB_SIZE),
           "n_positions": ("max_position_embeddings", 1024), "layer_norm_epsilon": ("norm_eps", 1e-5),
@@ -132,7 +141,8 @@ GPT2 = Arch(
 
 LLAMA = Arch(
     model_type="llama", hf_class="LlamaForCausalLM",
-    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False},
+    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
+           "num_experts": 0},
     keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
           "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", None),
           "intermediate_size": ("ffn_hidden_size", 11008), "vocab_size": ("vocab_size", 32000),
@@ -160,7 +170,98 @@ LLAMA = Arch(
         Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
     ))
 
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA)}
+
+
+def _mixtral_layouts(tensors: dict[str, np.ndarray], m: config.Model) -> dict[str, np.ndarray]:
+    """Mixtral's tensors under :data:`MIXTRAL`'s names: the per-expert layout of the Hub's checkpoints,
+    which transformers 5 still saves (``block_sparse_moe.experts.{e}.w1.weight [f, h]``, ...).  Its fused
+    layout in memory (``save_pretrained(..., save_original_format=False)``) is split per expert:
+    ``mlp.experts.gate_up_proj [E, 2f, h]`` (each expert's gate rows, then its up rows) into ``w1``
+    (gate) and ``w3`` (up), ``mlp.experts.down_proj [E, h, f]`` into ``w2``; ``mlp.`` reads as
+    ``block_sparse_moe.`` (``mlp.gate.weight [E, h]``, the router).  Raises ConvertError."""
+    n, f, h = m.num_experts, m.moe_ffn_hidden_size, m.hidden_size
+    out = {}
+
+    def put(name, x):
+        if name in out:
+            raise ConvertError(f"model.safetensors: holds {name} twice (in the fused and the per-expert layout)")
+        out[name] = x
+
+    for k, x in tensors.items():
+        fused = re.fullmatch(r"(.*layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)", k)
+        if not fused:
+            put(re.sub(r"^(.*layers\.\d+\.)mlp\.", r"\1block_sparse_moe.", k), x)
+            continue
+        layer, kind = fused.groups()
+        want = (n, 2 * f, h) if kind == "gate_up_proj" else (n, h, f)
+        if x.shape != want:
+            raise ConvertError(f"model.safetensors: {k} has shape {list(x.shape)}, config.json implies {list(want)}")
+        for e in range(n):
+            parts = {"w1": x[e, :f], "w3": x[e, f:]} if kind == "gate_up_proj" else {"w2": x[e]}
+            for w, part in parts.items():
+                put(f"{layer}block_sparse_moe.experts.{e}.{w}.weight", part)
+    return out
+
+
+MIXTRAL = Arch(
+    model_type="mixtral", hf_class="MixtralForCausalLM",
+    # and num_experts > 0 (hf_architecture); dropless, no shared expert
+    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
+           "moe_capacity_factor": 0.0, "moe_shared_expert_intermediate_size": 0},
+    keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
+          "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", 8),
+          "intermediate_size": ("moe_ffn_hidden_size", 14336),  # and ffn_hidden_size (model_from_hf)
+          "num_local_experts": ("num_experts", 8), "num_experts_per_tok": ("moe_router_topk", 2),
+          # a training weight only, copied as is: HF's loss is k x Megatron's (jaxllm's), of the layers' pooled
+          # statistics, where jaxllm adds each layer's
+          "router_aux_loss_coef": ("moe_aux_loss_coeff", 0.001), "vocab_size": ("vocab_size", 32000),
+          "max_position_embeddings": ("max_position_embeddings", 131072), "rms_norm_eps": ("norm_eps", 1e-5),
+          "rope_theta": ("rotary_base", 1e6), "initializer_range": ("init_std", 0.02),
+          "tie_word_embeddings": ("tie_embeddings", False)},
+    supports={"hidden_act": ("silu",), "router_jitter_noise": (0.0,)},
+    extra=lambda m: {"head_dim": m.head_dim, "sliding_window": None, "attention_dropout": 0.0,
+                     "output_router_logits": False,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}},
+    prefix="model.",
+    buffers=r".*rotary_emb\.inv_freq",
+    tensors=(
+        Tensor("model.embed_tokens.weight", ("wte",)),  # [vocab, h]
+        Tensor("model.layers.{i}.input_layernorm.weight", ("layers/ln1/scale",), VEC),
+        Tensor("model.layers.{i}.self_attn.q_proj.weight", ("layers/attn/wq",), linear=True),  # [heads*d, h]
+        Tensor("model.layers.{i}.self_attn.k_proj.weight", ("layers/attn/wk",), linear=True),  # [kv_heads*d, h]
+        Tensor("model.layers.{i}.self_attn.v_proj.weight", ("layers/attn/wv",), linear=True),  # [kv_heads*d, h]
+        Tensor("model.layers.{i}.self_attn.o_proj.weight", ("layers/attn/wo",), 2, linear=True),  # [h, heads*d]
+        Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/ln2/scale",), VEC),
+        Tensor("model.layers.{i}.block_sparse_moe.gate.weight", ("layers/mlp/router",), linear=True),  # [E, h]
+        Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
+        Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
+        Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
+        Tensor("model.norm.weight", ("ln_f/scale",), VEC),
+        Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
+    ),
+    layouts=_mixtral_layouts)
+
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, MIXTRAL)}
+
+
+class _Condition(str):
+    """A requirement other than a value (``> 0``), printed as it is."""
+
+    def __repr__(self):
+        return str(self)
+
+
+def _indices(t: Tensor, m: config.Model) -> list[tuple[int | None, int | None]]:
+    """The ``(layer, expert)`` of each HF tensor of row ``t``, layer-major (None: no such axis)."""
+    layers = range(m.num_layers) if "{i}" in t.name else [None]
+    experts = range(m.num_experts) if "{e}" in t.name else [None]
+    return [(i, e) for i in layers for e in experts]
+
+
+def _slice(a: np.ndarray, i: int | None, e: int | None) -> np.ndarray:
+    """Layer ``i``'s, then expert ``e``'s slice of ``a`` (None: the whole axis is the tensor's)."""
+    a = a if i is None else a[i]
+    return a if e is None else a[e]
 
 
 def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
@@ -204,23 +305,25 @@ def _unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ..
 
 
 def hf_architecture(m: config.Model) -> Arch:
-    """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly.
+    """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly: GPT-2 or
+    Llama for a dense model, Mixtral for a mixture of experts.
 
     Raises:
-      ConvertError: the model fits neither; ``keys`` are the keys that do not fit the closer
-        architecture (the message lists both).
+      ConvertError: the model fits none; ``keys`` are the keys that do not fit the closest
+        architecture (the message lists the two closest).
     """
     misfits = {}
-    for arch in (GPT2, LLAMA):
+    for arch in (GPT2, LLAMA, MIXTRAL):
         bad = {f"model.{k}": v for k, v in arch.needs.items() if getattr(m, k) != v}
         if arch is GPT2 and m.num_kv_heads != m.num_attention_heads:
             bad["model.num_kv_heads"] = m.num_attention_heads
+        if arch is MIXTRAL and not m.num_experts:
+            bad["model.num_experts"] = _Condition("> 0")
         if not bad:
             return arch
         misfits[arch.model_type] = bad
-    likely = "llama" if m.position_embedding == "rotary" else "gpt2"
-    closest = min(misfits, key=lambda a: (len(misfits[a]), a != likely))
-    other = "llama" if closest == "gpt2" else "gpt2"
+    likely = "mixtral" if m.num_experts else "llama" if m.position_embedding == "rotary" else "gpt2"
+    closest, other = sorted(misfits, key=lambda a: (len(misfits[a]), a != likely))[:2]
 
     def changes(arch):
         return ", ".join(f"{k}={getattr(m, k.split('.')[1])!r} (needs {v!r})" for k, v in misfits[arch].items())
@@ -232,7 +335,7 @@ def hf_architecture(m: config.Model) -> Arch:
 
 
 def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
-    """A jaxllm model as a Hugging Face GPT-2 or Llama model.
+    """A jaxllm model as a Hugging Face GPT-2, Llama or Mixtral model.
 
     Args:
       m: the resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`).
@@ -240,16 +343,21 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         as ``model.describe(m).params``: ``wte [vocab, h]``, ``wpe [positions, h]`` (learned),
         ``layers/attn/wq [L, h, heads, d]``, ``wk``/``wv [L, h, kv_heads, d]``, ``wo [L, heads, d, h]``,
         ``layers/mlp/w1 [L, h, f]``, ``wg [L, h, f]`` (swiglu), ``w2 [L, f, h]``, norms, biases,
-        ``lm_head [h, vocab]`` (untied), where ``vocab`` = ``m.padded_vocab_size``.
+        ``lm_head [h, vocab]`` (untied), where ``vocab`` = ``m.padded_vocab_size``; with experts
+        (``E`` = ``m.num_experts``, ``f`` = ``m.moe_ffn_hidden_size``) ``layers/mlp/router [L, h, E]``,
+        ``w1``/``wg [L, E, h, f]``, ``w2 [L, E, f, h]``.
     Returns:
       ``(hf_config, tensors)``: the ``config.json`` dict, and float32 C-contiguous arrays by HF
       name, laid out by the architecture's table, with ``m.vocab_size`` rows (see the module doc):
       GPT-2's ``Conv1D`` weights are ``[in, out]`` (``c_attn.weight [h, 3h]`` = ``[wq | wk | wv]``
       flattened over ``(heads, d)``), Llama's
       ``Linear`` weights ``[out, in]`` (``q_proj [heads*d, h]``, ``o_proj [h, heads*d]``,
-      ``gate_proj``/``up_proj [f, h]`` = ``wg``/``w1``), one tensor per layer.
+      ``gate_proj``/``up_proj [f, h]`` = ``wg``/``w1``), one tensor per layer; Mixtral's as Llama's, with
+      ``block_sparse_moe.gate.weight [E, h]`` (the router) and, per layer and expert ``e``,
+      ``block_sparse_moe.experts.{e}.w1``/``w3 [f, h]`` = ``wg``/``w1`` and ``w2 [h, f]`` (the layout of
+      the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves).
     Raises:
-      ConvertError: the model fits neither architecture, or ``params`` does not match it.
+      ConvertError: the model fits no architecture, or ``params`` does not match it.
     """
     arch = hf_architecture(m)
     spec = gpt.describe(m)
@@ -267,8 +375,8 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         if t.params[0] not in flat:  # lm_head of a tied model
             continue
         arrays = [flat[p] for p in t.params]
-        for i in range(m.num_layers) if "{i}" in t.name else [None]:
-            tensors[t.name.format(i=i)] = _to_hf_layout(t, arrays if i is None else [a[i] for a in arrays])
+        for i, e in _indices(t, m):
+            tensors[t.name.format(i=i, e=e)] = _to_hf_layout(t, [_slice(a, i, e) for a in arrays])
     hf = {"architectures": [arch.hf_class], "model_type": arch.model_type,
           **{key: allowed[0] for key, allowed in arch.supports.items()},
           **{key: getattr(m, ours) for key, (ours, _) in arch.keys.items()}, **arch.extra(m),
@@ -319,7 +427,8 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
     arch = ARCHITECTURES.get(hf.get("model_type"))
     if arch is None:
         raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} is not supported: jaxllm converts "
-                           f"'gpt2' (GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)", keys=("model_type",))
+                           f"'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM) and 'mixtral' "
+                           f"(MixtralForCausalLM)", keys=("model_type",))
 
     def unsupported(key, value, need):
         raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
@@ -331,7 +440,7 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
     for key, (ours, default) in arch.keys.items():
         value = hf.get(key, default)
         keys[ours] = 0 if value is None else config.key_type(f"model.{ours}")(value)  # 0: derived, as HF does
-    if arch is LLAMA:
+    if arch.needs["position_embedding"] == "rotary":
         rope = hf.get("rope_parameters") or {}
         scaling, rope_type = hf.get("rope_scaling"), rope.get("rope_type", rope.get("type", "default"))
         if scaling or rope_type != "default":
@@ -341,12 +450,22 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
         if hf.get("head_dim") not in (None, head_dim):
             unsupported("head_dim", hf["head_dim"], f"hidden_size / num_attention_heads = {head_dim}")
         keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
+    if arch is MIXTRAL:
+        window, positions = hf.get("sliding_window"), keys["max_position_embeddings"]
+        if window is not None and window < positions:
+            unsupported("sliding_window", window, f"null or at least max_position_embeddings={positions} (jaxllm's "
+                        f"attention sees every earlier position)")
+        keys["ffn_hidden_size"] = keys["moe_ffn_hidden_size"]
     return arch, {**keys, **arch.needs}
 
 
 def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
     """jaxllm's nested float32 parameters (``model.describe(m).params``) from HF's tensors, by
-    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s). Raises ConvertError."""
+    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's experts also fused,
+    as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
+    ``down_proj [E, h, f]``). Raises ConvertError."""
+    if arch.layouts is not None:
+        tensors = arch.layouts(tensors, m)
     spec = gpt.describe(m)
     shapes = _unpadded_shapes(m, spec)
     embed = arch.tensors[0].name
@@ -367,12 +486,12 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
         if t.params[0] not in shapes:  # the tied copy of the head some checkpoints store: HF ignores it too
             used.add(t.name)
             continue
-        layered = "{i}" in t.name
-        per_layer = [shapes[p][1:] if layered else shapes[p] for p in t.params]
-        slices = [_from_hf_layout(t, get(t.name.format(i=i), _hf_shape(t, per_layer)), per_layer)
-                  for i in (range(m.num_layers) if layered else [None])]
+        lead = ("{i}" in t.name) + ("{e}" in t.name)  # the leading [layers[, experts]] axes HF splits into tensors
+        each = [shapes[p][lead:] for p in t.params]
+        slices = [_from_hf_layout(t, get(t.name.format(i=i, e=e), _hf_shape(t, each)), each)
+                  for i, e in _indices(t, m)]
         for j, p in enumerate(t.params):
-            out[p] = np.stack([s[j] for s in slices]) if layered else slices[0][j]
+            out[p] = np.stack([s[j] for s in slices]).reshape(shapes[p]) if lead else slices[0][j]
     left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
     if left:
         raise ConvertError(f"model.safetensors: tensors jaxllm has no place for: {', '.join(left[:6])}"

@@ -27,7 +27,7 @@ import jax
 from jaxllm import config
 from jaxllm.model.attention import available_impls, resolve_impl
 
-AXES = config.MESH_AXES  # data, fsdp, pipeline, tensor, sequence
+AXES = config.MESH_AXES  # data, fsdp, expert, pipeline, tensor, sequence
 
 
 @dataclasses.dataclass(frozen=True)

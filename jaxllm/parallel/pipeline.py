@@ -125,8 +125,40 @@ def _store(buffers, slot, value, where, axis):
     return jax.vmap(one, spmd_axis_name=axis)(buffers, jnp.broadcast_to(slot, (p,)), value, where)
 
 
+def _no_stats(cfg, m):
+    """Per stage and microbatch ``[p, m]`` sums over a stage's layers of the routing statistics
+    (:func:`jaxllm.model.moe.route`; ``max_load`` their maximum), zero; None for a dense model."""
+    if not cfg.model.num_experts:
+        return None
+    return {k: jnp.zeros((cfg.stages, m), jnp.float32) for k in ("aux_loss", "z_loss", "max_load", "dropped")}
+
+
+def _add_stats(acc, stats, micro, valid):
+    """``acc`` (:func:`_no_stats`) plus one iteration's statistics ``stats`` (``[p, layers of a chunk]``) of
+    microbatch ``micro`` int ``[p]`` where ``valid`` bool ``[p]``."""
+    if acc is None:
+        return None
+
+    def one(acc, stats, i, ok):
+        return {k: a.at[i].set(jnp.maximum(a[i], jnp.where(ok, stats[k].max(), 0)) if k == "max_load"
+                               else a[i] + jnp.where(ok, stats[k].sum(), 0)) for k, a in acc.items()}
+
+    return jax.vmap(one)(acc, stats, micro, valid)
+
+
+def _stats_metrics(cfg, acc) -> dict:
+    """The logged statistics of :meth:`jaxllm.model.GPT.moe_stats` from the accumulated ones: per microbatch
+    the layers' mean (the busiest expert: their maximum), then the microbatches' mean."""
+    if acc is None:
+        return {}
+    layers, m = cfg.model.num_layers, acc["aux_loss"].shape[1]
+    per_micro = {k: a.max(0) if k == "max_load" else a.sum(0) / layers for k, a in acc.items()}
+    return {name: per_micro[k].sum() / m for name, k in zip(model.MOE_STATS, ("aux_loss", "z_loss", "max_load",
+                                                                                "dropped"))}
+
+
 def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_keys):
-    """Mean loss of a batch of microbatches pushed through the pipeline.
+    """Mean loss of a batch of microbatches pushed through the pipeline, and a mixture of experts' statistics.
 
     Args:
       cfg: the resolved run config (``cfg.stages > 1``).
@@ -139,11 +171,14 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
       dropout_keys: one PRNG key per row ``[microbatches, micro_batch]``
         (:func:`jaxllm.runtime.step.row_keys`), or None (no dropout).
     Returns:
-      float32 scalar: the mean cross entropy over every token (the model's fused output loss,
-      :meth:`jaxllm.model.GPT.output_loss`), as the same batch gives without pipeline.  Its
-      gradient (``jax.grad``) is autodiff's transpose of the forward loop for gpipe /
-      interleaved, and the fused loop's own for the 1F1B family (the value is then the fused
-      loop's too); without differentiation every schedule runs the forward loop.
+      ``(loss, stats)``: float32 scalar, the mean cross entropy over every token (the model's fused
+      output loss, :meth:`jaxllm.model.GPT.output_loss`), as the same batch gives without pipeline,
+      and the routing statistics of :meth:`jaxllm.model.GPT.moe_stats`, averaged over the
+      microbatches (``{}`` for a dense model).  The loss's gradient (``jax.grad`` with ``has_aux``) is
+      autodiff's transpose of the forward loop for gpipe / interleaved, and the fused loop's own for
+      the 1F1B family (the values are then the fused loop's too); without differentiation every
+      schedule runs the forward loop.  A router's losses reach its gradients through the model's
+      ``router_loss`` (:func:`jaxllm.model.moe.attach_loss`), in every schedule.
     """
     if cfg.parallel.pipeline_schedule not in FUSED:
         return _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout_keys)
@@ -153,10 +188,12 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
         return _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout_keys)
 
     def fwd(params, inputs, targets, positions, dropout_keys):
-        return _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions, dropout_keys)
+        loss, stats, grads = _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
+                                                   dropout_keys)
+        return (loss, stats), grads
 
     def bwd(grads, ct):
-        return jax.tree.map(lambda g: g * ct, grads), None, None, None, None
+        return jax.tree.map(lambda g: g * ct[0], grads), None, None, None, None
 
     fused.defvjp(fwd, bwd)
     return fused(params, inputs, targets, positions, dropout_keys)
@@ -165,10 +202,19 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
 # ----- gpipe / interleaved: the forward loop (autodiff transposes it) --------------------------
 
 
+def _detached(x, loss):
+    """The model's ``router_loss`` in the forward loop: nothing, because every slot of the loop, idle ones
+    too, would give its router the loss's gradient; :func:`_forward_loss` adds the valid slots' losses."""
+    return x
+
+
 def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout_keys):
     p, v, (m, mb, seq) = cfg.stages, cfg.parallel.pipeline_virtual_stages, inputs.shape
     stage_axis, constrain = layout.mesh_axes("stage"), layout.constrain
     gpt = nnx.merge(spec.graphdef, params)
+    if cfg.model.num_experts:  # the routers' losses join the objective at the end, from the valid slots only
+        gpt = nnx.merge(model.describe(cfg.model, dataclasses.replace(gpt.ops, router_loss=_detached)).graphdef,
+                        params)
     positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
 
     if dropout_keys is None:
@@ -187,10 +233,10 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
     store = functools.partial(_store, axis=stage_axis)
 
     def run_stage(w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
-        return gpt.run_layers(h, positions, w, keys, order=positions)[0]
+        return gpt.run_layers(h, positions, w, keys, order=positions)
 
     def iteration(carry, t):
-        out, buffers = carry
+        out, buffers, stats = carry
         item = t - stage  # stage s works on pass item // m of microbatch item % m
         chunk = jnp.clip(item // m, 0, v - 1)
         w = jax.tree.map(lambda a: a[:, 0], stage_params) if v == 1 else select(stage_params, chunk)
@@ -201,29 +247,36 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
         buffers = store(buffers, (t - p) % m, received, first & (t >= p))
         fed = jnp.where(t < v * m, select(buffers, jnp.broadcast_to(t % m, (p,))), 0)
         h = constrain(jnp.where(first[:, None, None, None], fed, received), ACTIVATION)
-        out = constrain(jax.vmap(run_stage, spmd_axis_name=stage_axis)(w, h, keys), ACTIVATION)
+        out, layer_stats = jax.vmap(run_stage, spmd_axis_name=stage_axis)(w, h, keys)
+        out = constrain(out, ACTIVATION)
+        stats = _add_stats(stats, layer_stats, item % m, (item >= 0) & (item < v * m))
         done = t - (p - 1)  # the item the last stage just finished: kept in its buffer
         buffers = store(buffers, done % m, out, last & (done >= 0) & (done < v * m))
-        return (out, buffers), None
+        return (out, buffers, stats), None
 
     # per stage a buffer of m microbatch activations (stage 0: inputs, last stage: outputs)
     buffers = constrain(jnp.broadcast_to(x, (p, *x.shape)), STASH)
     out = jnp.zeros((p, mb, seq, x.shape[-1]), x.dtype)
-    (_, buffers), _ = jax.lax.scan(iteration, (out, buffers), jnp.arange(v * m + p - 1))
+    (_, buffers, stats), _ = jax.lax.scan(iteration, (out, buffers, _no_stats(cfg, m)), jnp.arange(v * m + p - 1))
     hidden = buffers[-1]
 
     hidden = constrain(hidden.reshape(p, m // p, mb, seq, -1), STASH)
     # each stage: the summed token losses of its m / p microbatches
     totals = jax.vmap(gpt.output_loss, spmd_axis_name=stage_axis)(hidden, targets.reshape(p, m // p, mb, seq))
-    return totals.sum() / targets.size
+    loss = totals.sum() / targets.size
+    if stats is not None:  # their gradient, not their value: the loss stays the cross entropy
+        mc = cfg.model
+        routers = (mc.moe_aux_loss_coeff * stats["aux_loss"].sum() + mc.moe_z_loss_coeff * stats["z_loss"].sum()) / m
+        loss = loss + (routers - jax.lax.stop_gradient(routers))
+    return loss, _stats_metrics(cfg, stats)
 
 
 # ----- the 1F1B family: one loop of forwards and backwards ------------------------------------
 
 
 def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions, dropout_keys):
-    """``(mean loss, gradients)`` of the 1F1B-family loop (see the module docstring); gradients
-    float32, shaped as ``params``."""
+    """``(mean loss, routing statistics, gradients)`` of the 1F1B-family loop (see the module docstring and
+    :func:`loss`); gradients float32, shaped as ``params``."""
     schedule, p, v = cfg.parallel.pipeline_schedule, cfg.stages, cfg.parallel.pipeline_virtual_stages
     m, mb, seq = inputs.shape
     n = cfg.model.num_layers // (p * v)
@@ -277,6 +330,7 @@ def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
         "rest_grads": jax.tree.map(lambda w, axes: zeros((p, *w.shape), jnp.float32, ("stage",) + axes), rest,
                                    rest_axes),
         "loss": jnp.zeros((p,), jnp.float32),
+        "stats": _no_stats(cfg, m),
     }
     if split:
         carry["deferred"] = jax.tree.map(
@@ -291,10 +345,11 @@ def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
             x, layer_keys = embed(rest, tokens, key)
             h = jnp.where((stage == 0) & (chunk == 0), x, received)
             wc, kc = chunk_of(w, layer_keys, chunk, stage)
-            return h, run_chunk(wc, h, kc)
+            return h, *gpt.run_layers(h, positions, wc, kc, order=positions)
 
         tokens = take(inputs, jnp.maximum(f, 0), ("batch", "length"))
-        h, out = vmap(one)(stage_params, carry["forward"], tokens, keys, chunk, stage)
+        h, out, stats = vmap(one)(stage_params, carry["forward"], tokens, keys, chunk, stage)
+        carry["stats"] = _add_stats(carry["stats"], stats, jnp.maximum(f, 0), f >= 0)
         carry["stash"] = _store(carry["stash"], row["stash_write"], h, f >= 0, axis)
         carry["forward"] = constrain(jnp.roll(out, 1, axis=0), ACTIVATION)
         return carry, constrain(out, ACTIVATION)
@@ -364,4 +419,4 @@ def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
     grads = {"layers": jax.tree.map(lambda g, axes: constrain(_layer_order(g), axes), carry["grads"],
                                     logical["layers"]),
              **jax.tree.map(lambda g, axes: constrain(g.sum(0), axes), carry["rest_grads"], rest_axes)}
-    return carry["loss"].sum() * scale, grads
+    return carry["loss"].sum() * scale, _stats_metrics(cfg, carry["stats"]), grads

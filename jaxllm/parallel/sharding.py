@@ -1,7 +1,8 @@
 """The device mesh and the one table that maps the model's logical axes to mesh axes.
 
 The model names logical axes only.  Weights: ``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``head_dim``, ``mlp``, ``layers``.  Activations: ``batch``, ``length``
+``kv_heads``, ``head_dim``, ``mlp``, ``layers``, and a mixture of experts' ``experts``,
+``expert_embed``, ``expert_mlp``.  Activations: ``batch``, ``length``
 (the sequence inside attention and MLP), ``residual`` (the sequence of the residual
 stream between blocks), ``act_embed``, the head and MLP axes as for weights, and
 ``stage`` (the pipeline stages, see :mod:`jaxllm.parallel.pipeline`).  :data:`RULES` says which
@@ -11,7 +12,11 @@ so is every divisibility requirement of a config (:func:`check`).
 
 Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
 
-* data parallelism: ``batch`` over ``data`` (and ``fsdp``);
+* data parallelism: ``batch`` over ``data`` (and ``fsdp``, and ``expert``);
+* expert parallelism (Lepikhin et al. 2021, GShard; Megatron-LM's expert model parallelism): a mixture
+  of experts' ``experts`` dimension over ``expert``, whose devices also split the batch as data-parallel
+  ones do (the other weights are replicas there); tokens reach their experts' devices in
+  :mod:`jaxllm.parallel.experts`;
 * pipeline parallelism: ``layers`` (so each stage holds its own layers) and
   ``stage`` over ``pipeline`` (:mod:`jaxllm.parallel.pipeline`);
 * ZeRO (Rajbhandari et al. 2020): stage 1 splits the optimizer state's
@@ -61,8 +66,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor",),
     "layers": ("pipeline",),
+    "experts": ("expert",),  # the experts of a mixture of experts
+    "expert_embed": ("fsdp",),  # an expert's embed dimension (ZeRO splits it over fewer axes than embed)
+    "expert_mlp": ("tensor",),
     # activations (heads, kv_heads, head_dim, mlp and vocab as for weights)
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": ("sequence",),
     "residual": ("sequence",),
     "act_embed": (),
@@ -75,14 +83,16 @@ def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
 
     Args:
       cfg: the run config (``parallel.megatron_sp`` adds ``tensor`` to ``residual``).
-      zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data`` and ``sequence``
-        (every axis whose devices hold replicas of the same weights, pipeline and tensor excepted).
+      zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data``, ``expert`` and ``sequence``
+        (every axis whose devices hold replicas of the same weights, pipeline and tensor excepted), an
+        expert's ``expert_embed`` over ``data`` and ``sequence`` (its replicas).
     """
     table = dict(RULES)
     if cfg.parallel.megatron_sp:
         table["residual"] = ("sequence", "tensor")
     if zero:
-        table["embed"] = ("fsdp", "data", "sequence")
+        table["embed"] = ("fsdp", "data", "expert", "sequence")
+        table["expert_embed"] = ("fsdp", "data", "sequence")
     return table
 
 

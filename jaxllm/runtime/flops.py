@@ -29,7 +29,10 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
       causal mask, i.e. ``2*s*n*d`` (each query attends to ~s/2 keys on average; this is
       the work a causal kernel does, and the convention of FlashAttention's benchmarks)
     * output projection: ``2*(n*d)*h`` (= ``2*h*h``)
-    * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu: gate, up, down)
+    * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu: gate, up, down); for a mixture of
+      experts the active parameters, as Megatron-LM's ``num_floating_point_operations``: the
+      ``moe_router_topk`` experts a token takes (``f`` = ``moe_ffn_hidden_size``), the shared expert, and
+      the router's ``2*h*num_experts``
 
     plus the output layer (logits) ``2*h*V``. Training is 3x the forward (the backward
     computes the gradients of both the activations and the weights, 2x). With
@@ -66,13 +69,12 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     m = model_cfg
     if not m.padded_vocab_size:
         raise ValueError("model.padded_vocab_size is 0: pass a config resolved with the tokenizer's vocabulary size")
-    h, n, k, f, V, s = (m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size,
-                        m.padded_vocab_size, seq_length)
+    h, n, k, V, s = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.padded_vocab_size, seq_length
     d = h // n
     qkv = 2 * h * (n + 2 * k) * d
     attention = 2 * 2 * s * n * d / 2  # QK^T and probs@V, halved: causal
     out_proj = 2 * (n * d) * h
-    mlp = 2 * h * f * (3 if m.activation == "swiglu" else 2)
+    mlp = sum(_mlp_flops(m))
     layers = m.num_layers * (qkv + attention + out_proj + mlp)
     logits = 2 * h * V
     return float((4 if recompute else 3) * layers + 3 * logits)
@@ -96,15 +98,27 @@ def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
     return tokens * flops_per_token(cfg.model, cfg.train.seq_length, recompute=recompute)
 
 
+def _mlp_flops(m) -> tuple[float, float]:
+    """Forward matmul FLOPs per token of one layer's MLP: ``(mlp_in, mlp_out)``; for a mixture of experts the
+    ``moe_router_topk`` experts a token takes plus the shared expert, the router counted in ``mlp_in``."""
+    gates = 2 if m.activation == "swiglu" else 1
+    mlp_in = lambda f: 2 * m.hidden_size * f * gates  # noqa: E731
+    if not m.num_experts:
+        return mlp_in(m.ffn_hidden_size), 2 * m.ffn_hidden_size * m.hidden_size
+    shared, k, f = m.moe_shared_expert_intermediate_size, m.moe_router_topk, m.moe_ffn_hidden_size
+    return (k * mlp_in(f) + mlp_in(shared) + 2 * m.hidden_size * m.num_experts,
+            2 * (k * f + shared) * m.hidden_size)
+
+
 def _layer_forward_flops(m, s: int) -> dict[str, float]:
     """Forward matmul FLOPs per token and layer, by named activation (as :func:`flops_per_token` counts
     them): ``qkv``, ``scores`` (``Q K^T``), ``values`` (``probs @ V``; both causal-halved), ``out_proj``,
     ``mlp_in`` (up, and gate for swiglu), ``mlp_out``."""
-    h, n, k, f = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size
+    h, n, k = m.hidden_size, m.num_attention_heads, m.num_kv_heads
     d = h // n
+    mlp_in, mlp_out = _mlp_flops(m)
     return {"qkv": 2 * h * (n + 2 * k) * d, "scores": 2 * s * n * d / 2, "values": 2 * s * n * d / 2,
-            "out_proj": 2 * (n * d) * h, "mlp_in": 2 * h * f * (2 if m.activation == "swiglu" else 1),
-            "mlp_out": 2 * f * h}
+            "out_proj": 2 * (n * d) * h, "mlp_in": mlp_in, "mlp_out": mlp_out}
 
 
 # What each ``model.remat`` policy recomputes in the backward pass (jaxllm.model.gpt.REMAT_POLICIES): the

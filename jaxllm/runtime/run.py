@@ -18,8 +18,8 @@ import numpy as np
 from jaxllm import model
 from jaxllm.config import Resolved
 from jaxllm.data.loader import document_arrays
-from jaxllm.model import fp8
-from jaxllm.parallel import context_parallel, sharding, vocab_parallel
+from jaxllm.model import fp8, moe
+from jaxllm.parallel import context_parallel, experts, sharding, vocab_parallel
 from jaxllm.runtime import cpu, evaluation, optim, step
 
 
@@ -47,7 +47,8 @@ class Run:
                                                              cfg.parallel.ulysses_degree),
                         embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
                         param=sharding.Layout(self.mesh, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3)
-                                              ).constrain)
+                                              ).constrain,
+                        experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
         if cfg.model.fp8:
             ops = dataclasses.replace(ops, dense=fp8.dense)
         if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)

@@ -86,25 +86,29 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     schedule = optim.lr_schedule(cfg.train)
 
     def loss_fn(params, inputs, targets, order, docs, key, count):
-        return model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order), dropout_key=key) / count
+        loss, stats = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order),
+                                 dropout_key=key, with_stats=True)
+        return loss / count, stats
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
         count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
 
         def micro_step(acc, xs):
             x, y, pos, d, key = xs
-            loss, grads = grad_fn(params, x, y, pos, d, key if dropout else None, count)
-            return jax.tree.map(jnp.add, acc, (loss, pin(grads))), None
+            (loss, stats), grads = grad_fn(params, x, y, pos, d, key if dropout else None, count)
+            stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
+            return jax.tree.map(jnp.add, acc, (loss, pin(grads), stats)), None
 
-        zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)))
+        stats = {k: jnp.zeros((), jnp.float32) for k in (model.MOE_STATS if cfg.model.num_experts else ())}
+        zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)), stats)
         return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
 
     def pipelined(params, inputs, targets, order, docs, keys):  # micro batches through the pipeline stages
-        loss, grads = jax.value_and_grad(lambda p: pipeline.loss(  # no docs: config.resolve refuses them here
-            cfg, layout, spec, p, inputs, targets, order, keys if dropout else None))(params)
-        return loss, pin(grads)
+        (loss, stats), grads = jax.value_and_grad(lambda p: pipeline.loss(  # no docs: config.resolve refuses them
+            cfg, layout, spec, p, inputs, targets, order, keys if dropout else None), has_aux=True)(params)
+        return loss, pin(grads), stats
 
     loss_and_grads = pipelined if cfg.stages > 1 else accumulated
 
@@ -112,7 +116,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
         params = state["params"]
         keys = row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
-        loss, grads = loss_and_grads(params, inputs, targets, order, docs, keys)
+        loss, grads, moe_stats = loss_and_grads(params, inputs, targets, order, docs, keys)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -128,7 +132,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
         lr = schedule(state["step"] - state["nonfinite_steps"])
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                    "nonfinite_steps": new_state["nonfinite_steps"],
-                   "nonfinite_in_a_row": new_state["nonfinite_in_a_row"]}
+                   "nonfinite_in_a_row": new_state["nonfinite_in_a_row"], **moe_stats}
         return new_state, metrics
 
     return train_step
@@ -150,6 +154,6 @@ def make_eval_step(cfg, spec, layout=None):
             loss = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
             return loss / token_count(targets, docs)
         split = lambda a: None if a is None else a.reshape(-1, m, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
-        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(order), None)
+        return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(order), None)[0]
 
     return eval_step

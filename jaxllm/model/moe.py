@@ -1,0 +1,170 @@
+"""Mixture-of-experts routing and expert computation, as pure functions (the layer is :class:`jaxllm.model.gpt.MoE`).
+
+Token-choice top-k routing (Shazeer et al. 2017; Fedus et al. 2022, Switch Transformer), as Megatron-LM's
+``megatron/core/transformer/moe/router.py`` with its defaults: float32 logits, the top k by logit, their
+softmax as the combine weights (equal to Mixtral's softmax, top k, renormalize), the load-balancing loss
+of ``switch_load_balancing_loss_func`` (Switch eq. 4 over the top-k routing map) and the router z-loss of
+ST-MoE (Zoph et al. 2022, eq. 5), each over the tokens of one micro batch.  Dropless by default: every
+token reaches its k experts.  With a capacity factor an expert takes at most
+``ceil(capacity_factor x tokens x k / experts)`` tokens, those of highest router probability (Megatron's
+``--moe-token-drop-policy probs``), so which tokens are dropped does not depend on their order.
+
+The experts run as grouped matmuls (:func:`grouped_matmul`, ``jax.lax.ragged_dot``, which XLA lowers to
+grouped GEMMs on GPUs) over the token copies sorted by expert (MegaBlocks, Gale et al. 2023; MaxText's
+sparse matmul): no capacity padding and no ``[tokens, experts]`` dispatch tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.lax import RaggedDotDimensionNumbers
+
+
+@jax.custom_vjp
+def grouped_matmul(x, w, group_sizes):
+    """Row block ``g`` of ``x`` times ``w[g]``: ``x`` ``[rows, in]`` sorted by group, ``w`` ``[groups, in, out]``,
+    group_sizes int32 ``[groups]`` -> ``[rows, out]``, zero for the rows past ``sum(group_sizes)``.
+
+    ``jax.lax.ragged_dot`` with its gradients written as ragged dots, so that it also runs under ``vmap``
+    (the pipeline's stages), where JAX 0.10 cannot batch ragged_dot's own transpose.
+    """
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def _grouped_matmul_fwd(x, w, group_sizes):
+    return grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
+
+
+_WEIGHT_GRAD = RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                         rhs_group_dimensions=[])
+
+
+def _grouped_matmul_bwd(res, dy):
+    x, w, group_sizes = res
+    dx = jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), group_sizes)
+    dw = jax.lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD)  # [groups, in, out]
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def attach_loss(x, loss, scale):
+    """``x`` unchanged, with the auxiliary ``loss`` (float32 scalar) joined to the objective: the backward pass
+    gives ``loss`` the gradient ``scale`` whatever reaches ``x`` (Megatron-LM's ``MoEAuxLossAutoScaler``).  So a
+    router's losses train it under every pipeline schedule without travelling with the activations;
+    ``scale`` is d(objective)/d(loss), ``1 / microbatches`` for a step's mean over its micro batches."""
+    return x
+
+
+def _attach_fwd(x, loss, scale):
+    return x, jnp.zeros_like(loss)
+
+
+def _attach_bwd(scale, zero, g):
+    return g, zero + scale
+
+
+attach_loss.defvjp(_attach_fwd, _attach_bwd)
+
+
+def loss_scaler(scale: float):
+    """``(x, loss) -> x``: :func:`attach_loss` with gradient ``scale`` (``Ops.router_loss``, :mod:`jaxllm.model`)."""
+    return lambda x, loss: attach_loss(x, loss, scale)
+
+
+def capacity(tokens: int, experts: int, topk: int, factor: float) -> int:
+    """Tokens an expert takes from a micro batch of ``tokens`` with capacity factor ``factor`` (0: all)."""
+    return tokens if factor == 0 else min(tokens, math.ceil(factor * tokens * topk / experts))
+
+
+def route(logits, topk: int, capacity_factor: float = 0.0):
+    """Top-k routing of a micro batch.
+
+    Args:
+      logits: float32 router logits ``[batch, len, experts]`` (every token of the micro batch).
+      topk: experts per token (``model.moe_router_topk``).
+      capacity_factor: ``model.moe_capacity_factor`` (0: dropless).
+    Returns:
+      ``(ids, weights, stats)``: int32 ``[batch, len, topk]`` expert of each of a token's k copies (distinct;
+      ties to the lower id), ``experts`` for a dropped copy; float32 ``[batch, len, topk]`` combine weights
+      (softmax of the chosen logits; 0 for a dropped copy); ``stats`` float32 scalars: ``aux_loss``
+      (Megatron's ``switch_load_balancing_loss_func`` without its coefficient:
+      ``E / (T^2 k) sum_e tokens_e sum_t p_te``, p the softmax over all experts, 1 when balanced),
+      ``z_loss`` (``mean_t logsumexp(logits_t)^2``), ``max_load`` (the busiest expert's tokens over the
+      mean, before drops) and ``dropped`` (the fraction of copies dropped).
+    """
+    b, s, e = logits.shape
+    top, ids = jax.lax.top_k(logits, topk)
+    weights = jax.nn.softmax(top, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    routed = jax.nn.one_hot(ids, e, dtype=jnp.float32).sum(-2)  # [batch, len, experts], 0/1
+    load = routed.sum((0, 1))  # tokens per expert
+    t = b * s
+    stats = {"aux_loss": e / (t * t * topk) * jnp.sum(load * probs.sum((0, 1))),
+             "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+             "max_load": jnp.max(load) / (t * topk / e)}
+    c = capacity(t, e, topk, capacity_factor)
+    if c < t:
+        # per expert, the c tokens of highest probability among those routed to it (ties: the earlier token)
+        score = jnp.where(routed > 0, probs, -1.0).reshape(t, e).T  # [experts, tokens]
+        _, kept = jax.lax.top_k(score, c)
+        keep = jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], kept].set(True)
+        keep = keep & (score >= 0)
+        keep_copy = jnp.take_along_axis(keep.T.reshape(b, s, e), ids, axis=-1)  # [batch, len, topk]
+        stats["dropped"] = 1.0 - keep_copy.sum() / (t * topk)
+        ids = jnp.where(keep_copy, ids, e)
+        weights = jnp.where(keep_copy, weights, 0.0)
+    else:
+        stats["dropped"] = jnp.zeros((), jnp.float32)
+    return ids.astype(jnp.int32), weights, stats
+
+
+def experts(x, ids, weights, w1, wg, w2, b1, b2, *, activation, dtype, first=0):
+    """The experts ``first, ..., first + w1.shape[0] - 1`` applied to the token copies routed to them.
+
+    Args:
+      x: ``[tokens, embed]``; ids: int32 ``[tokens, topk]`` each copy's expert (copies of other experts, or
+        dropped ones, contribute nothing); weights: float32 ``[tokens, topk]`` combine weights.
+      w1, wg: ``[experts, embed, ffn]`` (wg: the SwiGLU gate, or None); w2: ``[experts, ffn, embed]``;
+        b1 ``[experts, ffn]``, b2 ``[experts, embed]`` or None.
+      activation: the activation without a gate (``wg`` None; the model's GELU); dtype: the matmuls' dtype.
+      first: the global id of ``w1[0]``'s expert (the experts of one expert-parallel device).
+    Returns:
+      ``[tokens, embed]`` in ``dtype``: ``sum_j weights[:, j] expert_{ids[:, j]}(x)`` over these experts.
+    """
+    n, (t, k) = w1.shape[0], ids.shape
+    local = ids.reshape(-1) - first
+    key = jnp.where((local >= 0) & (local < n), local, n)  # other experts' copies sort last, into no group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
+    sorted_key = key[order]
+    xs = x[order // k].astype(dtype)
+    y = grouped_matmul(xs, w1.astype(dtype), sizes)
+    if b1 is not None:
+        y = y + jnp.take(b1.astype(dtype), sorted_key, axis=0, mode="fill", fill_value=0)
+    if wg is None:
+        y = activation(y)
+    else:
+        y = jax.nn.silu(grouped_matmul(xs, wg.astype(dtype), sizes)) * y
+    y = grouped_matmul(y, w2.astype(dtype), sizes)
+    if b2 is not None:
+        y = y + jnp.take(b2.astype(dtype), sorted_key, axis=0, mode="fill", fill_value=0)
+    w = jnp.where(sorted_key < n, weights.reshape(-1)[order], 0.0)
+    y = (y.astype(jnp.float32) * w[:, None]).astype(dtype)
+    y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back to token order
+    return y.reshape(t, k, -1).sum(1, dtype=jnp.float32).astype(dtype)
+
+
+def local_experts(x, ids, weights, w1, wg, w2, b1, b2, *, activation, dtype):
+    """:func:`experts` of every expert on ``x`` ``[batch, len, embed]`` (ids, weights ``[batch, len, topk]``):
+    one device's experts operation (the ``experts`` of :class:`jaxllm.model.Ops`)."""
+    b, s, e = x.shape
+    flat = lambda a: a.reshape(b * s, a.shape[-1])  # noqa: E731
+    y = experts(flat(x), flat(ids), flat(weights), w1, wg, w2, b1, b2, activation=activation, dtype=dtype)
+    return y.reshape(b, s, e)

@@ -1,0 +1,161 @@
+"""Mixture of experts: the layer against a dense reference, and expert parallelism computing what one device computes.
+
+The layer (jaxllm.model.moe, jaxllm.model.gpt.MoE) is checked against every expert applied to every token in plain
+jax.numpy, weighted by the softmax of the top-k logits; its losses against Megatron-LM's formulas written out.  The
+layouts run on 8 fake CPU devices, float32, three steps (tests/multidevice.py), with the load-balancing and z losses
+on: each layout's step has the single-device run's micro batches (2 per step), so the router's statistics are taken
+over the same tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import assert_same_training, run_layouts
+
+from jaxllm import config, model
+from jaxllm.config import ConfigError
+from jaxllm.model import moe
+from jaxllm.resolve import resolve
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+SWIGLU = {**MOE, "activation": "swiglu", "use_bias": False, "moe_shared_expert_intermediate_size": 64}
+
+
+def layout(mesh, micro, model_extra=None, **parallel):
+    """A layout with 2 micro batches of 8 rows per step: ``micro`` rows per data-parallel replica."""
+    return {"mesh": mesh, "parallel": parallel, "train": {"micro_batch_size": micro},
+            "model": {**MOE, **(model_extra or {})}}
+
+
+LAYOUTS = {
+    "single": {**layout({}, 8), "eval": True},
+    "single_swiglu": layout({}, 8, SWIGLU),
+    "single_capacity": layout({}, 8, {"moe_capacity_factor": 1.0}),
+    "expert4_data2": {**layout({"expert": 4, "data": 2}, 1), "eval": True},
+    "expert2_tensor2_data2_megatron_sp": layout({"expert": 2, "tensor": 2, "data": 2}, 2, megatron_sp=True),
+    "expert2_tensor2_data2_swiglu": layout({"expert": 2, "tensor": 2, "data": 2}, 2, SWIGLU),
+    "expert4_fsdp2_zero3": layout({"expert": 4, "fsdp": 2}, 1, zero_stage=3),
+    "expert2_pipeline2_data2_1f1b": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, pipeline_schedule="1f1b"),
+    "expert2_pipeline2_data2_gpipe": {**layout({"expert": 2, "pipeline": 2, "data": 2}, 2), "eval": True},
+    "expert2_pipeline2_data2_zb_h1": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, pipeline_schedule="zb_h1"),
+    "expert2_sequence2_data2_ring": layout({"expert": 2, "sequence": 2, "data": 2}, 2, sequence_impl="ring"),
+    "expert4_data2_capacity": layout({"expert": 4, "data": 2}, 1, {"moe_capacity_factor": 1.0}),
+}
+REFERENCE = {"swiglu": "single_swiglu", "capacity": "single_capacity"}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_layouts(LAYOUTS, timeout=900)
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
+def test_expert_parallel_layout_matches_single_device(results, name):
+    ref = results[next((r for k, r in REFERENCE.items() if name.endswith(k)), "single")]
+    got = results[name]
+    assert_same_training(got, ref)
+    for g, r in zip(got["moe"], ref["moe"], strict=True):  # the logged routing statistics of each step
+        assert g.keys() == r.keys() == set(model.MOE_STATS)
+        for k in r:
+            np.testing.assert_allclose(g[k], r[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    if got["eval_loss"] is not None:
+        np.testing.assert_allclose(got["eval_loss"], ref["eval_loss"], rtol=1e-5)
+
+
+def test_capacity_drops_tokens(results):
+    """A capacity factor of 1 drops some copies of these random batches; dropless drops none."""
+    assert all(m["moe_dropped"] > 0 for m in results["single_capacity"]["moe"])
+    assert all(m["moe_dropped"] == 0 for m in results["single"]["moe"])
+
+
+def _resolved(**extra):
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **{**MOE, **extra})
+    c.train.update(seq_length=16, micro_batch_size=2, global_batch_size=2)
+    return resolve(c, num_devices=1, vocab_size=64)
+
+
+@pytest.mark.parametrize("extra", [{}, {"activation": "swiglu", "use_bias": False}])
+def test_layer_matches_every_expert_on_every_token(extra):
+    """jax.numpy reference: each expert on every token, weighted by the softmax over the token's top-k logits."""
+    cfg = _resolved(**extra)
+    p = jax.tree.map(lambda a: a[0], model.init(cfg.model, 0)["layers"]["mlp"])
+    keys = jax.random.split(jax.random.key(1), 4)
+    p = {k: (jax.random.normal(keys[i % 4], v.shape) * 0.5 if k.startswith("b") else v)  # nonzero biases
+         for i, (k, v) in enumerate(p.items())}
+    x = jax.random.normal(jax.random.key(2), (2, 16, 32))
+    logits = x @ p["router"]
+    ids, weights, _ = moe.route(logits, 2)
+    y = moe.local_experts(x, ids, weights, p["w1"], p.get("wg"), p["w2"], p.get("b1"), p.get("b2"),
+                          activation=model.gelu, dtype=jnp.float32)
+    top_logits, top_ids = jax.lax.top_k(logits, 2)
+    gates = jax.nn.softmax(top_logits, -1)
+    ref = jnp.zeros_like(x)
+    for e in range(4):
+        h = x @ p["w1"][e] + (p["b1"][e] if "b1" in p else 0)
+        h = jax.nn.silu(x @ p["wg"][e]) * h if "wg" in p else jax.nn.gelu(h, approximate=True)
+        h = h @ p["w2"][e] + (p["b2"][e] if "b2" in p else 0)
+        ref = ref + (gates * (top_ids == e)).sum(-1)[..., None] * h
+    np.testing.assert_allclose(y, ref, atol=1e-5)
+
+
+def test_router_losses_are_megatrons():
+    """switch_load_balancing_loss_func and z_loss_func of Megatron-LM's moe_utils.py, written out with numpy."""
+    logits = np.asarray(jax.random.normal(jax.random.key(3), (2, 8, 4)), np.float64)
+    ids, weights, stats = moe.route(jnp.asarray(logits, jnp.float32), 2)
+    flat = logits.reshape(16, 4)
+    probs = np.exp(flat) / np.exp(flat).sum(-1, keepdims=True)
+    routing_map = np.zeros((16, 4))
+    np.put_along_axis(routing_map, np.argsort(-flat, -1)[:, :2], 1, -1)
+    tokens_per_expert = routing_map.sum(0)
+    aux = np.sum(probs.sum(0) * tokens_per_expert) * 4 / (16 * 16 * 2)
+    z = np.mean(np.log(np.exp(flat).sum(-1)) ** 2)
+    np.testing.assert_allclose(stats["aux_loss"], aux, rtol=1e-6)
+    np.testing.assert_allclose(stats["z_loss"], z, rtol=1e-6)
+    np.testing.assert_allclose(stats["max_load"], tokens_per_expert.max() / 8, rtol=1e-6)
+    top2 = np.argsort(-flat, -1)[:, :2].reshape(2, 8, 2)
+    np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(top2, -1))
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_capacity_keeps_each_experts_most_probable_tokens():
+    """Capacity 2 per expert (factor 1, 4 tokens, top-1 of 2 experts): the two highest-probability tokens stay."""
+    logits = jnp.asarray([[[3.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.0, 5.0]]])  # tokens 0-2 pick expert 0
+    ids, weights, stats = moe.route(logits, 1, capacity_factor=1.0)
+    np.testing.assert_array_equal(ids[0, :, 0], [0, 0, 2, 1])  # token 2 (lowest probability for expert 0) dropped
+    np.testing.assert_array_equal(weights[0, :, 0], [1, 1, 0, 1])
+    np.testing.assert_allclose(stats["dropped"], 0.25)
+
+
+def test_attached_loss_gets_its_scale_as_gradient():
+    g = jax.grad(lambda x, l: (moe.attach_loss(x, l, 0.25) * 3).sum(), argnums=(0, 1))(jnp.ones(3), jnp.float32(7))
+    np.testing.assert_allclose(g[0], 3.0)
+    np.testing.assert_allclose(g[1], 0.25)
+
+
+@pytest.mark.parametrize("extra, key", [({"moe_router_topk": 5}, "model.moe_router_topk"),
+                                        ({"num_experts": 0}, "mesh.expert")])
+def test_config_errors(extra, key):
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **{**MOE, **extra})
+    c.mesh.expert = 2
+    with pytest.raises(ConfigError) as e:
+        resolve(c, num_devices=2, vocab_size=64)
+    assert e.value.key == key
+
+
+def test_router_losses_reach_the_router_gradient():
+    """The router's gradient moves by exactly coeff x the gradient of the layers' summed losses: linear in the
+    coefficients, and nonzero (the losses are joined to the objective, not only logged)."""
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 64)
+
+    def router_grad(aux, z):
+        cfg = _resolved(moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+        spec, params = model.describe(cfg.model), model.init(cfg.model, 0)
+        return jax.grad(lambda p: model.loss(spec.graphdef, p, tokens, tokens))(params)["layers"]["mlp"]["router"]
+
+    base, aux, both = router_grad(0.0, 0.0), router_grad(0.1, 0.0), router_grad(0.2, 0.05)
+    assert np.abs(aux - base).max() > 1e-4
+    z_part = both - base - 2 * (aux - base)
+    np.testing.assert_allclose(router_grad(0.0, 0.1) - base, 2 * z_part, atol=1e-6)
