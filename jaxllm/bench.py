@@ -169,6 +169,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "platform": devices[0].platform, "device_kind": devices[0].device_kind, "devices": n,
         "mesh": dict(run.mesh.shape),
         "num_params": model.num_params(state["params"]),
+        "active_params": model.active_params(cfg.model, state["params"]),
         "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
         "microbatches": cfg.microbatches, "seq_length": t.seq_length,
         "tokens_per_step": t.global_batch_size * t.seq_length,

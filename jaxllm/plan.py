@@ -119,6 +119,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
         "compile_s": compile_s,
         "dtype": dtype if dtype == cfg.model.dtype else f"{dtype} (compiled as {cfg.model.dtype}, the same bytes)",
         "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
+        "active_params": model.active_params(cfg.model, state["params"]),
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
     }
@@ -145,7 +146,9 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
     over = lambda axes: ("   (embed over " + " x ".join(f"{a} {n}" for a, n in axes.items()) + ")") if axes else ""  # noqa: E731
     state = p["params"] + p["grads"] + p["opt_state"]
     lines = [
-        f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters; {p['dtype']}; compiled in {p['compile_s']:.1f} s",
+        f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters"
+        + (f" ({p['active_params'] / 1e9:.3f}B active per token)" if p["active_params"] != p["num_params"] else "")
+        + f"; {p['dtype']}; compiled in {p['compile_s']:.1f} s",
         "per device:",
         f"  parameters            {gib(p['params'])}{over(p['split']['params'])}",
         f"  gradients             {gib(p['grads'])}{over(p['split']['grads'])}",

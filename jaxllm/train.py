@@ -229,7 +229,10 @@ def _train(cfg, workdir: str, started: float) -> dict:
     unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
                                data.vocab_size) if t.eval_interval else float("nan"))
     if primary:
-        print(f"jaxllm: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} device(s), "
+        active = model.active_params(cfg.model, state["params"])
+        print(f"jaxllm: {n_params / 1e6:.2f}M parameters"
+              + (f" ({active / 1e6:.2f}M active per token)" if active != n_params else "")
+              + f", {jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, {data.describe()}, model vocabulary "
               f"{cfg.model.vocab_size} (tables padded to {cfg.model.padded_vocab_size}); "
               + (f"unigram entropy of the validation batches {unigram:.3f} nats/token" if t.eval_interval else

@@ -7,6 +7,8 @@
 #   MICRO_BATCH     --config.train.micro_batch_size
 #   GAS             --config.train.global_batch_size = MICRO_BATCH x GAS x DP
 #   TP / PP / SP    --config.mesh.tensor / .pipeline / .sequence, and --config.mesh.data = DP
+#   EP              --config.mesh.expert (Megatron's --expert-model-parallel-size: it divides DP, and
+#                   --config.mesh.data = DP / EP)             NUM_EXPERTS  --config.model.num_experts
 #   SP_TYPE         megatron: --config.parallel.megatron_sp=True; ds or ulysses, ring, allgather, usp:
 #                   --config.parallel.sequence_impl
 #   ZERO_STAGE      --config.parallel.zero_stage
@@ -28,7 +30,7 @@
 #   WB_PROJECT, else WANDB_PROJECT  --config.log.wandb=True --config.log.wandb_project (W&B; WANDB_MODE applies)
 #   JAXLLM_ARGS     more jaxllm.train flags, space-separated (after the script's own arguments)
 # DP = world devices / (TP x PP x SP).  The mesh is pinned (tensor, pipeline, sequence, data)
-# only when one of TP, PP, SP, MICRO_BATCH, GAS is set, since the global batch needs DP;
+# only when one of TP, PP, SP, EP, MICRO_BATCH, GAS is set, since the global batch needs DP;
 # otherwise the config's own mesh is used.  Other arguments (--config=FILE, --config.*) pass
 # through: a --config=FILE goes first (absl needs it before any --config.* override), the
 # rest last, so they win over the knobs.  DRY_RUN=1 or --dry-run prints the exports and the
@@ -101,18 +103,20 @@ jaxllm_train_cmd() {
     [[ ${#config_file[@]} -eq 0 ]] || jaxllm_die "MODEL_SIZE_KEY=$MODEL_SIZE_KEY and ${config_file[0]}: give one of them"
     config_file=("--config=configs/gpt3.py:$MODEL_SIZE_KEY")
   fi
-  local tp=${TP:-1} pp=${PP:-1} sp=${SP:-1} mb=${MICRO_BATCH:-1} gas=${GAS:-1} name
-  for name in TP PP SP MICRO_BATCH GAS SEQ_LEN; do
+  local tp=${TP:-1} pp=${PP:-1} sp=${SP:-1} ep=${EP:-1} mb=${MICRO_BATCH:-1} gas=${GAS:-1} name
+  for name in TP PP SP EP MICRO_BATCH GAS SEQ_LEN; do
     if [[ -n "${!name:-}" ]]; then jaxllm_posint "$name" "${!name}"; fi
   done
   if (( world % (tp * pp * sp) )); then
     jaxllm_die "TP x PP x SP = $tp x $pp x $sp = $((tp * pp * sp)) does not divide the $world devices"
   fi
   DP=$((world / (tp * pp * sp)))
+  if (( DP % ep )); then jaxllm_die "EP=$ep does not divide the data-parallel size DP = $DP (experts split DP)"; fi
   GLOBAL_BATCH=""
-  if [[ -n "${TP:-}${PP:-}${SP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then
+  if [[ -n "${TP:-}${PP:-}${SP:-}${EP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then
     overrides+=("--config.mesh.tensor=$tp" "--config.mesh.pipeline=$pp" "--config.mesh.sequence=$sp"
-                "--config.mesh.data=$DP")
+                "--config.mesh.data=$((DP / ep))")
+    if [[ -n "${EP:-}" ]]; then overrides+=("--config.mesh.expert=$ep"); fi
   fi
   if [[ -n "${MICRO_BATCH:-}${GAS:-}" ]]; then
     GLOBAL_BATCH=$((mb * gas * DP))
@@ -141,7 +145,7 @@ jaxllm_train_cmd() {
 # knobs (train_llama_alcf.sh's names; the table above and in docs/clusters.md).
 jaxllm_recipe_overrides() {
   local name
-  for name in NUM_KV_HEAD FFN_HIDDEN_SIZE TRAIN_ITERS EVAL_ITERS LR_DECAY_ITERS; do
+  for name in NUM_KV_HEAD FFN_HIDDEN_SIZE NUM_EXPERTS TRAIN_ITERS EVAL_ITERS LR_DECAY_ITERS; do
     if [[ -n "${!name:-}" ]]; then jaxllm_posint "$name" "${!name}"; fi
   done
   for name in EVAL_INTERVAL SAVE_INTERVAL TRAIN_SPLIT VAL_SPLIT TEST_SPLIT; do
@@ -149,7 +153,8 @@ jaxllm_recipe_overrides() {
   done
   # KNOB=key: the knob's value becomes the key's as given (jaxllm checks it: one line, exit 2)
   local pair knob key
-  for pair in NUM_KV_HEAD=model.num_kv_heads FFN_HIDDEN_SIZE=model.ffn_hidden_size OPT=train.optimizer \
+  for pair in NUM_KV_HEAD=model.num_kv_heads FFN_HIDDEN_SIZE=model.ffn_hidden_size NUM_EXPERTS=model.num_experts \
+              OPT=train.optimizer \
               LR=train.lr LR_DECAY_STYLE=train.lr_decay_style LR_DECAY_ITERS=train.lr_decay_iters \
               TRAIN_ITERS=train.train_iters EVAL_INTERVAL=train.eval_interval EVAL_ITERS=train.eval_iters \
               SAVE_INTERVAL=checkpoint.interval ADAM_BETA1=train.beta1 ADAM_BETA2=train.beta2 \
@@ -196,7 +201,7 @@ jaxllm_tokenizer() {
 # line, exit 2 for a bad config, nothing started).
 jaxllm_summary() {
   local dp=config  # the mesh is the config's unless a knob pinned it
-  if [[ -n "${TP:-}${PP:-}${SP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then dp=$DP; fi
+  if [[ -n "${TP:-}${PP:-}${SP:-}${EP:-}${MICRO_BATCH:-}${GAS:-}" ]]; then dp=$DP; fi
   echo "# jaxllm launch: nodes=$1 processes=$2 devices=$3 dp=$dp global_batch=${GLOBAL_BATCH:-config}"
   if [[ "$DRY_RUN" == 1 ]]; then
     local checked

@@ -227,7 +227,7 @@ def test_shardings_lay_out_a_tensor_parallel_run(workdir):
     # the optimizer moments: as the parameters, then (ZeRO-1) embed over data and sequence too; Adam's count replicated
     mu = "[1][0].mu['layers']['attn']['wq']"
     assert out["0"]["opt"][mu] == "('pipeline', 'fsdp', 'tensor', None)"
-    assert out["1"]["opt"][mu] == "('pipeline', ('fsdp', 'data', 'sequence'), 'tensor', None)"
+    assert out["1"]["opt"][mu] == "('pipeline', ('fsdp', 'data', 'expert', 'sequence'), 'tensor', None)"
     assert out["1"]["opt"]["[1][0].count"] == "()"
     assert "is not the config's" in out["mismatch"] and "jaxllm.make_mesh(config)" in out["mismatch"]
     assert "a resolved config is needed" in out["unresolved"]

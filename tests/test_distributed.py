@@ -188,6 +188,19 @@ def test_frontier_dry_run_one_process_per_gcd():
     assert summary["processes"] == "2" and summary["dp"] == "4"
 
 
+def test_expert_parallel_knobs():
+    """EP splits the data-parallel size as Megatron's --expert-model-parallel-size: data = DP / EP; the dry run's
+    config check passes for a 4-expert model on the job's 16 devices."""
+    env = slurm_env(LLAMA="1", MODEL_SIZE_KEY="tiny", EP="2", NUM_EXPERTS="4", SEQ_LEN="64")
+    r, _, commands, summary = dry_run("frontier.sbatch", "--dry-run", **env)
+    assert r.returncode == 0, r.stderr
+    flags = train_args(commands[0])[1]
+    assert {"--config.mesh.data=2", "--config.mesh.expert=2", "--config.model.num_experts=4"} <= set(flags)
+    assert summary["dp"] == "4" and summary["global_batch"] == "32"
+    r, *_ = dry_run("frontier.sbatch", "--dry-run", **slurm_env(EP="3"))
+    assert r.returncode == 2 and "EP=3 does not divide the data-parallel size DP = 4" in r.stderr
+
+
 def test_polaris_dry_run(tmp_path):
     hosts = ["x3005c0s13b0n0.hsn.cm.polaris.alcf.anl.gov", "x3005c0s19b1n0.hsn.cm.polaris.alcf.anl.gov"]
     env = {"PBS_NODEFILE": nodefile(tmp_path, hosts), "PBS_O_WORKDIR": str(ROOT), "PBS_JOBID": "77.polaris", **KNOBS}

@@ -7,16 +7,22 @@ on: each layout's step has the single-device run's micro batches (2 per step), s
 over the same tokens.
 """
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_python
 from harness import assert_same_training, run_layouts
 
-from jaxllm import config, model
+from jaxllm import config, model, tune
 from jaxllm.config import ConfigError
 from jaxllm.model import moe
+from jaxllm.parallel import layouts
 from jaxllm.resolve import resolve
+from jaxllm.runtime import flops
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 SWIGLU = {**MOE, "activation": "swiglu", "use_bias": False, "moe_shared_expert_intermediate_size": 64}
@@ -159,3 +165,51 @@ def test_router_losses_reach_the_router_gradient():
     assert np.abs(aux - base).max() > 1e-4
     z_part = both - base - 2 * (aux - base)
     np.testing.assert_allclose(router_grad(0.0, 0.1) - base, 2 * z_part, atol=1e-6)
+
+
+def test_flops_count_the_active_experts():
+    """Per token and layer the MLP counts its top-k experts and the router, nothing of the other experts: the
+    mixture's step minus the dense model's (FFN of one expert) is 3 x layers x ((k - 1) experts' up and down
+    matmuls + the router's 2 h E)."""
+    moe_cfg, dense_cfg = _resolved(moe_ffn_hidden_size=96), _resolved(num_experts=0, ffn_hidden_size=96)
+    h, f, k, e, layers = 32, 96, 2, 4, 2
+    extra = 3 * layers * ((k - 1) * (2 * h * f + 2 * f * h) + 2 * h * e)
+    assert flops.flops_per_token(moe_cfg.model, 16) - flops.flops_per_token(dense_cfg.model, 16) == extra
+
+
+def test_mixtral_recipe_plans_its_parameters_on_64_h100s():
+    """configs/moe.py:Mixtral-8x7B: 46.7B parameters, 12.9B active (Mixtral's), planned for expert 8 x tensor 8."""
+    out = run_python("-m", "jaxllm.plan", "--config=configs/moe.py:Mixtral-8x7B", "--devices=64", "--device=H100",
+                     "--config.mesh.expert=8", "--config.mesh.tensor=8", "--config.data.tokenizer=byte").stdout
+    assert "46.703B parameters (12.880B active per token)" in out and "FITS in H100" in out, out
+
+
+def test_the_tuner_lays_out_experts():
+    """tune's default axes take expert for a mixture of experts only; 4 experts do not split over 8 devices."""
+    base = config.get_config()
+    base.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **MOE)
+    base.train.update(seq_length=16, micro_batch_size=1, global_batch_size=8)
+    cands = layouts.space(base, 8, axes=["data", "expert"], micro_batches=[1], remats=["none"], attentions=["xla"],
+                          virtual_stages=[1], sequence_impls=["allgather"], schedules=["gpipe"])
+    why = {c.mesh_text(): tune.constraint(layouts.candidate_config(base, c), 8) for c in cands}
+    assert why == {"data8": None, "data4 expert2": None, "data2 expert4": None, "expert8": "model.num_experts"}
+
+
+def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
+    """configs/moe.py:tiny as a user runs it, its experts over 2 devices: the routing statistics on the log
+    line and in metrics.jsonl, the evaluation loss, and the startup line's active parameters."""
+    (tmp_path / "t.txt").write_text("=== doc\nthe experts of a mixture route each token to two of four.\n" * 400)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLLM_", "XLA_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = run_python("-m", "jaxllm.train", "--config=configs/moe.py:tiny", f"--workdir={tmp_path / 'w'}",
+                     f"--config.data.input={tmp_path / 't.txt'}", "--config.data.document_marker====",
+                     "--config.mesh.expert=2",
+                     "--config.train.train_iters=4", "--config.train.eval_interval=4", "--config.train.log_interval=2",
+                     "--config.log.tensorboard=False", "--config.log.progress_bar=False", "--config.log.samples=0",
+                     env=env).stdout
+    assert "M active per token)" in out and " aux " in out and "max load" in out, out
+    records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4]
+    assert all(set(model.MOE_STATS) <= set(r) and r["moe_dropped"] == 0 and r["moe_max_load"] >= 1 for r in train)
+    assert any(r["kind"] == "eval" and r["step"] == 4 and np.isfinite(r["eval_loss"]) for r in records)

@@ -256,9 +256,9 @@ def test_zero_shards_each_optimizers_state_on_4_devices(name, four_devices):
     holds about a quarter of the state per device, and updates as on one device."""
     res = four_devices[name]
     assert res["max_diff"] < 1e-5 and res["opt_fraction"] < 0.3, res
-    moment = [[2, 128, 512], "('pipeline', ('fsdp', 'data', 'sequence'), 'tensor')"]
+    moment = [[2, 128, 512], "('pipeline', ('fsdp', 'data', 'expert', 'sequence'), 'tensor')"]
     if name == "adafactor":  # momentum (beta1) as the parameter; row and column statistics without mlp / embed
-        assert res["w1"] == [[[2, 128], "('pipeline', ('fsdp', 'data', 'sequence'))"], moment,
+        assert res["w1"] == [[[2, 128], "('pipeline', ('fsdp', 'data', 'expert', 'sequence'))"], moment,
                              [[2, 512], "('pipeline', 'tensor')"]], res["w1"]
     else:
         assert res["w1"] == [moment], res["w1"]

@@ -87,14 +87,20 @@ def test_rules_table_specs():
     qkv = ("layers", "embed", "heads", "head_dim")
     assert sharding.logical_to_spec(qkv, table) == P("pipeline", "fsdp", "tensor", None)
     assert sharding.logical_to_spec(("vocab", "embed"), table) == P("tensor", "fsdp")
-    # an activation's act_embed is never split (its batch is over data and fsdp); a weight's embed is
-    assert sharding.logical_to_spec(("batch", "length", "act_embed"), table) == P(("data", "fsdp"), "sequence", None)
+    # an activation's act_embed is never split (its batch is over data, fsdp and expert); a weight's embed is
+    assert sharding.logical_to_spec(("batch", "length", "act_embed"), table) == P(("data", "fsdp", "expert"),
+                                                                                  "sequence", None)
     with pytest.raises(ValueError, match="mesh axis twice"):
         sharding.logical_to_spec(("batch", "length", "embed"), table)
     cfg.parallel.megatron_sp = True
     assert sharding.logical_to_spec(("batch", "residual", "act_embed"), sharding.rules(cfg)) == P(
-        ("data", "fsdp"), ("sequence", "tensor"), None)
-    assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data", "sequence")
+        ("data", "fsdp", "expert"), ("sequence", "tensor"), None)
+    assert sharding.rules(cfg, zero=True)["embed"] == ("fsdp", "data", "expert", "sequence")
+    # an expert's weights: the experts over expert, its embed dimension over the axes holding its replicas
+    experts = ("experts", "expert_embed", "expert_mlp")
+    assert sharding.logical_to_spec(experts, table) == P("expert", "fsdp", "tensor")
+    assert sharding.logical_to_spec(experts, sharding.rules(cfg, zero=True)) == P("expert", ("fsdp", "data",
+                                                                                               "sequence"), "tensor")
 
 
 def test_plan_gpt1_5b_on_8_devices_with_fsdp():

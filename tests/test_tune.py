@@ -31,15 +31,15 @@ def test_factorizations_brute_force(n, k):
 
 def test_candidates_and_configs_are_inverses():
     base = tiny()
-    c = layouts.Candidate((2, 1, 2, 2, 1), 2, "full", "xla", 2, "ring", "interleaved")
+    c = layouts.Candidate((2, 1, 1, 2, 2, 1), 2, "full", "xla", 2, "ring", "interleaved")
     cfg = layouts.candidate_config(base, c)
     assert layouts.candidate_of(cfg, {a: getattr(cfg.mesh, a) for a in config.MESH_AXES}) == c
     assert base.train.micro_batch_size == 1  # the base is left as it was
     base.mesh.update(data=-1, tensor=2)
-    assert tune.baseline_candidate(base, 8).mesh == (4, 1, 1, 2, 1)  # the -1 axis filled
-    dims = layouts.values([c, layouts.Candidate((8, 1, 1, 1, 1), 1, "none", "xla")])
+    assert tune.baseline_candidate(base, 8).mesh == (4, 1, 1, 1, 2, 1)  # the -1 axis filled
+    dims = layouts.values([c, layouts.Candidate((8, 1, 1, 1, 1, 1), 1, "none", "xla")])
     assert list(dims) == [f.name for f in dataclasses.fields(layouts.Candidate)]
-    assert dims["mesh"] == [(2, 1, 2, 2, 1), (8, 1, 1, 1, 1)] and dims["remat"] == ["full", "none"]
+    assert dims["mesh"] == [(2, 1, 1, 2, 2, 1), (8, 1, 1, 1, 1, 1)] and dims["remat"] == ["full", "none"]
 
 
 def test_dimensions_from_text():
@@ -61,9 +61,12 @@ def test_budget_parsing():
             tune.parse_budget(bad)
 
 
+DENSE_AXES = [a for a in config.MESH_AXES if a != "expert"]  # tune's default axes for a dense model
+
+
 def test_constraints_count_rejections_by_key():
     base = tiny()
-    cands = layouts.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
+    cands = layouts.space(base, 8, axes=DENSE_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
                        virtual_stages=[1, 2], sequence_impls=["allgather"], schedules=["gpipe", "interleaved"])
     got = {}
     for c in cands:
@@ -82,7 +85,7 @@ def test_constraints_count_rejections_by_key():
     assert got[None] == 100 - 2 - 7 - 40
     # every schedule: per pipeline mesh and micro batch gpipe, 1f1b, zb_h1 (1 virtual stage), interleaved and
     # interleaved_1f1b (2); each validates as its gpipe / interleaved twin does
-    every = layouts.space(base, 8, axes=config.MESH_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
+    every = layouts.space(base, 8, axes=DENSE_AXES, micro_batches=[1, 2], remats=["none"], attentions=["xla"],
                        virtual_stages=[1, 2], sequence_impls=["allgather"],
                        schedules=config.choices("parallel.pipeline_schedule"))
     assert len(every) == 20 * 2 + 15 * 2 * 5
@@ -91,13 +94,13 @@ def test_constraints_count_rejections_by_key():
         plain = dataclasses.replace(c, schedule=twin.get(c.schedule, c.schedule))
         assert (tune.constraint(layouts.candidate_config(base, c), 8)
                 == tune.constraint(layouts.candidate_config(base, plain), 8)), c
-    ulysses = layouts.Candidate((1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
+    ulysses = layouts.Candidate((1, 1, 1, 1, 2, 4), 1, "none", "xla", 1, "ulysses")  # 4 heads % (4 x 2)
     assert tune.constraint(layouts.candidate_config(base, ulysses), 8) == "model.num_attention_heads"
     allgather = dataclasses.replace(ulysses, sequence_impl="allgather")
     assert tune.constraint(layouts.candidate_config(base, allgather), 8) is None
     short = tiny()
     short.train.seq_length = 8
-    ring = layouts.Candidate((1, 1, 1, 1, 8), 1, "none", "xla", 1, "ring")  # 8 % (2 x 8)
+    ring = layouts.Candidate((1, 1, 1, 1, 1, 8), 1, "none", "xla", 1, "ring")  # 8 % (2 x 8)
     assert tune.constraint(layouts.candidate_config(short, ring), 8) == "train.seq_length"
 
 
@@ -181,7 +184,7 @@ def test_gpu_plan_takes_the_offloaded_layer_inputs_off_the_device():
 
 def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     base = tiny()
-    small, large = (plan.plan(layouts.candidate_config(base, layouts.Candidate((1,) * 5, mb, "none", "xla")),
+    small, large = (plan.plan(layouts.candidate_config(base, layouts.Candidate((1,) * 6, mb, "none", "xla")),
                               1)["total"] for mb in (1, 8))
     assert large > small
     limit = (small + large) / 2

@@ -15,6 +15,7 @@ from jaxllm.model.gpt import (
     RESIDUAL,
     Ops,
     Spec,
+    active_params,
     dense,
     describe,
     forward,
@@ -28,5 +29,6 @@ from jaxllm.model.gpt import (
     row_keys,
 )
 
-__all__ = ["GPT", "LOCAL", "MOE_STATS", "REMAT_POLICIES", "RESIDUAL", "Ops", "Spec", "dense", "describe", "forward",
-           "gelu", "init", "init_cache", "logical_sizes", "loss", "num_params", "rotary", "row_keys"]
+__all__ = ["GPT", "LOCAL", "MOE_STATS", "REMAT_POLICIES", "RESIDUAL", "Ops", "Spec", "active_params", "dense",
+           "describe", "forward", "gelu", "init", "init_cache", "logical_sizes", "loss", "num_params", "rotary",
+           "row_keys"]

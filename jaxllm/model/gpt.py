@@ -636,3 +636,14 @@ def num_params(params, *, exclude_positions: bool = False) -> int:
     if exclude_positions and "wpe" in params:
         n -= params["wpe"].size
     return n
+
+
+def active_params(cfg: ModelConfig, params) -> int:
+    """Parameters one token uses (:func:`num_params` for a dense model): a mixture of experts' weights count
+    ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
+    n = num_params(params)
+    if cfg.num_experts:
+        mlp = params["layers"]["mlp"]
+        experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
+        n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
+    return n

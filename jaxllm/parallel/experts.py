@@ -64,12 +64,11 @@ class Experts:
             if b2 is not None and n_tp > 1:  # added once: the tensor shards' outputs are summed
                 b2 = jnp.where(jax.lax.axis_index(_axis(tp)) == 0, b2, 0)
             y = moe.experts(*flat, w1, wg, w2, b1, b2, activation=activation, dtype=dtype, first=first)  # 2.
-            y = y.astype(jnp.float32)
-            if n_tp > 1:  # 3.
+            if n_tp > 1:  # 3. (in the compute dtype, as the dense MLP's row-parallel sum)
                 y = jax.lax.psum(y, _axis(tp))
             if n_ep > 1:
                 y = jax.lax.psum_scatter(y, _axis(ep), scatter_dimension=0, tiled=True)
-            return y.astype(dtype).reshape(b, s, e)
+            return y.reshape(b, s, e)
 
         optional = lambda a, spec: (a, spec) if a is not None else (None, None)  # noqa: E731
         (wg, wg_spec), (b1, b1_spec), (b2, b2_spec) = optional(wg, w_in), optional(b1, b_in), optional(b2, b_out)

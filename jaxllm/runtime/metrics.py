@@ -42,6 +42,10 @@ _TRAIN_FORMATS = {
     "loss": lambda v: f"loss {v:.4f}",
     "lr": lambda v: f"lr {v:.1e}",
     "grad_norm": lambda v: f"grad {v:.2f}",
+    "moe_aux_loss": lambda v: f"aux {v:.3f}",  # a mixture of experts' routing (jaxllm.model.moe)
+    "moe_z_loss": lambda v: f"z {v:.3g}",
+    "moe_max_load": lambda v: f"max load {v:.2f}",
+    "moe_dropped": lambda v: f"dropped {100 * v:.1f}%" if v else "",
     "tokens_per_sec": lambda v: f"{_si(v)} tok/s",
     "tflops_per_device": lambda v: f"{v:.3g} TFLOP/s/dev",
     "mfu": lambda v: f"MFU {100 * v:.1f}%",
