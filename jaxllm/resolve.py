@@ -270,6 +270,21 @@ def _check_mlp_chunks(cfg) -> None:
                           f"{cfg.train.seq_length} / {n} = {cfg.train.seq_length // n}")
 
 
+def _check_moe(cfg) -> None:
+    """What the rules table's sizes do not cover for a mixture of experts: the shared expert's hidden size
+    splits over the MLP's axes, and ``model.mlp_chunks`` chunks only the dense MLP."""
+    m = cfg.model
+    if not m.num_experts:
+        return
+    n = math.prod(cfg.mesh_shape[a] for a in sharding.rules(cfg)["mlp"])
+    if m.moe_shared_expert_intermediate_size % n:
+        raise ConfigError("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size,
+                          f"must be divisible by mesh.tensor = {n} (the shared expert is a tensor-parallel MLP)")
+    if m.mlp_chunks > 1:
+        raise ConfigError("model.mlp_chunks", m.mlp_chunks, "chunks the dense MLP only; with model.num_experts > 0 "
+                          "set it to 1")
+
+
 def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = None,
             backend: str | None = None, data_files: bool = True) -> Resolved:
     """Checks every value of ``spec`` and returns the read-only :class:`Resolved` config.
@@ -323,6 +338,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     sharding.check(out, gpt.logical_sizes(out.model, t.seq_length))
     context_parallel.check(out)
     _check_mlp_chunks(out)
+    _check_moe(out)
     attention.check_config(out, backend)
     _check_fp8(out, backend)
     _check_offload(out, backend)

@@ -231,7 +231,7 @@ def test_shardings_lay_out_a_tensor_parallel_run(workdir):
     assert out["1"]["opt"]["[1][0].count"] == "()"
     assert "is not the config's" in out["mismatch"] and "jaxllm.make_mesh(config)" in out["mismatch"]
     assert "a resolved config is needed" in out["unresolved"]
-    assert out["one_device_mesh"] == {"data": 1, "fsdp": 1, "pipeline": 1, "tensor": 1, "sequence": 1}
+    assert out["one_device_mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "pipeline": 1, "tensor": 1, "sequence": 1}
     assert "covers 8 devices, and 4 are given" in out["too_few"]
 
 

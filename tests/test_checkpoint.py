@@ -240,7 +240,7 @@ def test_8_devices_resume_exactly_and_restore_onto_other_meshes(data_dir, tmp_pa
     ref, workdir = tmp_path / "reference8", tmp_path / "run8"
     o = overrides(data_dir, **{k.replace(".", "__"): v for k, v in MESH8.items()})
     rc, out = run_cli(ref, o, env=ENV8)
-    assert rc == 0 and "mesh {'data': 2, 'fsdp': 2, 'pipeline': 1, 'tensor': 2" in out, out[-3000:]
+    assert rc == 0 and "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'pipeline': 1, 'tensor': 2" in out, out[-3000:]
     reference = {s: loss for s, loss, _ in train_losses(ref)}
     # Slowed by a save every step, not by SLOW's evaluation: the eval step's collective permute can
     # deadlock XLA's in-process CPU collectives with 8 fake devices on a 2-core host.

@@ -350,7 +350,7 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
     assert r.returncode == 0, r.stderr[-4000:]
     assert "[Gloo]" in r.stdout
-    assert "mesh {'data': 2, 'fsdp': 2, 'pipeline': 1, 'tensor': 2, 'sequence': 1}" in r.stdout
+    assert "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'pipeline': 1, 'tensor': 2, 'sequence': 1}" in r.stdout
     got = metrics_of(hybrid)
     np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)], rtol=1e-5)
 

@@ -8,6 +8,7 @@ over the same tokens.
 """
 
 import json
+import math
 import os
 
 import jax
@@ -140,14 +141,21 @@ def test_attached_loss_gets_its_scale_as_gradient():
     np.testing.assert_allclose(g[1], 0.25)
 
 
-@pytest.mark.parametrize("extra, key", [({"moe_router_topk": 5}, "model.moe_router_topk"),
-                                        ({"num_experts": 0}, "mesh.expert")])
-def test_config_errors(extra, key):
+@pytest.mark.parametrize("extra, mesh, key", [
+    ({"moe_router_topk": 5}, {"expert": 2}, "model.moe_router_topk"),
+    ({"num_experts": 0}, {"expert": 2}, "mesh.expert"),
+    ({"num_experts": 6}, {"expert": 4, "data": 1}, "model.num_experts"),  # 6 experts over 4 devices
+    ({"moe_ffn_hidden_size": 30}, {"tensor": 4}, "model.moe_ffn_hidden_size"),
+    ({"moe_shared_expert_intermediate_size": 30}, {"tensor": 4}, "model.moe_shared_expert_intermediate_size"),
+    ({"mlp_chunks": 2}, {"expert": 2}, "model.mlp_chunks")])
+def test_config_errors(extra, mesh, key):
+    """One line naming the key, before anything compiles."""
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **{**MOE, **extra})
-    c.mesh.expert = 2
+    c.train.update(micro_batch_size=1, global_batch_size=8)
+    c.mesh.update(**mesh)
     with pytest.raises(ConfigError) as e:
-        resolve(c, num_devices=2, vocab_size=64)
+        resolve(c, num_devices=math.prod(mesh.values()), vocab_size=64)
     assert e.value.key == key
 
 
