@@ -42,6 +42,8 @@ GPT3_SMALL = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "
 # (pattern on the command, flags appended when it matches); the first match wins.
 SHORTER = [
     (r"-m jaxllm\.train\b.*configs/gpt3\.py", TRAIN + GPT3_SMALL),
+    # Llama's recipe warms up over a fraction of the steps (train.lr_warmup_fraction), not warmup_iters
+    (r"-m jaxllm\.train\b.*configs/(llama|moe)\.py", [f for f in TRAIN if "warmup_iters" not in f]),
     (r"-m jaxllm\.train\b|launch/local\.sh\b", TRAIN),
     (r"-m jaxllm\.bench\b.*configs/gpt3\.py", ["--steps=1", "--warmup=0", *GPT3_SMALL]),
     (r"-m jaxllm\.bench\b", ["--steps=2", "--warmup=0"]),
