@@ -167,7 +167,8 @@ def test_router_losses_reach_the_router_gradient():
     def router_grad(aux, z):
         cfg = _resolved(moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
         spec, params = model.describe(cfg.model), model.init(cfg.model, 0)
-        return jax.grad(lambda p: model.loss(spec.graphdef, p, tokens, tokens))(params)["layers"]["mlp"]["router"]
+        grad = jax.jit(jax.grad(lambda p: model.loss(spec.graphdef, p, tokens, tokens)))
+        return grad(params)["layers"]["mlp"]["router"]
 
     base, aux, both = router_grad(0.0, 0.0), router_grad(0.1, 0.0), router_grad(0.2, 0.05)
     assert np.abs(aux - base).max() > 1e-4
