@@ -139,6 +139,22 @@ GPT2 = Arch(
         Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
     ))
 
+# Llama's rows around the MLP, which Mixtral shares: the embedding and each layer's attention and norms ...
+_LLAMA_ATTENTION = (
+    Tensor("model.embed_tokens.weight", ("wte",)),  # [vocab, h]
+    Tensor("model.layers.{i}.input_layernorm.weight", ("layers/ln1/scale",), VEC),
+    Tensor("model.layers.{i}.self_attn.q_proj.weight", ("layers/attn/wq",), linear=True),  # [heads*d, h]
+    Tensor("model.layers.{i}.self_attn.k_proj.weight", ("layers/attn/wk",), linear=True),  # [kv_heads*d, h]
+    Tensor("model.layers.{i}.self_attn.v_proj.weight", ("layers/attn/wv",), linear=True),  # [kv_heads*d, h]
+    Tensor("model.layers.{i}.self_attn.o_proj.weight", ("layers/attn/wo",), 2, linear=True),  # [h, heads*d]
+    Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/ln2/scale",), VEC),
+)
+# ... and the final norm and output layer
+_LLAMA_OUTPUT = (
+    Tensor("model.norm.weight", ("ln_f/scale",), VEC),
+    Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
+)
+
 LLAMA = Arch(
     model_type="llama", hf_class="LlamaForCausalLM",
     needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
@@ -156,20 +172,12 @@ LLAMA = Arch(
     prefix="model.",
     buffers=r".*rotary_emb\.inv_freq",
     tensors=(
-        Tensor("model.embed_tokens.weight", ("wte",)),  # [vocab, h]
-        Tensor("model.layers.{i}.input_layernorm.weight", ("layers/ln1/scale",), VEC),
-        Tensor("model.layers.{i}.self_attn.q_proj.weight", ("layers/attn/wq",), linear=True),  # [heads*d, h]
-        Tensor("model.layers.{i}.self_attn.k_proj.weight", ("layers/attn/wk",), linear=True),  # [kv_heads*d, h]
-        Tensor("model.layers.{i}.self_attn.v_proj.weight", ("layers/attn/wv",), linear=True),  # [kv_heads*d, h]
-        Tensor("model.layers.{i}.self_attn.o_proj.weight", ("layers/attn/wo",), 2, linear=True),  # [h, heads*d]
-        Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/ln2/scale",), VEC),
+        *_LLAMA_ATTENTION,
         Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
         Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
         Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
-        Tensor("model.norm.weight", ("ln_f/scale",), VEC),
-        Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
+        *_LLAMA_OUTPUT,
     ))
-
 
 
 def _mixtral_layouts(tensors: dict[str, np.ndarray], m: config.Model) -> dict[str, np.ndarray]:
@@ -225,19 +233,12 @@ MIXTRAL = Arch(
     prefix="model.",
     buffers=r".*rotary_emb\.inv_freq",
     tensors=(
-        Tensor("model.embed_tokens.weight", ("wte",)),  # [vocab, h]
-        Tensor("model.layers.{i}.input_layernorm.weight", ("layers/ln1/scale",), VEC),
-        Tensor("model.layers.{i}.self_attn.q_proj.weight", ("layers/attn/wq",), linear=True),  # [heads*d, h]
-        Tensor("model.layers.{i}.self_attn.k_proj.weight", ("layers/attn/wk",), linear=True),  # [kv_heads*d, h]
-        Tensor("model.layers.{i}.self_attn.v_proj.weight", ("layers/attn/wv",), linear=True),  # [kv_heads*d, h]
-        Tensor("model.layers.{i}.self_attn.o_proj.weight", ("layers/attn/wo",), 2, linear=True),  # [h, heads*d]
-        Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/ln2/scale",), VEC),
+        *_LLAMA_ATTENTION,
         Tensor("model.layers.{i}.block_sparse_moe.gate.weight", ("layers/mlp/router",), linear=True),  # [E, h]
         Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
         Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
         Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
-        Tensor("model.norm.weight", ("ln_f/scale",), VEC),
-        Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
+        *_LLAMA_OUTPUT,
     ),
     layouts=_mixtral_layouts)
 
