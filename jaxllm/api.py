@@ -325,7 +325,9 @@ def shardings(config: Resolved, mesh: jax.sharding.Mesh) -> dict:
       mesh: its mesh, :func:`make_mesh` ``(config)`` (axes ``data, fsdp, pipeline, tensor, sequence``).
     Returns:
       ``jax.sharding.NamedSharding`` per parameter, a nested dict shaped as the parameters
-      (``jax.device_put(params, shardings(config, mesh))`` lays them out).
+      (``jax.device_put(params, shardings(config, mesh))`` lays them out).  Where ``mesh.fsdp`` (with
+      ZeRO-3 times the data-parallel axes) does not divide ``model.hidden_size``, the training loop stores
+      the parameters padded to a multiple of it (:func:`jaxllm.parallel.sharding.stored`, ``pad``).
     Raises:
       TypeError: ``config`` is not resolved.  ValueError: ``mesh`` is not the config's mesh.
     """
@@ -344,7 +346,8 @@ def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=Non
       optimizer: an ``optax.GradientTransformation``; None: the run's (``train.optimizer`` with clipping,
         :func:`jaxllm.runtime.optim.make_optimizer`).
     Returns:
-      a pytree of ``NamedSharding`` shaped as ``optimizer.init(params)``.
+      a pytree of ``NamedSharding`` shaped as ``optimizer.init(params)`` (for the arrays as stored:
+      padded where the devices do not divide ``model.hidden_size``, :func:`jaxllm.parallel.sharding.stored`).
     Raises:
       as :func:`shardings`.
     """

@@ -11,6 +11,10 @@ import os
 import sys
 
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
+# XLA:CPU compiles for at most this many devices of one process: its global device ids hold the process
+# index above the low 11 bits, so a larger device assignment fails as "Multiprocess computations aren't
+# implemented on the CPU backend" (measured with JAX 0.10).  jaxllm.plan refuses more in one line.
+MAX_HOST_DEVICES = 2048
 
 
 def fail(message: str, code: int = EXIT_USAGE):
@@ -33,9 +37,9 @@ def devices_from_argv(argv, default: int = 0) -> int:
 
 
 def force_host_devices(argv) -> None:
-    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices (the
-    planning tools plan, bench and tune; no effect on GPUs)."""
-    n = devices_from_argv(argv)
+    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices, at most
+    :data:`MAX_HOST_DEVICES` (the planning tools plan, bench and tune; no effect on GPUs)."""
+    n = min(devices_from_argv(argv), MAX_HOST_DEVICES)
     if n > 1:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
 

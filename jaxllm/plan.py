@@ -84,6 +84,11 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
     cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+    if num_devices > len(jax.devices()):
+        raise config.ConfigError(
+            "devices", num_devices, f"this machine compiles for at most {len(jax.devices())} devices (XLA:CPU: "
+            f"{cli.MAX_HOST_DEVICES} in one process); plan a layout of at most that many with the same tensor and "
+            "pipeline sizes")
     dtype = cfg.model.dtype
     if cfg.backend in attention.TARGET_FAMILY and dtype == "bfloat16":
         stand_in = config.from_dict(cfg.to_dict())
@@ -100,8 +105,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     compile_s = time.perf_counter() - t0
     mem = memory_report(compiled)
     state = run.abstract_state
-    grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state["params"],
-                         sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
+    grads = sharding.stored(run.logical_state["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
     stage, host = cfg.parallel.zero_stage, offloaded_bytes(cfg, run)
     split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
                           if run.mesh.shape[a] > 1}
@@ -118,8 +122,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
         "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
         "dtype": dtype if dtype == cfg.model.dtype else f"{dtype} (compiled as {cfg.model.dtype}, the same bytes)",
-        "num_params": sum(a.size for a in jax.tree.leaves(state["params"])),
-        "active_params": model.active_params(cfg.model, state["params"]),
+        "num_params": model.num_params(run.logical_state["params"]),
+        "active_params": model.active_params(cfg.model, run.logical_state["params"]),
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
     }

@@ -223,13 +223,13 @@ def _train(cfg, workdir: str, started: float) -> dict:
                   f"train.train_iters={t.train_iters}; to train on, raise --config.train.train_iters")
         return {}
     loader = Batches(data, rows=run.process_rows())
-    n_params = model.num_params(state["params"])
+    n_params = model.num_params(run.logical_state["params"])
     primary = jax.process_index() == 0
     # logged with every evaluation: the loss of the best context-free model of the validation batches
     unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
                                data.vocab_size) if t.eval_interval else float("nan"))
     if primary:
-        active = model.active_params(cfg.model, state["params"])
+        active = model.active_params(cfg.model, run.logical_state["params"])
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters"
               + (f" ({active / 1e6:.2f}M active per token)" if active != n_params else "")
               + f", {jax.device_count()} {jax.devices()[0].platform} device(s), "
@@ -336,19 +336,19 @@ def _train(cfg, workdir: str, started: float) -> dict:
 
     if primary and cfg.log.samples:
         split = "valid" if t.eval_interval else "train"
-        print_samples(cfg, state["params"], data.tokenizer, Batches(data).batch(split, 0)[0, :8], workdir)
+        print_samples(run, state, data.tokenizer, Batches(data).batch(split, 0)[0, :8], workdir)
     return {**last, **last_eval, "compile_s": compile_s, **startup}
 
 
-def print_samples(cfg, params, tokenizer, default_prompt, workdir):
+def print_samples(run, state, tokenizer, default_prompt, workdir):
     """Prints ``log.samples`` continuations of ``log.sample_prompt`` (default: ``default_prompt`` tokens),
     on this host with the model's local operations (the run's are bound to its mesh)."""
     if jax.process_count() > 1:  # the parameters span other hosts' devices: device_get cannot fetch them
         print(f"samples skipped (multi-process run): python -m jaxllm.generate --workdir={workdir}")
         return
-    log = cfg.log
+    cfg, log = run.cfg, run.cfg.log
     tokens = tokenizer.encode(log.sample_prompt) if log.sample_prompt else default_prompt
-    sampler = Sampler(cfg.model, model.describe(cfg.model).graphdef, jax.device_get(params), cfg.train.seq_length)
+    sampler = Sampler(cfg.model, model.describe(cfg.model).graphdef, run.params(state), cfg.train.seq_length)
     rows = sampler(np.tile(np.asarray(tokens)[None], (log.samples, 1)), log.sample_tokens,
                    temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
     for row in rows:

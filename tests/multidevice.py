@@ -35,6 +35,7 @@ from jaxllm.data.loader import document_arrays  # noqa: E402
 from jaxllm.data.loader import documents as document_batch  # noqa: E402
 from jaxllm.parallel import sharding  # noqa: E402
 from jaxllm.resolve import resolve
+from jaxllm.runtime import checkpoint  # noqa: E402
 from jaxllm.runtime.run import Run  # noqa: E402
 
 STEPS = 3
@@ -103,6 +104,7 @@ def run_layout(layout, batches, doc_batches):
     layout = dict(layout)
     evaluate = layout.pop("eval", False)  # also the validation loss of EVAL_BATCHES batches, after training
     hlo = layout.pop("hlo", False)
+    restore_on = layout.pop("restore_on", None)  # a mesh: the trained state saved, then restored on it
     for section, values in layout.items():
         getattr(cfg, section).update(**values)
     sizes = list(cfg.mesh.to_dict().values())
@@ -111,6 +113,8 @@ def run_layout(layout, batches, doc_batches):
     run = Run(cfg, devices=jax.devices()[:n])
     if run.documents:
         batches = doc_batches
+    g = cfg.train.global_batch_size  # a smaller global batch than the base config's: its first rows
+    batches = [(x[:g], y[:g]) for x, y in batches]
     if hlo:
         return compiled_vocab_shapes(run, batches)
     state = run.initial_state()
@@ -129,13 +133,36 @@ def run_layout(layout, batches, doc_batches):
         if not leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(run.mesh, spec), leaf.ndim)
     ]
     flat = {jax.tree_util.keystr(p): np.asarray(v).tolist()
-            for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]}
+            for p, v in jax.tree_util.tree_flatten_with_path(run.params(state))[0]}
     eval_loss = None
     if evaluate:
         eval_loss = run.evaluate(state["params"], ValidationBatches(cfg, rows))
-    return {"losses": losses, "moe": moe, "params": flat, "sharding_mismatches": mismatched, "eval_loss": eval_loss,
-            "param_bytes": sharding.per_device_bytes(state["params"]),
-            "opt_bytes": sharding.per_device_bytes(state["opt_state"])}
+    result = {"losses": losses, "moe": moe, "params": flat, "sharding_mismatches": mismatched, "eval_loss": eval_loss,
+              "param_bytes": sharding.per_device_bytes(state["params"]),
+              "opt_bytes": sharding.per_device_bytes(state["opt_state"]),
+              "stored_shapes": sorted({tuple(a.shape) for a in jax.tree.leaves(state)})}
+    if restore_on is not None:
+        result["restored"] = restored_elsewhere(cfg, run, state, restore_on)
+    return result
+
+
+def restored_elsewhere(cfg, run, state, mesh) -> dict:
+    """``state`` saved by ``run``'s checkpointer and restored on ``mesh``: whether every array is bitwise
+    the saved one (both unpadded), and the shapes stored there."""
+    with tempfile.TemporaryDirectory() as workdir:
+        ckpt = checkpoint.Checkpointer(workdir, cfg)
+        ckpt.maybe_save(1, state, force=True)
+        ckpt.close()
+        spec = config.from_dict(cfg.to_dict())
+        spec.mesh = config.Mesh(**mesh)
+        other_cfg = resolve(spec, num_devices=int(np.prod(list(mesh.values()))))
+        other = Run(other_cfg, devices=jax.devices()[:int(np.prod(list(other_cfg.mesh_shape.values())))])
+        ckpt = checkpoint.Checkpointer(workdir, other_cfg)
+        restored = ckpt.restore(other.abstract_state)
+        ckpt.close()
+    unpadded = lambda r, s: jax.tree.leaves(sharding.unpad(jax.device_get(s), r.logical_state))  # noqa: E731
+    return {"equal": all(np.array_equal(a, b) for a, b in zip(unpadded(run, state), unpadded(other, restored))),
+            "stored_shapes": sorted({tuple(a.shape) for a in jax.tree.leaves(restored)})}
 
 
 def main():

@@ -47,6 +47,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
@@ -76,6 +77,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_embed": (),
     "stage": ("pipeline",),
 }
+
+# The weight dimensions split only to store them (FSDP, and ZeRO's data-parallel split): any size, stored
+# padded to a multiple of their devices (:func:`stored`), computed on unpadded.  The others must divide.
+STORED = ("embed", "expert_embed")
 
 
 def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
@@ -142,7 +147,8 @@ class Layout:
 
 
 def check(cfg, sizes: Mapping[str, tuple[int, str]]) -> None:
-    """Every dimension must divide by the devices the rules table splits it over.
+    """Every dimension must divide by the devices the rules table splits it over, but the weights'
+    :data:`STORED` dimensions, which are padded to any device count (:func:`stored`).
 
     Args:
       cfg: a config being resolved (``mesh_shape`` filled).
@@ -153,7 +159,7 @@ def check(cfg, sizes: Mapping[str, tuple[int, str]]) -> None:
     tables = [rules(cfg)] + ([rules(cfg, zero=True)] if cfg.parallel.zero_stage >= 1 else [])
     for table in tables:
         for name, (size, key) in sizes.items():
-            axes = table.get(name, ())
+            axes = () if name in STORED else table.get(name, ())
             n = math.prod(cfg.mesh_shape[a] for a in axes)
             if size % n:
                 what = " x ".join(f"mesh.{a}" + (f" x mesh.dcn_{a}" if getattr(cfg.mesh, f"dcn_{a}") > 1 else "")
@@ -217,8 +223,8 @@ def state_shardings(cfg, abstract_state, logical, mesh):
     ZeRO table from stage 1 (:func:`optimizer_spec`): a moment of the parameter's shape is laid out as
     the parameter; one with a dimension fewer (Adafactor's factored row and column statistics) as the
     parameter without that dimension.  Everything else (counters, Adafactor's placeholders, Muon's
-    coefficients) and anything the mesh does not divide is replicated, as are ``step`` and the other
-    top-level counters.
+    coefficients) is replicated, as are ``step`` and the other top-level counters.  The shardings are
+    of the stored arrays (:func:`stored`): a :data:`STORED` dimension the mesh does not divide is padded.
     """
     stage = cfg.parallel.zero_stage
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
@@ -231,7 +237,7 @@ def state_shardings(cfg, abstract_state, logical, mesh):
         for k in range(len(path)):
             owner = owners.get(tuple(path[k:]))
             if owner is not None:
-                return named(optimizer_spec(leaf.shape, *owner, table, mesh.shape))
+                return named(optimizer_spec(leaf.shape, *owner, table))
         return named(PartitionSpec())
 
     opt = jax.tree_util.tree_map_with_path(opt_sharding, abstract_state["opt_state"])
@@ -240,24 +246,48 @@ def state_shardings(cfg, abstract_state, logical, mesh):
     return {**scalars, "params": params, "opt_state": opt}
 
 
-def optimizer_spec(shape, param_shape, axes, table, mesh_shape) -> PartitionSpec:
+def optimizer_spec(shape, param_shape, axes, table) -> PartitionSpec:
     """The PartitionSpec of an optimizer-state array of ``shape`` that belongs to a parameter of
     ``param_shape`` with logical ``axes``: the parameter's, or with the one dimension it lacks left
-    out; replicated if it is neither or the mesh (``{axis: size}``) does not divide it."""
+    out; replicated if it is neither."""
     names = None
     if tuple(shape) == tuple(param_shape):
         names = tuple(axes)
     elif len(shape) == len(param_shape) - 1:
         names = next((tuple(axes[:i] + axes[i + 1:]) for i in range(len(param_shape))
                       if tuple(param_shape[:i]) + tuple(param_shape[i + 1:]) == tuple(shape)), None)
-    if names is None:
-        return PartitionSpec()
-    spec = logical_to_spec(names, table)
-    for size, part in zip(shape, spec):
-        axes_of = () if part is None else (part,) if isinstance(part, str) else part
-        if size % math.prod(mesh_shape[a] for a in axes_of):
-            return PartitionSpec()
-    return spec
+    return PartitionSpec() if names is None else logical_to_spec(names, table)
+
+
+def stored_shape(shape, sharding: NamedSharding) -> tuple[int, ...]:
+    """How an array of ``shape`` is stored in ``sharding``: each dimension rounded up to a multiple of
+    the devices it is split over, so that every device holds an equal shard (JAX's arrays must split
+    evenly).  Only :data:`STORED` dimensions can need it (:func:`check`); DeepSpeed's ZeRO and Megatron-LM's
+    distributed optimizer pad their flat buffers alike.  The padding is zeros no computation reads."""
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    parts = [math.prod(sharding.mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ())) for p in spec]
+    return tuple(-(-n // k) * k for n, k in zip(shape, parts))
+
+
+def stored(abstract, shardings):
+    """``jax.ShapeDtypeStruct`` leaves of ``abstract`` (unpadded shapes) in ``shardings``, padded as stored
+    (:func:`stored_shape`)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(stored_shape(a.shape, s), a.dtype, sharding=s),
+                        abstract, shardings)
+
+
+def pad(tree, like):
+    """Each array of ``tree`` zero-padded at the end of its dimensions to the shape of ``like``'s leaf (its
+    stored shape, :func:`stored`); arrays of that shape are returned as they are."""
+    return jax.tree.map(lambda x, a: x if x.shape == a.shape else
+                        jnp.pad(x, [(0, m - n) for n, m in zip(x.shape, a.shape)]), tree, like)
+
+
+def unpad(tree, like):
+    """Each array of ``tree`` (stored, padded) cut to the shape of ``like``'s leaf: inside ``jit`` a slice
+    GSPMD keeps sharded, outside it works on host (NumPy) arrays too."""
+    return jax.tree.map(lambda x, a: x if x.shape == a.shape else x[tuple(slice(0, n) for n in a.shape)],
+                        tree, like)
 
 
 def grad_shardings(cfg, logical, mesh):

@@ -27,6 +27,7 @@ for every weight).  On a one-device mesh they are the plain single-device operat
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +49,15 @@ def _shard_start(vocab_axes, rows):
     return jax.lax.axis_index(vocab_axes) * rows if vocab_axes else 0
 
 
-def _table_grad_sum(layout: Layout):
+def _table_grad_sum(layout: Layout, embed: int):
     """``(reduce, out_spec)`` for a table gradient ``[rows, embed]`` computed from one device's tokens:
     summed over the batch and sequence axes, reduce-scattered along ``embed`` over those of them
-    that also split the weights' ``embed`` (``fsdp``), so that it leaves laid out as the table."""
+    that also split the weights' ``embed`` (``fsdp``), so that it leaves laid out as the table; summed
+    whole where they do not divide ``embed`` (a size the table is stored padded for)."""
     axes = (*layout.mesh_axes("batch"), *layout.mesh_axes("length"))
     split = tuple(a for a in layout.mesh_axes("embed") if a in axes)
+    if embed % math.prod(layout.mesh.shape[a] for a in split):
+        split = ()
     rest = tuple(a for a in axes if a not in split)
 
     def reduce(d):
@@ -82,7 +86,7 @@ class Embed:
         rest = tuple(a for a in vocab if a not in scatter)
         table_spec, ids_spec = layout.spec(("vocab", None)), layout.spec(("batch", "length"))
         out_spec = layout.spec(("batch", "residual" if scatter else "length", "act_embed"))
-        grad_sum, grad_spec = _table_grad_sum(layout)
+        grad_sum, grad_spec = _table_grad_sum(layout, width)
 
         def shard(ids):
             local = ids - _shard_start(vocab, rows)
@@ -182,7 +186,7 @@ class _Sharded:
     def value_and_grads(self, h, table, targets, weights=None):
         local, axes = self._local(), self._sum_axes()
         h_spec, _, _, scatter = self._specs()
-        grad_sum, grad_spec = _table_grad_sum(self.layout)
+        grad_sum, grad_spec = _table_grad_sum(self.layout, table.shape[1])
         vocab = self.layout.mesh_axes("vocab")
         rest = tuple(a for a in vocab if a not in scatter)
 

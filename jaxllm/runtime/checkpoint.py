@@ -54,17 +54,19 @@ def _manager(workdir: str, options: ocp.CheckpointManagerOptions | None = None) 
     return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
 
 
-def _same_padding(manager, step: int, model_cfg: dict) -> bool:
-    """Whether the checkpoint at ``step`` has this run's vocabulary padding.
+def _same_shapes(manager, step: int, target) -> bool:
+    """Whether the checkpoint at ``step`` holds arrays of the shapes of ``target`` (a dict of some of the
+    saved state's entries, ``jax.ShapeDtypeStruct`` leaves).
 
-    The embedding and output tables (and their optimizer moments) have ``model.padded_vocab_size``
-    rows, which depends on the tensor-parallel size; the rows from ``vocab_size`` on are zeros the
-    model masks.  Where the padding differs, the tables are read cut or zero-padded to this run's
-    (Orbax's ``strict=False``); :meth:`Checkpointer._check_model_matches` has made sure that the
-    rest of the model is the same, so no other array can differ.
+    The model is the same (:meth:`Checkpointer._check_model_matches`), so only padding can differ: the
+    embedding and output tables' rows (``model.padded_vocab_size``, which depends on the tensor-parallel
+    size) and the ZeRO/FSDP storage padding (:func:`jaxllm.parallel.sharding.stored`, which depends on the
+    data-parallel size).  Padding is zeros at the end of a dimension, so where the shapes differ the arrays
+    are read cut or zero-padded to ``target``'s (Orbax's ``strict=False``).
     """
-    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    return saved.get("model", {}).get("padded_vocab_size") == model_cfg["padded_vocab_size"]
+    saved = ocp.PyTreeCheckpointHandler().metadata(manager.directory / str(step) / "state").tree
+    shapes = lambda tree: sorted(tuple(a.shape) for a in jax.tree.leaves(tree))  # noqa: E731
+    return shapes({k: saved[k] for k in target}) == shapes(target)
 
 
 class CheckpointError(RuntimeError):
@@ -121,7 +123,7 @@ class Checkpointer:
         failures = []
         for s in steps:
             try:
-                strict = _same_padding(self.manager, s, self.config["model"])
+                strict = _same_shapes(self.manager, s, abstract_state)
                 restored = self.manager.restore(s, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state, strict=strict)))
             except Exception as e:  # noqa: BLE001  Orbax/TensorStore raise many types for damaged files
@@ -322,7 +324,7 @@ def restore_params(model_cfg: config.Model, workdir: str, step: int | None = Non
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
         item = {"params": abstract}
-        strict = _same_padding(manager, step, model_cfg.to_dict())
+        strict = _same_shapes(manager, step, item)
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, strict=strict), item)
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=item, restore_args=restore_args, partial_restore=True)))

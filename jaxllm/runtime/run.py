@@ -31,7 +31,9 @@ class Run:
       devices: the devices of the mesh (default: all).
     Attributes:
       cfg, layout (mesh + rules table), mesh, spec (:class:`jaxllm.model.Spec`), optimizer,
-      state_sharding, abstract_state (``jax.ShapeDtypeStruct`` leaves with shardings),
+      logical_state (the state's ``jax.ShapeDtypeStruct`` leaves), state_sharding, abstract_state (the state
+      as stored: ``jax.ShapeDtypeStruct`` leaves with shardings, :data:`jaxllm.parallel.sharding.STORED`
+      dimensions padded to their devices, :func:`jaxllm.parallel.sharding.stored`),
       batch_sharding (``[microbatches, rows, seq]``), eval_sharding (``[rows, seq]``),
       documents (the names of the batch's ``docs`` arrays the data options ask for,
       :func:`jaxllm.data.loader.document_arrays`; ``()``: the steps take no ``docs``), train_step,
@@ -55,19 +57,24 @@ class Run:
             ops = cpu.ops(ops, self.mesh.size)
         self.spec = spec = model.describe(cfg.model, ops)
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
-        abstract_state = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
-        self.state_sharding = sharding.state_shardings(cfg, abstract_state, spec.axes, self.mesh)
-        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                           abstract_state, self.state_sharding)
+        self.logical_state = logical = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
+        self.state_sharding = sharding.state_shardings(cfg, logical, spec.axes, self.mesh)
+        self.abstract_state = stored = sharding.stored(logical, self.state_sharding)
         self.batch_sharding = layout.sharding((None, "batch", "length"))
         self.eval_sharding = layout.sharding(("batch", "length"))
         self.documents = document_arrays(cfg.data)
         arrays = 3 if self.documents else 2  # inputs, targets[, docs]: no docs argument without the data options
         train_fn = step.make_train_step(cfg, spec, self.optimizer, layout,
                                         sharding.grad_shardings(cfg, spec.axes, self.mesh))
-        self.train_step = jax.jit(train_fn, in_shardings=(self.state_sharding, *[self.batch_sharding] * arrays),
+
+        def stored_train_fn(state, *batch):  # the step computes on unpadded arrays (sharding.stored)
+            state, metrics = train_fn(sharding.unpad(state, logical), *batch)
+            return sharding.pad(state, stored), metrics
+
+        self.train_step = jax.jit(stored_train_fn, in_shardings=(self.state_sharding, *[self.batch_sharding] * arrays),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
-        eval_fn = step.make_eval_step(cfg, spec, layout)
+        eval_step = step.make_eval_step(cfg, spec, layout)
+        eval_fn = lambda params, *batch: eval_step(sharding.unpad(params, logical["params"]), *batch)  # noqa: E731
         self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], *[self.eval_sharding] * arrays))
         # [chunk, batch, seq] stacks of validation batches -> [chunk] losses and token counts
         self.eval_losses = jax.jit(evaluation.batched(eval_fn), in_shardings=(
@@ -78,10 +85,14 @@ class Run:
         state = checkpointer.restore(self.abstract_state) if checkpointer else None
         if state is None:
             cfg = self.cfg
-            init = jax.jit(lambda: step.init_state(model.init(cfg.model, cfg.train.seed), self.optimizer),
-                           out_shardings=self.state_sharding)
+            init = jax.jit(lambda: sharding.pad(step.init_state(model.init(cfg.model, cfg.train.seed), self.optimizer),
+                                                self.abstract_state), out_shardings=self.state_sharding)
             state = init()
         return state
+
+    def params(self, state) -> dict:
+        """The parameters of ``state`` on this host, unpadded (NumPy arrays; single-process runs)."""
+        return sharding.unpad(jax.device_get(state["params"]), self.logical_state["params"])
 
     def process_rows(self) -> slice:
         """The rows of the global batch this process feeds (its devices' part of the batch axis)."""
