@@ -13,8 +13,13 @@ import sys
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
 # XLA:CPU compiles for at most this many devices of one process: its global device ids hold the process
 # index above the low 11 bits, so a larger device assignment fails as "Multiprocess computations aren't
-# implemented on the CPU backend" (measured with JAX 0.10).  jaxllm.plan refuses more in one line.
+# implemented on the CPU backend" (JAX 0.10), unless CPU collectives are configured (see
+# :func:`lift_host_device_limit`).
 MAX_HOST_DEVICES = 2048
+# jaxllm.plan's limit with the device limit lifted: the compile's time grows faster than the device count
+# (measured on a 2-core machine: a trivial program's process 7 s at 4,096 fake devices, 25 s at 8,192; a 1T
+# model's step at 16,384 did not finish in 10 minutes).
+MAX_PLAN_DEVICES = 8192
 
 
 def fail(message: str, code: int = EXIT_USAGE):
@@ -36,10 +41,10 @@ def devices_from_argv(argv, default: int = 0) -> int:
     return default
 
 
-def force_host_devices(argv) -> None:
-    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices, at most
-    :data:`MAX_HOST_DEVICES` (the planning tools plan, bench and tune; no effect on GPUs)."""
-    n = min(devices_from_argv(argv), MAX_HOST_DEVICES)
+def force_host_devices(argv, limit: int = MAX_HOST_DEVICES) -> None:
+    """Before jax starts a backend: make the CPU platform expose ``--devices`` devices, at most ``limit``
+    (the planning tools plan, bench and tune; no effect on GPUs)."""
+    n = min(devices_from_argv(argv), limit)
     if n > 1:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
 
@@ -239,3 +244,22 @@ def parse_flags(argv: list[str]) -> list[str]:
         if path is None:
             raise
         fail(f"config error: --config={path}: {_file_error(e)}")
+
+
+def lift_host_device_limit() -> None:
+    """Before jax starts a backend: let XLA:CPU compile for more than :data:`MAX_HOST_DEVICES` devices.
+
+    XLA:CPU skips its one-process check of a device assignment when CPU collectives are configured
+    (``jax_cpu_collectives_implementation``, set by ``jax.distributed`` jobs), so this starts a one-process
+    ``jax.distributed`` with gloo collectives on a free local port.  For compiling only (``jaxllm.plan``):
+    nothing runs on the devices.
+    """
+    import socket  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)

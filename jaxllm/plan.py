@@ -16,9 +16,9 @@ import sys
 import time
 
 if __name__ == "__main__":  # the device count must be fixed before jax is imported
-    from jaxllm.cli import force_host_devices
+    from jaxllm.cli import MAX_PLAN_DEVICES, force_host_devices
 
-    force_host_devices(sys.argv)
+    force_host_devices(sys.argv, limit=MAX_PLAN_DEVICES)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -28,10 +28,11 @@ from absl import app, flags, logging  # noqa: E402
 from jaxllm import cli, config, model  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import attention  # noqa: E402
+from jaxllm.parallel import collectives as comms  # noqa: E402
 from jaxllm.parallel import schedules, sharding  # noqa: E402
-from jaxllm.platform.hardware import DEVICES, GiB, named_device  # noqa: E402
+from jaxllm.platform.hardware import CLUSTERS, DEVICES, GiB, named_cluster, named_device  # noqa: E402
 from jaxllm.resolve import resolve
-from jaxllm.runtime import flops  # noqa: E402
+from jaxllm.runtime import flops, step_time  # noqa: E402
 from jaxllm.runtime.run import Run  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def memory_report(compiled) -> dict:
             - mem.alias_size_in_bytes}
 
 
-def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> dict:
+def plan(spec: config.Config, num_devices: int, backend: str | None = None, collectives: bool = False) -> dict:
     """Compiles ``spec``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
 
     ``backend`` is the kind of machine planned for (``"cuda"``, ``"rocm"``; None: this one): it
@@ -86,9 +87,9 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
     cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
     if num_devices > len(jax.devices()):
         raise config.ConfigError(
-            "devices", num_devices, f"this machine compiles for at most {len(jax.devices())} devices (XLA:CPU: "
-            f"{cli.MAX_HOST_DEVICES} in one process); plan a layout of at most that many with the same tensor and "
-            "pipeline sizes")
+            "devices", num_devices, f"this process has {len(jax.devices())} devices to compile for (python -m "
+            f"jaxllm.plan makes up to {cli.MAX_PLAN_DEVICES}); plan a layout of fewer devices with the same tensor "
+            "and pipeline sizes")
     dtype = cfg.model.dtype
     if cfg.backend in attention.TARGET_FAMILY and dtype == "bfloat16":
         stand_in = config.from_dict(cfg.to_dict())
@@ -126,6 +127,10 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None) -> d
         "active_params": model.active_params(cfg.model, run.logical_state["params"]),
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
+        "bubble": schedules.schedule_bubble(cfg) if cfg.stages > 1 else 0.0,
+        "compute_dtype": dtype,
+        "seq_tokens": cfg.train.global_batch_size * cfg.train.seq_length,
+        "collectives": comms.collectives(compiled.as_text(), dict(run.mesh.shape)) if collectives else None,
     }
 
 
@@ -183,15 +188,30 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
     memory, backend = None, None  # no GPU named: plan for this machine's backend
+    if F.devices > cli.MAX_PLAN_DEVICES:  # before the backend creates devices
+        cli.fail(config.ConfigError("devices", F.devices, f"python -m jaxllm.plan compiles for at most "
+                                    f"{cli.MAX_PLAN_DEVICES} devices (beyond, the compile takes too long here); plan "
+                                    "a layout of fewer devices with the same tensor and pipeline sizes"))
+    if F.devices > cli.MAX_HOST_DEVICES:
+        cli.lift_host_device_limit()
     try:
+        cluster = named_cluster(F.cluster) if F.cluster else None
+        if cluster is not None:
+            if F.mfu is None:
+                raise ValueError(f"--cluster={F.cluster}: state the MFU the compute runs at, e.g. --mfu=0.4 (no "
+                                 "measured one is assumed)")
+            F.device = F.device or cluster.device
         if F.device:  # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
             memory, backend = named_device(F.device)
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
-        p = plan(F.config, F.devices, backend=backend)
+        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None)
+        estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None
     except (config.ConfigError, ValueError) as e:
         cli.fail(e)
     print(report(p, memory, F.device))
+    if estimate is not None:
+        print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))
 
 
 if __name__ == "__main__":
@@ -199,4 +219,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("devices", 1, "number of devices to plan for")
     flags.DEFINE_string("device", None, f"accelerator whose memory to check against: {', '.join(DEVICES)}")
     flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
+    flags.DEFINE_string("cluster", None, f"also model the step's time on a cluster: {', '.join(CLUSTERS)} "
+                        "(its device is the --device; jaxllm/runtime/step_time.py)")
+    flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")
     app.run(main, flags_parser=cli.parse_flags)

@@ -25,6 +25,12 @@ virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_s
    and the baseline are measured once more at the end, interleaved, and ranked by the mean of
    their two measurements (the machine's load moves single measurements).
 
+At a cluster's scale (``--cluster=frontier --mfu=0.4``): step 3 is the step-time model of the plan
+(:mod:`jaxllm.runtime.step_time`: the FLOPs at the stated MFU, the compiled collectives over the cluster's
+links, the pipeline bubble), not a measurement on this machine's devices; the memory limit is the
+cluster's device's, the plans are for its backend, and nothing is re-measured.  Candidates are then
+ranked by a model: its report says so.
+
 Output (in ``--output_dir``): ``tune.md`` (summary and ranked table), ``tune.csv``,
 ``tune.png`` (tokens/s per measured candidate) and the chosen config as a ready
 ``--config.*`` line, also printed.
@@ -38,10 +44,12 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
-    from jaxllm.cli import force_host_devices
+    from jaxllm.cli import MAX_HOST_DEVICES, MAX_PLAN_DEVICES, force_host_devices
     from jaxllm.platform import gpu_env, host_memory
 
-    force_host_devices(sys.argv)
+    # a cluster's scale is modeled, not run: as many fake devices as jaxllm.plan compiles for
+    force_host_devices(sys.argv, MAX_PLAN_DEVICES if any(a.startswith("--cluster") for a in sys.argv)
+                       else MAX_HOST_DEVICES)
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
     host_memory.keep_freed_memory()
 
@@ -56,16 +64,18 @@ import jax  # noqa: E402
 from jaxllm import bench, cli, config, plan  # noqa: E402
 from jaxllm.data import DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
+from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import layouts  # noqa: E402
 from jaxllm.parallel.layouts import AXES, Candidate  # noqa: E402
-from jaxllm.platform.hardware import DEVICES, GiB, named_device  # noqa: E402
+from jaxllm.platform.hardware import CLUSTERS, DEVICES, GiB, named_cluster, named_device  # noqa: E402
 from jaxllm.resolve import mesh_shape, resolve  # noqa: E402
+from jaxllm.runtime import step_time  # noqa: E402
 
 
 @dataclasses.dataclass
 class Result:
     candidate: Candidate
-    status: str  # measured | pruned (memory) | failed
+    status: str  # measured | modeled (--cluster) | pruned (memory) | failed
     memory: float | None = None  # plan total, bytes per device
     tokens_per_sec: list = dataclasses.field(default_factory=list)  # tokens/s of each measurement
     record: dict | None = None  # the last bench record
@@ -82,19 +92,20 @@ class Result:
 # ---------------------------------------------------------------------------------------------
 
 
-def constraint(cfg: config.Config, num_devices: int) -> str | None:
-    """None if ``cfg`` can run on ``num_devices``, else the key that rejects it
-    (:func:`jaxllm.resolve.resolve`'s: the mesh, divisibility, pipeline, sequence and attention checks)."""
+def constraint(cfg: config.Config, num_devices: int, backend: str | None = None) -> str | None:
+    """None if ``cfg`` can run on ``num_devices`` of ``backend`` (None: this machine's), else the key that
+    rejects it (:func:`jaxllm.resolve.resolve`'s: the mesh, divisibility, pipeline, sequence and attention
+    checks)."""
     try:
-        resolve(cfg, num_devices=num_devices, data_files=False)
+        resolve(cfg, num_devices=num_devices, data_files=False, backend=backend)
     except config.ConfigError as e:
         return e.key
     return None
 
 
-def baseline_candidate(base, num_devices: int) -> Candidate:
-    """The base config as a candidate (its -1 mesh axis filled)."""
-    return layouts.candidate_of(base, mesh_shape(base.mesh, num_devices))
+def baseline_candidate(base, num_devices: int, backend: str | None = None) -> Candidate:
+    """The base config as a candidate (its -1 mesh axis filled) on ``backend`` (None: this machine's)."""
+    return layouts.candidate_of(base, mesh_shape(base.mesh, num_devices), backend)
 
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
@@ -121,11 +132,15 @@ class Tuner:
       memory_limit: bytes per device; None: no memory pruning.
       steps, warmup: of each measurement (:func:`jaxllm.bench.benchmark`).
       log: a function taking one line of progress (default: print it).
+      cluster: ``(name, mfu)``: rank by the step-time model on :data:`jaxllm.platform.hardware.CLUSTERS` ``[name]``
+        at that MFU instead of measuring (plans for the cluster's backend); None: measure.
     """
 
     def __init__(self, base, num_devices: int, *, memory_limit: float | None, steps: int = 3, warmup: int = 1,
-                 log=None):
+                 log=None, cluster: tuple[str, float] | None = None):
         self.base, self.n, self.memory_limit = base, num_devices, memory_limit
+        self.cluster = cluster
+        self.backend = named_device(named_cluster(cluster[0]).device)[1] if cluster else None
         self.steps, self.warmup = steps, warmup
         self.log = log or (lambda line: print(line, flush=True))
         self.results: dict[Candidate, Result] = {}
@@ -138,7 +153,7 @@ class Tuner:
         """Applies the constraints to every candidate, counting rejections by key."""
         self.space_size = len(candidates)
         for c in candidates:
-            why = constraint(layouts.candidate_config(self.base, c), self.n)
+            why = constraint(layouts.candidate_config(self.base, c), self.n, self.backend)
             if why:
                 self.rejected[why] = self.rejected.get(why, 0) + 1
             else:
@@ -150,7 +165,7 @@ class Tuner:
             return self.results[c]
         cfg = layouts.candidate_config(self.base, c)
         try:
-            p = plan.plan(cfg, self.n)
+            p = plan.plan(cfg, self.n, backend=self.backend, collectives=self.cluster is not None)
         except Exception as e:  # noqa: BLE001  (a candidate XLA cannot compile is a result, not the end)
             r = self.results[c] = Result(c, "failed", error=f"plan: {type(e).__name__}: {str(e)[:200]}",
                                          baseline=baseline)
@@ -161,10 +176,26 @@ class Tuner:
             self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} plan {p['total'] / GiB:.3f} GiB > "
                      f"{self.memory_limit / GiB:.3f} GiB: pruned")
             return r
-        r = self.results[c] = Result(c, "measured", memory=p["device"], baseline=baseline)
-        self._measure(r)
+        r = self.results[c] = Result(c, "modeled" if self.cluster else "measured", memory=p["device"],
+                                     baseline=baseline)
+        if self.cluster:
+            self._model(r, p)
+        else:
+            self._measure(r)
         self.measured_count += 1
         return r
+
+    def _model(self, r: Result, p: dict) -> None:
+        name, mfu = self.cluster
+        est = step_time.estimate(p, named_cluster(name), mfu)
+        r.tokens_per_sec.append(est["tokens_per_s"])
+        r.record = {"tokens_per_step": p["seq_tokens"], "microbatches": p["pipeline"][2],
+                    "mfu": est["tflops_per_device"] * 1e12 / est["peak"], "tflops_per_device": est["tflops_per_device"],
+                    "step_time_s": est["step"]}
+        c = r.candidate
+        self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} plan {r.memory / GiB:.3f} GiB: modeled "
+                 f"{est['tokens_per_s']:,.0f} tokens/s, {est['tflops_per_device']:.1f} TFLOP/s per device "
+                 f"({est['step']:.3g} s/step)" + (" [baseline]" if r.baseline else ""))
 
     def _measure(self, r: Result) -> None:
         c = r.candidate
@@ -194,7 +225,7 @@ class Tuner:
           confirm: re-measure this many of the best and the baseline at the end.
         """
         start = time.perf_counter()
-        base = baseline_candidate(self.base, self.n)
+        base = baseline_candidate(self.base, self.n, self.backend)
         self.evaluate(base, baseline=True)
         self.baseline = base
 
@@ -213,7 +244,7 @@ class Tuner:
                 self.evaluate(c)
         else:
             self._optuna(budget_left, seed)
-        if confirm:
+        if confirm and not self.cluster:  # a model gives the same number again
             best = sorted((r for r in self.results.values() if r.status == "measured" and not r.baseline),
                           key=lambda r: -r.throughput)[:confirm]
             self.log(f"confirming: the baseline and the best {len(best)}, measured again")
@@ -243,32 +274,35 @@ class Tuner:
                 continue
             seen.add(c)
             r = self.evaluate(c)
-            trial.set_constraint("infeasible", 0.0 if r.status == "measured" else 1.0)
+            trial.set_constraint("infeasible", 0.0 if r.tokens_per_sec else 1.0)
             study.tell(trial, r.throughput)
 
     # -- report -----------------------------------------------------------------------------
 
     def ranked(self) -> list[Result]:
-        order = {"measured": 0, "pruned (memory)": 1, "failed": 2}
+        order = {"measured": 0, "modeled": 0, "pruned (memory)": 1, "failed": 2}
         return sorted(self.results.values(), key=lambda r: (order[r.status], -r.throughput,
                                                              r.memory or 0))
 
     def best(self) -> Result | None:
-        measured = [r for r in self.results.values() if r.status == "measured"]
+        measured = [r for r in self.results.values() if r.tokens_per_sec]
         return max(measured, key=lambda r: r.throughput) if measured else None
 
     def summary(self) -> list[str]:
         rejected = sum(self.rejected.values())
         pruned = sum(r.status == "pruned (memory)" for r in self.results.values())
         failed = sum(r.status == "failed" for r in self.results.values())
-        measured = sum(r.status == "measured" for r in self.results.values())
+        measured = sum(r.status in ("measured", "modeled") for r in self.results.values())
         limit = f"{self.memory_limit / GiB:.3f} GiB/device" if self.memory_limit else "none"
         lines = [f"- search space: {self.space_size} candidates on {self.n} device(s); sampler {self.sampler}",
                  f"- rejected by the constraints (config.resolve + tune.constraint), never compiled: {rejected}"]
         lines += [f"  - {key}: {count}" for key, count in sorted(self.rejected.items(), key=lambda kv: -kv[1])]
         lines += [f"- planned (ahead-of-time memory plan): {len(self.results)} of {len(self.valid)} valid",
                   f"- pruned by the memory plan (> {limit}), not run: {pruned}",
-                  f"- measured: {measured}; failed: {failed}"]
+                  f"- {'modeled' if self.cluster else 'measured'}: {measured}; failed: {failed}"]
+        if self.cluster:
+            lines.append(f"- ranked by the step-time MODEL on {self.cluster[0]} at MFU {self.cluster[1]:.0%} "
+                         "(jaxllm/runtime/step_time.py), not by measurements")
         return lines
 
     def rows(self) -> list[dict]:
@@ -277,7 +311,7 @@ class Tuner:
         for rank, r in enumerate(self.ranked(), 1):
             c, rec = r.candidate, r.record or {}
             out.append({
-                "rank": rank if r.status == "measured" else "",
+                "rank": rank if r.tokens_per_sec else "",
                 "status": r.status + (" [baseline]" if r.baseline else ""),
                 **{a: n for a, n in zip(AXES, c.mesh)},
                 "micro_batch": c.micro_batch, "microbatches": rec.get("microbatches", ""),
@@ -330,7 +364,7 @@ class Tuner:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
 
-        measured = [r for r in self.ranked() if r.status == "measured"]
+        measured = [r for r in self.ranked() if r.tokens_per_sec]
         best = self.best()
         labels = [f"{r.candidate.mesh_text()} mb{r.candidate.micro_batch} {r.candidate.remat}"
                   + (f" {r.candidate.attention}" if len({m.candidate.attention for m in measured}) > 1 else "")
@@ -340,9 +374,11 @@ class Tuner:
         ax.barh(range(len(measured)), [r.throughput for r in measured], color=colors)
         ax.set_yticks(range(len(measured)), labels, fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlabel("tokens/s (mean of the measurements)")
+        ax.set_xlabel(f"tokens/s (step-time model on {self.cluster[0]})" if self.cluster else
+                      "tokens/s (mean of the measurements)")
         pruned = sum(r.status == "pruned (memory)" for r in self.results.values())
-        ax.set_title(f"jaxllm.tune: {self.n} {jax.devices()[0].platform} devices; {len(measured)} measured, "
+        where = f"{self.cluster[0]} (modeled)" if self.cluster else jax.devices()[0].platform
+        ax.set_title(f"jaxllm.tune: {self.n} {where} devices; {len(measured)} ranked, "
                      f"{pruned} pruned by the memory plan, {sum(self.rejected.values())} rejected\n"
                      "green: chosen, orange: baseline (the config as given)", fontsize=9)
         fig.tight_layout()
@@ -362,6 +398,8 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     base = F.config
+    if F.cluster and cli.MAX_HOST_DEVICES < F.devices <= cli.MAX_PLAN_DEVICES:
+        cli.lift_host_device_limit()  # before the backend creates its devices
     try:
         n = F.devices or len(jax.devices())
         if n < 1 or n > len(jax.devices()):
@@ -377,7 +415,15 @@ def main(argv):
             raise ValueError("--steps must be >= 1, --warmup and --confirm >= 0")
         if any(getattr(base.mesh, f"dcn_{a}") != 1 for a in AXES):
             raise ValueError("tune lays out one node's devices: set every mesh.dcn_* to 1")
-        memory = None
+        memory, cluster = None, None
+        if F.cluster:
+            named_cluster(F.cluster)  # an unknown name first
+            if F.mfu is None:
+                raise ValueError(f"--cluster={F.cluster}: state the MFU the compute runs at, e.g. --mfu=0.4")
+            if not 0 < F.mfu <= 1:
+                raise ValueError(f"--mfu={F.mfu}: give a fraction in (0, 1], e.g. 0.4")
+            cluster = (F.cluster, F.mfu)
+            memory = named_device(named_cluster(F.cluster).device)[0]
         if F.device:
             memory = named_device(F.device)[0]
         if F.device_memory:
@@ -398,7 +444,9 @@ def main(argv):
     except ValueError as e:
         cli.fail(f"error: {e}")
 
-    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup)
+    if cluster and F.attention == "auto":  # the cluster's GPU attention (memory linear in the sequence)
+        dims["attentions"] = [attention.resolve_impl("auto", named_device(named_cluster(F.cluster).device)[1])]
+    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, cluster=cluster)
     tuner.filter(layouts.space(base, n, **dims))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
@@ -449,4 +497,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("confirm", 2, "re-measure the baseline and this many of the best at the end")
     flags.DEFINE_string("workdir", "runs/tune", "where real data is tokenized when the vocabulary needs it")
     flags.DEFINE_string("output_dir", "runs/tune", "where tune.md, tune.csv and tune.png go")
+    flags.DEFINE_string("cluster", None, f"rank by the step-time model on a cluster instead of measuring: "
+                        f"{', '.join(CLUSTERS)} (needs --mfu)")
+    flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")
     app.run(main, flags_parser=cli.parse_flags)

@@ -233,8 +233,24 @@ def test_cli_two_devices_with_optuna(tmp_path):
     assert (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_ranks_by_the_step_time_model_on_a_cluster(tmp_path):
+    r = cli("--devices=2", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
+            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
+            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=2",
+            "--config.train.global_batch_size=4", "--axes=data,tensor", "--micro-batch=2", "--remat=none",
+            "--budget=3", "--cluster=frontier", "--mfu=0.4", f"--output_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "tune.csv")))
+    assert sorted((row["data"], row["tensor"], row["status"].split(" [")[0], row["attention"]) for row in rows) == [
+        ("1", "2", "modeled", "pallas"), ("2", "1", "modeled", "pallas")]  # the GPU's attention, planned for ROCm
+    assert float(rows[0]["tokens_per_sec"]) >= float(rows[1]["tokens_per_sec"]) > 0
+    assert all(row["measurements"] == "1" for row in rows)  # a model is not re-measured
+    assert "ranked by the step-time MODEL on frontier at MFU 40%" in (tmp_path / "tune.md").read_text()
+
+
 @pytest.mark.parametrize("flag,message", [("--budget=abc", "--budget"), ("--axes=data,model", "--axes"),
-                                          ("--device=Z80", "--device='Z80'")])
+                                          ("--device=Z80", "--device='Z80'"), ("--cluster=frontier", "--mfu"),
+                                          ("--cluster=summit", "--cluster='summit'")])
 def test_bad_flags_one_line_exit_2(flag, message):
     r = cli(flag)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -82,12 +82,13 @@ def candidate_config(base: config.Config, c: Candidate) -> config.Config:
     return cfg
 
 
-def candidate_of(cfg: config.Config, mesh: Mapping[str, int]) -> Candidate:
+def candidate_of(cfg: config.Config, mesh: Mapping[str, int], backend: str | None = None) -> Candidate:
     """The candidate ``cfg`` is, on the devices ``mesh`` gives each axis (``cfg.mesh`` with its
     -1 axis filled: :func:`jaxllm.resolve.mesh_shape`); the inverse of :func:`candidate_config`.
-    ``model.attention_impl="auto"`` is the implementation it picks on this backend, as in :func:`space`."""
+    ``model.attention_impl="auto"`` is the implementation it picks on ``backend`` (None: this one), as in
+    :func:`space`."""
     return Candidate(tuple(mesh[a] for a in AXES), cfg.train.micro_batch_size, cfg.model.remat,
-                     resolve_impl(cfg.model.attention_impl), cfg.parallel.pipeline_virtual_stages,
+                     resolve_impl(cfg.model.attention_impl, backend), cfg.parallel.pipeline_virtual_stages,
                      cfg.parallel.sequence_impl, cfg.parallel.pipeline_schedule)
 
 

@@ -4,6 +4,8 @@
   (vendor datasheet for known accelerators, a measured matmul otherwise), the basis of MFU.
 * :data:`DEVICES` / :func:`named_device`: memory per device and backend of the accelerators
   ``jaxllm.plan`` and ``jaxllm.tune`` check against.
+* :data:`CLUSTERS` / :func:`named_cluster`: GPUs per node and the links between them, for
+  ``jaxllm.plan --cluster`` (:mod:`jaxllm.runtime.step_time`).
 * :func:`backend_kind`: ``cpu``, ``cuda``, ``rocm`` or ``tpu`` for a running JAX backend.
 * :func:`host_threads`: the CPU cores this process may run on.
 * :func:`fp8_unsupported`: whether a backend's devices have FP8 matmuls (``model.fp8``).
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -27,6 +30,60 @@ DEVICES = {
     "MI250X": (64 * GiB, "rocm"), "MI300X": (192 * GiB, "rocm"),
 }
 _KINDS = ("cpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A machine's nodes as the step-time model sees them (:mod:`jaxllm.runtime.step_time`).
+
+    Attributes:
+      device: its accelerator, a key of :data:`DEVICES` and :data:`PEAK_FLOPS` (one GCD for the MI250X).
+      per_node: accelerators (JAX devices) per node.
+      intra_bw: bytes/s one device sends to the next in a ring inside a node (one direction).
+      inter_bw: bytes/s one device sends off its node (the node's injection bandwidth / ``per_node``).
+      intra_latency, inter_latency: seconds per step of a ring inside / across nodes.
+      nodes: nodes of the machine.
+      sources: where the figures come from.
+    """
+
+    device: str
+    per_node: int
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float
+    inter_latency: float
+    nodes: int
+    sources: str
+
+
+# Latencies: no facility publishes a collective's per-step latency; 10 us inside a node and 20 us across
+# (a few microseconds of network latency plus the collective library's per-step overhead) are assumed.
+CLUSTERS = {
+    # 4 MI250X (8 GCDs) per node; GCD-GCD Infinity Fabric 50-200 GB/s (50 GB/s the slowest link of a
+    # ring over the node's 8 GCDs); 4 Slingshot-11 NICs of 25 GB/s (100 GB/s per node, 12.5 per GCD).
+    "frontier": Cluster("MI250X", 8, 50e9, 12.5e9, 10e-6, 20e-6, 9408,
+                        "OLCF Frontier User Guide (node diagram: Infinity Fabric 50-200 GB/s, 4 x 25 GB/s Slingshot "
+                        "NICs); 9,408 nodes (TOP500)"),
+    # 4 A100-40GB SXM4, each pair joined by 4 NVLink-3 links (NV4: 100 GB/s each way); 2 Slingshot-11 NICs.
+    "polaris": Cluster("A100-40GB", 4, 100e9, 12.5e9, 10e-6, 20e-6, 560,
+                       "ALCF Polaris machine overview (4 A100 over NVLink, NV4 between every pair, 2 Slingshot 11 "
+                       "adapters, 560 nodes); 25 GB/s per Slingshot-11 NIC"),
+    # 4 A100 (40GB; 256 nodes of 80GB) as Polaris's, 4 Slingshot-11 NICs per node.
+    "perlmutter": Cluster("A100-40GB", 4, 100e9, 25e9, 10e-6, 20e-6, 1536,
+                          "NERSC Perlmutter architecture (1,536 GPU nodes of 4 A100-40GB and 4 HPE Slingshot 11 NICs; "
+                          "NVLink-3 between the GPUs); 25 GB/s per Slingshot-11 NIC"),
+}
+
+
+def named_cluster(name: str) -> Cluster:
+    """The :data:`CLUSTERS` entry ``name`` (``--cluster``).
+
+    Raises:
+      ValueError: ``name`` is not in :data:`CLUSTERS`.
+    """
+    if name not in CLUSTERS:
+        raise ValueError(f"--cluster={name!r}: choose one of {', '.join(CLUSTERS)}")
+    return CLUSTERS[name]
 
 
 def named_device(name: str) -> tuple[float, str]:
