@@ -67,17 +67,21 @@ class Run:
         train_fn = step.make_train_step(cfg, spec, self.optimizer, layout,
                                         sharding.grad_shardings(cfg, spec.axes, self.mesh))
 
-        def stored_train_fn(state, *batch):  # the step computes on unpadded arrays (sharding.stored)
+        def train_step(state, *batch):  # the step computes on unpadded arrays (sharding.stored)
             state, metrics = train_fn(sharding.unpad(state, logical), *batch)
             return sharding.pad(state, stored), metrics
 
-        self.train_step = jax.jit(stored_train_fn, in_shardings=(self.state_sharding, *[self.batch_sharding] * arrays),
+        unpadded_eval = step.make_eval_step(cfg, spec, layout)
+
+        def eval_step(params, *batch):
+            return unpadded_eval(sharding.unpad(params, logical["params"]), *batch)
+
+        self.train_step = jax.jit(train_step, in_shardings=(self.state_sharding, *[self.batch_sharding] * arrays),
                                   out_shardings=(self.state_sharding, None), donate_argnums=0)
-        eval_step = step.make_eval_step(cfg, spec, layout)
-        eval_fn = lambda params, *batch: eval_step(sharding.unpad(params, logical["params"]), *batch)  # noqa: E731
-        self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding["params"], *[self.eval_sharding] * arrays))
+        self.eval_step = jax.jit(eval_step,
+                                 in_shardings=(self.state_sharding["params"], *[self.eval_sharding] * arrays))
         # [chunk, batch, seq] stacks of validation batches -> [chunk] losses and token counts
-        self.eval_losses = jax.jit(evaluation.batched(eval_fn), in_shardings=(
+        self.eval_losses = jax.jit(evaluation.batched(eval_step), in_shardings=(
             self.state_sharding["params"], *[self.batch_sharding] * arrays), out_shardings=layout.sharding(()))
 
     def initial_state(self, checkpointer=None) -> dict:
