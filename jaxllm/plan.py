@@ -197,9 +197,7 @@ def main(argv):
     try:
         cluster = named_cluster(F.cluster) if F.cluster else None
         if cluster is not None:
-            if F.mfu is None:
-                raise ValueError(f"--cluster={F.cluster}: state the MFU the compute runs at, e.g. --mfu=0.4 (no "
-                                 "measured one is assumed)")
+            step_time.check_mfu(F.cluster, F.mfu)
             F.device = F.device or cluster.device
         if F.device:  # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
             memory, backend = named_device(F.device)

@@ -417,13 +417,9 @@ def main(argv):
             raise ValueError("tune lays out one node's devices: set every mesh.dcn_* to 1")
         memory, cluster = None, None
         if F.cluster:
-            named_cluster(F.cluster)  # an unknown name first
-            if F.mfu is None:
-                raise ValueError(f"--cluster={F.cluster}: state the MFU the compute runs at, e.g. --mfu=0.4")
-            if not 0 < F.mfu <= 1:
-                raise ValueError(f"--mfu={F.mfu}: give a fraction in (0, 1], e.g. 0.4")
+            memory, gpu = named_device(named_cluster(F.cluster).device)  # an unknown name first
+            step_time.check_mfu(F.cluster, F.mfu)
             cluster = (F.cluster, F.mfu)
-            memory = named_device(named_cluster(F.cluster).device)[0]
         if F.device:
             memory = named_device(F.device)[0]
         if F.device_memory:
@@ -445,7 +441,7 @@ def main(argv):
         cli.fail(f"error: {e}")
 
     if cluster and F.attention == "auto":  # the cluster's GPU attention (memory linear in the sequence)
-        dims["attentions"] = [attention.resolve_impl("auto", named_device(named_cluster(F.cluster).device)[1])]
+        dims["attentions"] = [attention.resolve_impl("auto", gpu)]
     tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, cluster=cluster)
     tuner.filter(layouts.space(base, n, **dims))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "

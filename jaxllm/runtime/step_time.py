@@ -35,6 +35,19 @@ def crosses_nodes(axes: tuple[str, ...], mesh_shape: dict, per_node: int) -> boo
     return len(set((members.ravel() // per_node).tolist())) > 1
 
 
+def check_mfu(cluster_name: str, mfu: float | None) -> None:
+    """``--cluster``'s ``--mfu``: given (none is assumed) and a fraction in (0, 1].
+
+    Raises:
+      ValueError: one line naming the flag and the fix.
+    """
+    if mfu is None:
+        raise ValueError(f"--cluster={cluster_name}: state the MFU the compute runs at, e.g. --mfu=0.4 (no measured "
+                         "one is assumed)")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"--mfu={mfu}: give the model FLOPs utilization as a fraction in (0, 1], e.g. 0.4")
+
+
 def estimate(plan: dict, cluster: Cluster, mfu: float) -> dict:
     """The step-time model of a plan (:func:`jaxllm.plan.plan` with ``collectives=True``) on ``cluster``.
 
@@ -50,7 +63,7 @@ def estimate(plan: dict, cluster: Cluster, mfu: float) -> dict:
       ValueError: ``mfu`` out of range, or the cluster's device has no peak for the compute dtype.
     """
     if not 0 < mfu <= 1:
-        raise ValueError(f"--mfu={mfu}: give the model FLOPs utilization as a fraction in (0, 1], e.g. 0.4")
+        raise ValueError(f"mfu={mfu}: a fraction in (0, 1]")
     found = lookup_peak_flops(cluster.device, plan["compute_dtype"])
     if found is None:
         raise ValueError(f"no peak FLOP/s for {cluster.device} in {plan['compute_dtype']} (PEAK_FLOPS)")
