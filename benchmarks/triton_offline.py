@@ -2,6 +2,7 @@
 
     python benchmarks/triton_offline.py                     # Markdown table: every kernel x target
     python benchmarks/triton_offline.py --targets sm_90 --head-dims 128 --impls pallas
+    python benchmarks/triton_offline.py --sweep --targets gfx90a,gfx942 --head-dims 128   # candidate tiles
 
 Needs the ``triton`` package (``pip install "triton>=3.9"``, a ~290 MB wheel, ~1 GB installed: it
 bundles ``ptxas``/``cuobjdump`` for NVIDIA and links AMD GPU code with its own LLD), no GPU.
@@ -22,6 +23,11 @@ Targets: ``sm_80`` (A100), ``sm_90`` (H100/H200; Triton compiles for ``sm_90a``)
 memory / LDS per block as Triton allocates it, against the architecture's per-block limit,
 and spills (NVIDIA: spill stores + loads bytes; AMD: VGPR/SGPR spill counts and scratch bytes).
 A kernel that exceeds the shared-memory limit would fail to launch on that GPU.
+
+``--sweep``: instead of the family's tiles, every candidate of :data:`SWEEP` for each Pallas kernel
+(9 tile shapes x ``--warps`` x ``--stages``), one row each: how the CDNA tables of
+``DEFAULT_BLOCK_SIZES`` were chosen without an AMD GPU (the kernels' spills and occupancy, not
+their speed, which only a GPU can measure: ``benchmarks/attention.py``).
 
 Exit codes: 0 every kernel compiled within the limits; 1 a kernel failed to compile or exceeds
 the shared-memory limit (its row says why); 2 bad arguments or no ``triton``.
@@ -56,12 +62,16 @@ TARGETS = {
     "gfx942": ("hip", "gfx942", 64, "cdna", "rocm", 64 * 1024),
 }
 KERNELS = ("fwd", "dkdv", "dq")
+# --sweep: each kernel's (query tile, key tile) candidates; the i-th of each kernel's list is lowered together
+SWEEP = {"fwd": [(q, k) for q in (64, 128, 256) for k in (32, 64, 128)],
+         "dkdv": [(q, k) for q in (16, 32, 64) for k in (32, 64, 128)],
+         "dq": [(q, k) for q in (32, 64, 128) for k in (16, 32, 64)]}
 _PALLAS_NAMES = {"jaxllm_flash_fwd": "fwd", "jaxllm_flash_bwd_dkdv": "dkdv", "jaxllm_flash_bwd_dq": "dq"}
 
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--targets", default="sm_80,sm_90,gfx90a", help=f"comma-separated, of {', '.join(TARGETS)}")
+    p.add_argument("--targets", default="sm_80,sm_90,gfx90a,gfx942", help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--impls", default="pallas,triton", help="pallas and/or triton")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -69,6 +79,9 @@ def _parse(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=0, help="0: = heads")
     p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--sweep", action="store_true", help="every candidate tile of the Pallas kernels (see SWEEP)")
+    p.add_argument("--warps", default="4,8", help="--sweep: warps per program")
+    p.add_argument("--stages", default="1,2", help="--sweep: software-pipelining stages")
     return p.parse_args(argv)
 
 
@@ -84,15 +97,19 @@ def _tile_text(bs: pa.BlockSizes, kernel: str) -> str:
     return f"{q}x{k}, {warps}w, {stages}s"
 
 
-def pallas_ttir(platform_: str, family: str, a, head_dim: int) -> dict[str, lowering.TritonKernel]:
-    """Forward + backward of the Pallas kernel lowered for ``platform_`` with ``family``'s tiles:
-    ``{kernel: TritonKernel}``."""
+def pallas_ttir(platform_: str, family: str, a, head_dim: int,
+                block_sizes: pa.BlockSizes | None = None) -> dict[str, lowering.TritonKernel]:
+    """Forward + backward of the Pallas kernel lowered for ``platform_`` with ``family``'s tiles (as the
+    model's attention calls it), or with ``block_sizes``: ``{kernel: TritonKernel}``."""
     dtype = jnp.dtype(a.dtype)
     kvh = a.kv_heads or a.heads
 
     def grads(q, k, v):
         def loss(q, k, v):
-            out = attention.attention(q, k, v, impl="pallas", causal=a.causal)
+            if block_sizes is None:
+                out = attention.attention(q, k, v, impl="pallas", causal=a.causal)
+            else:
+                out = pa.flash_attention(q, k, v, causal=a.causal, interpret=False, block_sizes=block_sizes)
             return jnp.sum(out.astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -100,6 +117,32 @@ def pallas_ttir(platform_: str, family: str, a, head_dim: int) -> dict[str, lowe
     with attention.lowering_target(platform_, family):
         exported = lowering.export_for(grads, args, platform_)
     return {_PALLAS_NAMES[k.name]: k for k in lowering.triton_kernels(exported)}
+
+
+def sweep_rows(a) -> list[dict]:
+    """Every :data:`SWEEP` candidate of the three Pallas kernels compiled for every target (``--sweep``)."""
+    out = []
+    targets = [t for t in a.targets.split(",") if t]
+    for d in (int(x) for x in a.head_dims.split(",") if x):
+        for warps, stages in ((int(w), int(s)) for w in a.warps.split(",") for s in a.stages.split(",")):
+            for i in range(len(SWEEP["fwd"])):
+                bs = pa.BlockSizes(*SWEEP["fwd"][i], *SWEEP["dkdv"][i], *SWEEP["dq"][i], num_warps=warps,
+                                   num_stages=stages, num_warps_bwd=warps, num_stages_bwd=stages)
+                lowered = {}
+                for target in targets:
+                    family, plat = TARGETS[target][3], TARGETS[target][4]
+                    for kernel in KERNELS:
+                        row = dict(impl="pallas", head_dim=d, kernel=kernel, target=target,
+                                   tiles=_tile_text(bs, kernel))
+                        try:
+                            if plat not in lowered:
+                                lowered[plat] = pallas_ttir(plat, family, a, d, bs)
+                            row.update(compile_pallas(lowered[plat][kernel], target))
+                        except Exception as e:  # noqa: BLE001 - reported in the table
+                            row["error"] = _error_text(e)
+                        out.append(row)
+                print(f"  d{d} {warps}w {stages}s tiles {i + 1}/{len(SWEEP['fwd'])}", file=sys.stderr, flush=True)
+    return out
 
 
 def _triton_source(kernel: str, a, head_dim: int, bs: pa.BlockSizes):
@@ -217,10 +260,15 @@ def rows(a) -> list[dict]:
                             row.update(compile_source(*_triton_source(kernel, a, d, bs)[:1], target,
                                                       *_launch(bs, kernel)))
                     except Exception as e:  # noqa: BLE001 - reported in the table, exit status 1
-                        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}"
+                        row["error"] = _error_text(e)
                     out.append(row)
                     print(f"  {impl} d{d} {kernel} {target}: {row.get('error') or 'ok'}", file=sys.stderr, flush=True)
     return out
+
+
+def _error_text(e: Exception) -> str:
+    """The first line of an exception, for a table cell."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e) else ''}"
 
 
 def _launch(bs: pa.BlockSizes, kernel: str) -> tuple[int, int]:
@@ -259,7 +307,7 @@ def main(argv=None) -> int:
     except ImportError:
         print('error: the triton package is not installed: pip install "triton>=3.9"', file=sys.stderr)
         return 2
-    results = rows(a)
+    results = sweep_rows(a) if a.sweep else rows(a)
     kvh = a.kv_heads or a.heads
     print(f"# Attention kernels compiled offline ({datetime.date.today().isoformat()}, {platform.node() or '?'}, "
           f"no GPU): triton {triton.__version__}, jax {jax.__version__}")
@@ -267,7 +315,7 @@ def main(argv=None) -> int:
           f"command: python benchmarks/triton_offline.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     print(table(results))
     failed = [r for r in results if "error" in r or over_limit(r)]
-    return 1 if failed else 0
+    return 1 if failed and not a.sweep else 0
 
 
 if __name__ == "__main__":

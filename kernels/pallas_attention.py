@@ -97,23 +97,44 @@ class BlockSizes:
     num_stages_bwd: int = 2
 
 
-# Defaults per GPU family.  UNTUNED: sensible starting points taken from the
-# shapes FlashAttention-2 and the Triton fused-attention tutorial use (large
-# query tile forward; small iterated tile, large owned tile backward), not
-# measured on this code.  Tune them on the hardware before trusting them.  What is
-# checked without a GPU (tests/test_gpu_lowering.py, benchmarks/triton_offline.py; the
-# table is in docs/performance.md): with these tiles the Triton IR of all three kernels
-# compiles (triton 3.9) for sm_80, sm_90 and gfx90a within the shared-memory limits and,
-# for bfloat16 at head_dim 64 and 128, without register spills on sm_80/sm_90; on gfx90a
-# the head_dim-128 forward and dK/dV kernels spill.  Float32 inputs use IEEE dots (no
-# tensor cores) and spill with the same tiles: float32 is for checks, not speed.
+# Defaults per GPU family and head size: ``{family: {head_dim: BlockSizes}}``, the entry of the
+# smallest key >= the head size (the largest key beyond it), see default_block_sizes.
+# NVIDIA: UNTUNED, starting points from the shapes FlashAttention-2 and the Triton fused-attention
+# tutorial use (large query tile forward; small iterated tile, large owned tile backward), not
+# measured on this code; compiled offline (triton 3.9) they spill no register on sm_80/sm_90.
+# CDNA (MI250X gfx90a, MI300X gfx942): chosen offline, never run on an AMD GPU, from
+# ``python benchmarks/triton_offline.py --sweep`` (docs/performance.md has the table): the same
+# shapes, with the iterated tile halved where the kernel spilled on either target (head_dim 128:
+# forward key tile 64 -> 32, dK/dV query tile 32 -> 16); every kernel then compiles without
+# spilling a VGPR or SGPR, no scratch, at 2 waves per SIMD or more.  tests/test_gpu_lowering.py
+# fails if a kernel of these tables spills on any of the four targets (bfloat16, head_dim 64 and
+# 128).  Float32 inputs use IEEE dots (no tensor cores) and spill with the same tiles: float32 is
+# for checks, not speed.
+_HOPPER = BlockSizes(128, 64, 32, 64, 128, 32, num_stages=3, num_warps_bwd=8, num_stages_bwd=3)
+_AMPERE = BlockSizes(64, 64, 32, 64, 64, 32, num_stages=2, num_warps_bwd=8, num_stages_bwd=2)
+_OTHER = BlockSizes(64, 64, 32, 64, 64, 32, num_stages=2, num_stages_bwd=2)
 DEFAULT_BLOCK_SIZES = {
-    "hopper": BlockSizes(128, 64, 32, 64, 128, 32, num_stages=3, num_warps_bwd=8, num_stages_bwd=3),  # sm_90+
-    "ampere": BlockSizes(64, 64, 32, 64, 64, 32, num_stages=2, num_warps_bwd=8, num_stages_bwd=2),  # sm_80/86/89
-    "cdna": BlockSizes(128, 64, 32, 64, 64, 32, num_stages=1, num_stages_bwd=1),  # AMD Instinct MI200/MI300 (ROCm)
-    "default": BlockSizes(64, 64, 32, 64, 64, 32, num_stages=2, num_stages_bwd=2),  # other/older GPUs
-    "interpret": BlockSizes(128, 128, 128, 128, 128, 128),  # CPU interpret mode: few, large steps
+    "hopper": {64: dataclasses.replace(_HOPPER, num_warps=4), 128: dataclasses.replace(_HOPPER, num_warps=8)},  # sm_90+
+    "ampere": {64: dataclasses.replace(_AMPERE, num_warps=4), 128: dataclasses.replace(_AMPERE, num_warps=8)},  # sm_8x
+    "cdna": {  # AMD Instinct MI200/MI300 (ROCm)
+        64: BlockSizes(128, 64, 32, 64, 64, 32, num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1),
+        128: BlockSizes(128, 32, 16, 64, 64, 32, num_warps=8, num_stages=1, num_warps_bwd=8, num_stages_bwd=1),
+    },
+    "default": {64: dataclasses.replace(_OTHER, num_warps=4, num_warps_bwd=4),  # other/older GPUs
+                128: dataclasses.replace(_OTHER, num_warps=8, num_warps_bwd=8)},
+    "interpret": {128: BlockSizes(128, 128, 128, 128, 128, 128)},  # CPU interpret mode: few, large steps
 }
+
+
+def default_block_sizes(family: str, head_dim: int) -> BlockSizes:
+    """The :data:`DEFAULT_BLOCK_SIZES` of GPU family ``family`` for ``head_dim``: the entry of the
+    smallest head size >= ``head_dim``, the largest entry above every key.
+
+    Raises:
+      KeyError: ``family`` is not a key of :data:`DEFAULT_BLOCK_SIZES`.
+    """
+    table = DEFAULT_BLOCK_SIZES[family]
+    return table[min((k for k in table if k >= head_dim), default=max(table))]
 
 
 def gpu_family(device=None) -> str:
@@ -569,7 +590,7 @@ def check_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, window=None):
 
 
 def _resolve_blocks(block_sizes, block_q, block_k, sq, sk, d, family):
-    bs = block_sizes if block_sizes is not None else DEFAULT_BLOCK_SIZES[family]
+    bs = block_sizes if block_sizes is not None else default_block_sizes(family, d)
     if block_q is not None:
         bs = dataclasses.replace(bs, block_q=block_q)
     if block_k is not None:
@@ -613,7 +634,7 @@ def flash_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
         reference.  Explicit positions are supported exactly but lose the static loop
         bounds (tiles are skipped by a runtime range check instead).
       block_sizes: all tile sizes and launch parameters; default from
-        :data:`DEFAULT_BLOCK_SIZES` for :func:`gpu_family` (untuned).
+        :func:`default_block_sizes` of :func:`gpu_family` and the head size.
     Returns:
       ``out`` ``[batch, q_len, heads, head_dim]`` in q's dtype, and with ``return_lse``
       ``(out, lse)``.

@@ -385,7 +385,7 @@ def flash_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
     Arguments, shapes, dtypes and results are those of
     :func:`jaxllm_kernels.pallas_attention.flash_attention` (q ``[batch, q_len, heads, head_dim]``,
     k/v ``[batch, kv_len, kv_heads, head_dim]``, out in q's dtype, lse ``[batch, heads, q_len]``
-    float32).  Tile sizes default to the same (untuned) per-GPU-family table.
+    float32).  Tile sizes default to the same per-GPU-family table (``default_block_sizes``).
 
     Args:
       interpret: must be None or False: jax_triton has no interpreter (use the Pallas kernel

@@ -56,6 +56,8 @@ SHORTER = [
     (r"benchmarks/sequence_memory\.py",
      ["--sizes=1", "--start=256", "--budget=1.4", "--", "--config.model.num_layers=2"]),
     (r"benchmarks/attention\.py", ["--seqs=128", "--iters=1", "--warmup=0", "--impls=xla"]),
+    (r"benchmarks/triton_offline\.py.*--sweep", ["--targets=gfx90a", "--head-dims=64", "--warps=4", "--stages=1",
+                                                "--seq=256", "--heads=2"]),
     (r"benchmarks/triton_offline\.py",
      ["--targets=sm_90", "--head-dims=64", "--impls=pallas", "--seq=256", "--heads=2"]),
     (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),

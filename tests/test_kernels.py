@@ -69,6 +69,10 @@ CASES = [
     Case("bf16-causal-gqa-512-d128", sq=512, heads=4, kv_heads=2, head_dim=128, dtype=jnp.bfloat16),
     Case("bf16-segments-window", segments=(64, 64, 128), window=48, dtype=jnp.bfloat16, blocks=SMALL),
     Case("fp16-causal-128", sq=128, dtype=jnp.float16),
+    # the ROCm tables (DEFAULT_BLOCK_SIZES["cdna"]): three different tile counts, lengths no tile divides
+    Case("cdna-tiles-d128-gqa-300", sq=300, heads=4, kv_heads=2, head_dim=128,
+         blocks=pa.default_block_sizes("cdna", 128)),
+    Case("cdna-tiles-d64-segments-window", segments=(100, 156), window=70, blocks=pa.default_block_sizes("cdna", 64)),
 ]
 SLOW_CASES = [
     Case("causal-gqa-1024-d128", sq=1024, heads=4, kv_heads=2, head_dim=128),
@@ -194,10 +198,16 @@ def test_pallas_rejects_bad_arguments():
 
 def test_gpu_family_and_tables():
     assert pa.gpu_family(jax.devices("cpu")[0]) == "interpret"
-    for fam, bs in pa.DEFAULT_BLOCK_SIZES.items():
-        for f in dataclasses.fields(bs):
-            if f.name.startswith("block_"):
-                assert pa._is_pow2(getattr(bs, f.name)) and getattr(bs, f.name) >= 16, (fam, f.name)
+    for fam, table in pa.DEFAULT_BLOCK_SIZES.items():
+        for d, bs in table.items():
+            assert bs.num_warps and bs.num_warps_bwd or fam == "interpret", (fam, d)
+            for f in dataclasses.fields(bs):
+                if f.name.startswith("block_"):
+                    assert pa._is_pow2(getattr(bs, f.name)) and getattr(bs, f.name) >= 16, (fam, d, f.name)
+    cdna = pa.DEFAULT_BLOCK_SIZES["cdna"]  # the entry of the smallest head size >= head_dim, else the largest
+    assert pa.default_block_sizes("cdna", 32) == pa.default_block_sizes("cdna", 64) == cdna[64]
+    assert pa.default_block_sizes("cdna", 80) == pa.default_block_sizes("cdna", 256) == cdna[128]
+    assert pa._resolve_blocks(None, None, None, 4096, 4096, 128, "cdna").block_k == cdna[128].block_k == 32
 
 
 # ----------------------------------------------------------------------------- GPU-only

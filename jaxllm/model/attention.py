@@ -185,7 +185,7 @@ def _pallas(q, k, v, **kw):
     if _interpreted():
         kw.update(interpret=True)
     elif target is not None:  # lowering for a GPU that is not here: Triton, that GPU family's tiles
-        kw.update(interpret=False, block_sizes=pallas_attention.DEFAULT_BLOCK_SIZES[target[1]])
+        kw.update(interpret=False, block_sizes=pallas_attention.default_block_sizes(target[1], q.shape[-1]))
     return pallas_attention.flash_attention(q, k, v, **kw)
 
 
