@@ -26,11 +26,11 @@ from jaxllm.resolve import resolve
 from jaxllm.runtime.run import Run
 
 out = {}
-for name, (layers, mesh) in json.loads(sys.argv[1]).items():
+for name, (layers, mesh, microbatches) in json.loads(sys.argv[1]).items():
     c = config.get_config()
     c.model.update(num_layers=layers, hidden_size=64, num_attention_heads=4, vocab_size=256, dtype="float32",
                    remat="full")
-    c.train.update(seq_length=32, micro_batch_size=1, global_batch_size=mesh.get("data", 1))
+    c.train.update(seq_length=32, micro_batch_size=1, global_batch_size=mesh.get("data", 1) * microbatches)
     c.mesh.update(**mesh)
     cfg = resolve(c, num_devices=8)
     run = Run(cfg)
@@ -43,7 +43,9 @@ for name, (layers, mesh) in json.loads(sys.argv[1]).items():
 json.dump(out, sys.stdout)
 """
 
-PROGRAMS = {"data8": (2, {"data": 8}), **{f"tensor2_{n}layers": (n, {"tensor": 2, "data": 4}) for n in (2, 4, 6)}}
+PROGRAMS = {"data8": (2, {"data": 8}, 1), "data8_micro4": (2, {"data": 8}, 4),
+            "data4_tensor2_micro4": (2, {"tensor": 2, "data": 4}, 4),
+            **{f"tensor2_{n}layers": (n, {"tensor": 2, "data": 4}, 1) for n in (2, 4, 6)}}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,24 @@ def test_data_parallel_step_sends_a_ring_all_reduce_of_the_gradients(compiled):
     # gradients (embedding and output layer) are reduced apart, and the loss's scalars add a few bytes
     expected = 2 * 7 / 8 * (got["params"] + got["table"])
     assert expected <= data["wire"] <= expected * 1.001, (data["wire"], expected)
+
+
+def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch(compiled):
+    """Four micro batches send over ``data`` one all-reduce of the gradients (step.reduces_once): the
+    replicas' gradients are accumulated apart and summed after the last micro batch, not all-reduced inside
+    the layer scan's backward of each (four times one micro batch's bytes before).  The tied table's two
+    gradients are added before it, so it is less than one micro batch sends.  Tensor parallelism's own
+    collectives still run per micro batch."""
+    got = compiled["data8_micro4"]
+    four, one = got["traffic"]["data"], compiled["data8"]["traffic"]["data"]
+    expected = 2 * 7 / 8 * got["params"]
+    assert four["ops"] == 1 and expected <= four["wire"] <= expected * 1.001, (four, expected)
+    assert four["wire"] < one["wire"], (four, one)
+    mixed, per_micro = compiled["data4_tensor2_micro4"]["traffic"], compiled["tensor2_2layers"]["traffic"]
+    data_bytes = lambda t: sum(v["wire"] for k, v in t.items() if "data" in k.split(" x "))  # noqa: E731
+    data_ops = sum(v["ops"] for k, v in mixed.items() if "data" in k.split(" x "))
+    assert data_ops == 1 and data_bytes(mixed) <= data_bytes(per_micro), (mixed, per_micro)
+    assert mixed["tensor"]["wire"] == pytest.approx(4 * per_micro["tensor"]["wire"], rel=1e-3), (mixed, per_micro)
 
 
 def test_tensor_collectives_grow_with_the_layers_scan_trip_count(compiled):

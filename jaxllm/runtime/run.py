@@ -44,18 +44,7 @@ class Run:
         self.cfg = cfg
         self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
         self.mesh = layout.mesh
-        ops = model.Ops(constrain=layout.constrain,
-                        attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
-                                                             cfg.parallel.ulysses_degree),
-                        embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
-                        param=sharding.Layout(self.mesh, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3)
-                                              ).constrain,
-                        experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
-        if cfg.model.fp8:
-            ops = dataclasses.replace(ops, dense=fp8.dense)
-        if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
-            ops = cpu.ops(ops, self.mesh.size)
-        self.spec = spec = model.describe(cfg.model, ops)
+        self.spec = spec = model.describe(cfg.model, _ops(cfg, layout))
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
         self.logical_state = logical = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
         self.state_sharding = sharding.state_shardings(cfg, logical, spec.axes, self.mesh)
@@ -64,8 +53,13 @@ class Run:
         self.eval_sharding = layout.sharding(("batch", "length"))
         self.documents = document_arrays(cfg.data)
         arrays = 3 if self.documents else 2  # inputs, targets[, docs]: no docs argument without the data options
-        train_fn = step.make_train_step(cfg, spec, self.optimizer, layout,
-                                        sharding.grad_shardings(cfg, spec.axes, self.mesh))
+        replica_layout = replica_spec = None
+        if step.reduces_once(cfg):  # the model inside the vmap over data-parallel replicas: batch without data
+            replica_layout = sharding.Layout(self.mesh, {**layout.table, "batch": tuple(
+                a for a in layout.table["batch"] if a != "data")})
+            replica_spec = model.describe(cfg.model, _ops(cfg, replica_layout))
+        train_fn = step.make_train_step(cfg, spec, self.optimizer, layout, sharding.grad_shardings(
+            cfg, spec.axes, self.mesh), replica_layout, replica_spec)
 
         def train_step(state, *batch):  # the step computes on unpadded arrays (sharding.stored)
             state, metrics = train_fn(sharding.unpad(state, logical), *batch)
@@ -142,3 +136,19 @@ class Run:
             lines.append(f"{name:<28} {str(leaf.shape):<22} {spec:<44} {sharding.per_device_bytes(leaf):>13,}")
         lines.append(f"{'total':<96}{sharding.per_device_bytes(params):>13,}")
         return "\n".join(lines)
+
+
+def _ops(cfg, layout: sharding.Layout) -> model.Ops:
+    """The model's operations on ``layout`` (:class:`jaxllm.model.Ops`)."""
+    ops = model.Ops(constrain=layout.constrain,
+                    attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
+                                                         cfg.parallel.ulysses_degree),
+                    embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
+                    param=sharding.Layout(layout.mesh, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3)
+                                          ).constrain,
+                    experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
+    if cfg.model.fp8:
+        ops = dataclasses.replace(ops, dense=fp8.dense)
+    if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
+        ops = cpu.ops(ops, layout.mesh.size)
+    return ops

@@ -53,7 +53,22 @@ def init_state(params, optimizer) -> dict:
             "nonfinite_steps": zero, "nonfinite_in_a_row": zero}
 
 
-def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
+def reduces_once(cfg) -> bool:
+    """Whether the train step sums the data-parallel gradients once per step rather than once per micro batch.
+
+    It does where every micro batch would otherwise all-reduce its gradients over ``data`` inside its
+    backward: more than one micro batch and data-parallel device, with or without a pipeline, ZeRO stage < 2
+    (stage 2 reduce-scatters each micro batch's gradients to keep only a shard of them, as DeepSpeed's
+    does).  Not with a mixture of experts or FP8, whose routing losses and scaling factors are statistics
+    of a whole micro batch that one replica's rows would change.  With one micro batch the per-layer
+    reductions stay: they overlap the backward.  Megatron-LM's data-parallel gradient buffer likewise
+    reduces once, in the last micro batch (``DistributedDataParallel``'s ``no_sync``).
+    """
+    return (cfg.microbatches > 1 and cfg.mesh_shape["data"] > 1 and cfg.parallel.zero_stage < 2
+            and not cfg.model.num_experts and not cfg.model.fp8)
+
+
+def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, replica_layout=None, replica_spec=None):
     """``train_step(state, inputs, targets[, docs]) -> (state, metrics)`` of the resolved config ``cfg``.
 
     The loss is the mean over every token of the global batch: each of the
@@ -72,7 +87,11 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
     this step).  ``spec`` is the model (:func:`jaxllm.model.describe`, with the mesh's
     ops); ``layout`` the mesh and rules table (None: one device); ``grad_sharding``
     (optional) pins the gradient accumulator, which is where ZeRO-2 turns the all-reduce
-    into a reduce-scatter.
+    into a reduce-scatter.  ``replica_layout``, ``replica_spec`` (where :func:`reduces_once`): ``layout``
+    with ``batch`` not split over ``data``, and the model on it; each data-parallel replica's gradients
+    are then computed (a ``vmap`` over the replicas, ``spmd_axis_name="data"``) and accumulated apart,
+    and the replicas' sums are added once, after the last micro batch: one all-reduce per step instead
+    of one per micro batch.
 
     Non-finite guard: when the loss or the gradient norm is NaN or inf, the step keeps
     ``params`` and ``opt_state`` unchanged (so the optimizer's own count, and with it the
@@ -110,7 +129,43 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None):
             cfg, layout, spec, p, inputs, targets, order, keys if dropout else None), has_aux=True)(params)
         return loss, pin(grads), stats
 
-    loss_and_grads = pipelined if cfg.stages > 1 else accumulated
+    n = cfg.mesh_shape["data"]
+
+    def by_replica(a):  # [microbatches, rows, ...] -> [microbatches, data, rows / data, ...]: rows split data-major
+        return None if a is None else a.reshape(a.shape[0], n, a.shape[1] // n, *a.shape[2:])
+
+    def spread(grads):  # [data, ...] gradients, one per replica, each on its replica's devices
+        return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, jax.sharding.NamedSharding(
+            layout.mesh, jax.sharding.PartitionSpec("data", *s.spec))), grads, grad_sharding)
+
+    def replicated(params, inputs, targets, order, docs, keys):  # gradients per data-parallel replica, summed once
+        keys = keys if dropout else None
+        if cfg.stages > 1:  # each replica's rows through the pipeline: its mean loss, 1/n of the batch's
+            def replica(x, y, o, k):
+                return jax.value_and_grad(lambda p: pipeline.loss(
+                    cfg, replica_layout, replica_spec, p, x, y, o, k)[0] / n)(params)
+
+            losses, grads = jax.vmap(replica, in_axes=1, spmd_axis_name="data")(
+                *map(by_replica, (inputs, targets, order, keys)))
+            grads = spread(grads)
+        else:  # each replica's micro batches one after another
+            count = token_count(targets, docs)
+            replica = jax.vmap(jax.value_and_grad(lambda p, x, y, o, d, k: model.loss(
+                replica_spec.graphdef, p, x, y, **_model_kwargs(d, o), dropout_key=k) / count),
+                in_axes=(None, 0, 0, 0, 0, 0), spmd_axis_name="data")
+
+            def micro_step(acc, xs):
+                loss, grads = replica(params, *xs)
+                return jax.tree.map(jnp.add, acc, (loss, spread(grads))), None
+
+            zeros = (jnp.zeros((n,), jnp.float32), spread(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype),
+                                                                       params)))
+            xs = (by_replica(inputs), by_replica(targets), by_replica(order),
+                  {k: by_replica(a) for k, a in docs.items()}, by_replica(keys))
+            losses, grads = jax.lax.scan(micro_step, zeros, xs)[0]
+        return jnp.sum(losses), pin(jax.tree.map(lambda g: jnp.sum(g, 0), grads)), {}
+
+    loss_and_grads = replicated if replica_spec is not None else pipelined if cfg.stages > 1 else accumulated
 
     def train_step(state, inputs, targets, docs=None):
         params = state["params"]
