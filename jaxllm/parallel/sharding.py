@@ -83,7 +83,7 @@ RULES: dict[str, tuple[str, ...]] = {
 STORED = ("embed", "expert_embed")
 
 
-def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
+def rules(cfg, *, zero: bool = False, replica: bool = False) -> dict[str, tuple[str, ...]]:
     """:data:`RULES` as ``cfg`` configures it.
 
     Args:
@@ -91,6 +91,9 @@ def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
       zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data``, ``expert`` and ``sequence``
         (every axis whose devices hold replicas of the same weights, pipeline and tensor excepted), an
         expert's ``expert_embed`` over ``data`` and ``sequence`` (its replicas).
+      replica: the table of one data-parallel replica's computation, inside the train step's ``vmap`` over
+        the replicas (``spmd_axis_name="data"``, :func:`jaxllm.runtime.step.reduces_once`): ``batch``
+        without ``data``, which the ``vmap`` adds.
     """
     table = dict(RULES)
     if cfg.parallel.megatron_sp:
@@ -98,6 +101,8 @@ def rules(cfg, *, zero: bool = False) -> dict[str, tuple[str, ...]]:
     if zero:
         table["embed"] = ("fsdp", "data", "expert", "sequence")
         table["expert_embed"] = ("fsdp", "data", "sequence")
+    if replica:
+        table["batch"] = tuple(a for a in table["batch"] if a != "data")
     return table
 
 

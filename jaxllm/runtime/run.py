@@ -54,9 +54,8 @@ class Run:
         self.documents = document_arrays(cfg.data)
         arrays = 3 if self.documents else 2  # inputs, targets[, docs]: no docs argument without the data options
         replica_layout = replica_spec = None
-        if step.reduces_once(cfg):  # the model inside the vmap over data-parallel replicas: batch without data
-            replica_layout = sharding.Layout(self.mesh, {**layout.table, "batch": tuple(
-                a for a in layout.table["batch"] if a != "data")})
+        if step.reduces_once(cfg):  # the model inside the vmap over data-parallel replicas
+            replica_layout = sharding.Layout(self.mesh, sharding.rules(cfg, replica=True))
             replica_spec = model.describe(cfg.model, _ops(cfg, replica_layout))
         train_fn = step.make_train_step(cfg, spec, self.optimizer, layout, sharding.grad_shardings(
             cfg, spec.axes, self.mesh), replica_layout, replica_spec)
