@@ -104,11 +104,13 @@ def test_tensor_collectives_grow_with_the_layers_scan_trip_count(compiled):
     ("%x = f32[4]{0} all-reduce(%y), replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=2], "
      "device_ids=([4,2,2]T(1,0,2)) {'axis_1'}, use_global_device_ids=true",
      [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]),
+    ("%x = f32[4]{0} all-reduce(%y), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=1] "
+     "{'axis_0'}, use_global_device_ids=true", [[0, 2], [1, 3]]),  # no device_ids: the devices in order
     ("%x = f32[4]{0} collective-permute(%y), channel_id=3, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}",
      [[0, 2], [2, 0], [1, 3], [3, 1]]),
 ])
 def test_device_groups_of_each_hlo_form(line, groups):
-    assert _groups(line, 16 if "mesh[" in line else 8) == groups
+    assert _groups(line, 16 if "device_ids" in line else 8) == groups
 
 
 def test_step_time_model_sums_compute_bubble_and_links():

@@ -56,15 +56,15 @@ def _bytes(shapes: str) -> int:
 def _groups(line: str, devices: int) -> list[list[int]]:
     """A collective's device groups (logical ids: positions in the mesh's flat device order), from its
     ``source_target_pairs``, or its ``replica_groups`` in one of XLA's three forms: explicit ``{{0,1},...}``,
-    iota ``[groups,size]<=[dims]T(perm)``, or ``mesh[...], device_ids=(...) {axes}``."""
+    iota ``[groups,size]<=[dims]T(perm)``, or ``mesh[...][, device_ids=(...)] {axes}``."""
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
-                     line)
-    if mesh:  # mesh[axis sizes], device_ids=(iota), {the axes a group spans}
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+                     r"\{([^}]*)\}", line)
+    if mesh:  # mesh[axis sizes], device_ids=(iota) (absent: the devices in order), {the axes a group spans}
         names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        dims = [int(d) for d in mesh.group(2).split(",")]
+        dims = [int(d) for d in mesh.group(2).split(",")] if mesh.group(2) else [int(n) for _, n in names]
         ids = np.arange(math.prod(dims)).reshape(dims)
         if mesh.group(3):
             ids = ids.transpose([int(p) for p in mesh.group(3).split(",")])
