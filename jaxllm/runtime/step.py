@@ -104,19 +104,19 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
     base_key = jax.random.key(cfg.train.seed)
     schedule = optim.lr_schedule(cfg.train)
 
-    def loss_fn(params, inputs, targets, order, docs, key, count):
-        loss, stats = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order),
+    def loss_fn(graphdef, params, inputs, targets, order, docs, key, count):
+        loss, stats = model.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
                                  dropout_key=key, with_stats=True)
         return loss / count, stats
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
 
     def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
         count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
 
         def micro_step(acc, xs):
             x, y, pos, d, key = xs
-            (loss, stats), grads = grad_fn(params, x, y, pos, d, key if dropout else None, count)
+            (loss, stats), grads = grad_fn(spec.graphdef, params, x, y, pos, d, key if dropout else None, count)
             stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
             return jax.tree.map(jnp.add, acc, (loss, pin(grads), stats)), None
 
@@ -150,12 +150,10 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
             grads = spread(grads)
         else:  # each replica's micro batches one after another
             count = token_count(targets, docs)
-            replica = jax.vmap(jax.value_and_grad(lambda p, x, y, o, d, k: model.loss(
-                replica_spec.graphdef, p, x, y, **_model_kwargs(d, o), dropout_key=k) / count),
-                in_axes=(None, 0, 0, 0, 0, 0), spmd_axis_name="data")
+            replica = jax.vmap(grad_fn, in_axes=(None, None, 0, 0, 0, 0, 0, None), spmd_axis_name="data")
 
-            def micro_step(acc, xs):
-                loss, grads = replica(params, *xs)
+            def micro_step(acc, xs):  # no routing statistics: reduces_once excludes a mixture of experts
+                (loss, _), grads = replica(replica_spec.graphdef, params, *xs, count)
                 return jax.tree.map(jnp.add, acc, (loss, spread(grads))), None
 
             zeros = (jnp.zeros((n,), jnp.float32), spread(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype),
