@@ -16,9 +16,9 @@ EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on st
 # implemented on the CPU backend" (JAX 0.10), unless CPU collectives are configured (see
 # :func:`lift_host_device_limit`).
 MAX_HOST_DEVICES = 2048
-# jaxllm.plan's limit with the device limit lifted: the compile's time grows faster than the device count
-# (measured on a 2-core machine: a trivial program's process 7 s at 4,096 fake devices, 25 s at 8,192; a 1T
-# model's step at 16,384 did not finish in 10 minutes).
+# The most fake devices jaxllm.plan and jaxllm.tune --cluster make (the device limit lifted): XLA:CPU starts a
+# thread per device (8,474 threads at 8,192 devices; at 16,384 thread creation failed on a machine whose pid_max
+# is 32,768).  Larger meshes are compiled with their data-parallel axes shrunk (jaxllm.plan.compiled_sizes).
 MAX_PLAN_DEVICES = 8192
 
 
@@ -28,11 +28,12 @@ def fail(message: str, code: int = EXIT_USAGE):
     sys.exit(code)
 
 
-def devices_from_argv(argv, default: int = 0) -> int:
-    """The value of ``--devices=N`` / ``--devices N`` in ``argv`` (``default`` when absent or not an int)."""
+def devices_from_argv(argv, default: int = 0, flag: str = "devices") -> int:
+    """The value of ``--devices=N`` / ``--devices N`` (or of ``flag``) in ``argv`` (``default`` when absent or not
+    an int)."""
     for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
-            argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
+        value = arg.split("=", 1)[1] if arg.startswith(f"--{flag}=") else (
+            argv[i + 1] if arg == f"--{flag}" and i + 1 < len(argv) else None)
         if value is not None:
             try:
                 return int(value)
@@ -43,8 +44,8 @@ def devices_from_argv(argv, default: int = 0) -> int:
 
 def force_host_devices(argv, limit: int = MAX_HOST_DEVICES) -> None:
     """Before jax starts a backend: make the CPU platform expose ``--devices`` devices, at most ``limit``
-    (the planning tools plan, bench and tune; no effect on GPUs)."""
-    n = min(devices_from_argv(argv), limit)
+    (the planning tools plan, bench and tune; no effect on GPUs), and at most ``--compile_devices``."""
+    n = min(devices_from_argv(argv), devices_from_argv(argv, limit, "compile_devices"), limit)
     if n > 1:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
 
