@@ -106,8 +106,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     ZeRO-2/3 or FSDP shard) swapped for the full mesh's shard.  What else differs: the optimizer updates
     a larger shard in the compiled program (``update_slack``: the bytes of one float32 copy of the
     difference; XLA's temporaries hold one or more copies when the update is their peak), and XLA's
-    choices for other sizes (docs/parallelism.md measures both against full compiles).  Collectives over a shrunk axis are
-    counted over its full size (:func:`jaxllm.parallel.collectives.collectives`).
+    choices for other sizes (docs/parallelism.md measures both against full compiles).  Collectives
+    over a shrunk axis are counted over its full size (:func:`jaxllm.parallel.collectives.collectives`).
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``split`` (for each of ``params, grads, opt_state``: the mesh axes ``{name: size}`` its ``embed``
@@ -234,8 +234,8 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"({state / p['num_params'] * math.prod(p['mesh'].values()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
-        *([f"  (compiled shrunk: there the optimizer updates a shard {p['update_slack'] / GiB:.2f} GiB larger in float32; "
-           "XLA's temporaries may hold it, docs/parallelism.md)"] if p["update_slack"] else []),
+        *([f"  (compiled shrunk: there the optimizer updates a shard {p['update_slack'] / GiB:.2f} GiB larger in "
+           "float32; XLA's temporaries may hold it, docs/parallelism.md)"] if p["update_slack"] else []),
         *([f"  offloaded to host     {gib(p['host'])}   (model.remat=offload: the layer inputs; this machine's "
            "compile holds them, a GPU's does not)", f"  total on the device   {gib(p['device'])}"]
           if p["host"] else []),

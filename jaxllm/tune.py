@@ -21,7 +21,8 @@ virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_s
    compilation of a candidate serves its measurement too).  The config as given (the baseline)
    is measured first.  When the budget (``--budget=N`` measured candidates or ``--budget=10m``
    minutes) covers the whole space the candidates are enumerated; otherwise Optuna's TPE sampler
-   picks them (constrained: rejected and pruned trials are infeasible).  The ``--confirm`` best
+   picks them (constrained: rejected and pruned trials are infeasible), after the baseline's layout
+   under each other pipeline schedule.  The ``--confirm`` best
    and the baseline are measured once more at the end, interleaved, and ranked by the mean of
    their two measurements (the machine's load moves single measurements).
 
@@ -261,6 +262,12 @@ class Tuner:
         dims["mesh"] = [",".join(map(str, m)) for m in dims["mesh"]]  # Optuna's categories: no tuples
         sampler = optuna.samplers.TPESampler(seed=seed)
         study = optuna.create_study(direction="maximize", sampler=sampler)
+        # first the baseline's layout under the other pipeline schedules: where gpipe's activations do not fit,
+        # the same mesh may with 1f1b (the Frontier study's 1T layout), which the sampler need not draw
+        for c in self.valid:
+            if c != self.baseline and dataclasses.replace(c, schedule=self.baseline.schedule,
+                                                          virtual_stages=self.baseline.virtual_stages) == self.baseline:
+                study.enqueue_trial({**dataclasses.asdict(c), "mesh": ",".join(map(str, c.mesh))})
         seen: set[Candidate] = set()
         attempts = 0
         while budget_left() and len(seen) < len(valid) and attempts < 200 * max(1, len(valid)):

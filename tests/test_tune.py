@@ -255,3 +255,17 @@ def test_bad_flags_one_line_exit_2(flag, message):
     r = cli(flag)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_optuna_tries_the_baselines_layout_under_the_other_schedules_first(tmp_path):
+    # baseline: pipeline 2 with gpipe; before Optuna's draws the same mesh with 1f1b and zb_h1 (budget 3)
+    r = cli("--devices=2", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
+            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
+            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=1", "--config.train.global_batch_size=4",
+            "--config.mesh.pipeline=2", "--axes=data,pipeline,tensor", "--micro-batch=1", "--remat=none",
+            "--virtual_stages=1", "--pipeline_schedules=gpipe,1f1b,zb_h1", "--sampler=optuna", "--budget=3",
+            "--cluster=frontier", "--mfu=0.4", f"--output_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "tune.csv")))
+    assert sorted((row["pipeline"], row["pipeline_schedule"]) for row in rows) == [
+        ("2", "1f1b"), ("2", "gpipe"), ("2", "zb_h1")]
