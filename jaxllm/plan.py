@@ -275,7 +275,7 @@ def main(argv):
                  compile_devices=F.compile_devices)
         estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None
     except (config.ConfigError, ValueError) as e:
-        cli.fail(e)
+        cli.fail(e, now=True)
     print(report(p, memory, F.device))
     if estimate is not None:
         print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))

@@ -441,11 +441,11 @@ def main(argv):
                 base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
         resolve(base, num_devices=n, data_files=False)  # the baseline must be valid as given
     except config.ConfigError as e:
-        cli.fail(e)
+        cli.fail(e, now=True)
     except DataError as e:
-        cli.fail(f"data error: {e}")
+        cli.fail(f"data error: {e}", now=True)
     except ValueError as e:
-        cli.fail(f"error: {e}")
+        cli.fail(f"error: {e}", now=True)
 
     if cluster and F.attention == "auto":  # the cluster's GPU attention (memory linear in the sequence)
         dims["attentions"] = [attention.resolve_impl("auto", gpu)]

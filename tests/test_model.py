@@ -195,8 +195,10 @@ def test_overfits_one_batch():
 def test_gradient_accumulation_equals_one_big_batch(dropout):
     """One step on 8 rows as 1 micro batch and as 4 laid out as the training loop lays them out
     (row r in micro batch r % 4): the same loss and update, with dropout too (each row's masks
-    follow its index in the global batch, not its micro batch)."""
-    cfg = small_cfg(dropout=dropout)
+    follow its index in the global batch, not its micro batch).  Plain SGD at lr 1: the parameters
+    compare the gradients (Adam's first step, g / (|g| + eps), turns a gradient near 0, whose float32
+    rounding the split moves, into updates that differ by percents of lr)."""
+    cfg = small_cfg(train={"optimizer": "sgd", "sgd_momentum": 0.0, "lr": 1.0, "min_lr": 1.0}, dropout=dropout)
     spec = model.describe(cfg.model)
     opt = optim.make_optimizer(cfg.train, spec.decay)
     train_step = jax.jit(step.make_train_step(cfg, spec, opt))
@@ -207,8 +209,7 @@ def test_gradient_accumulation_equals_one_big_batch(dropout):
     four, m4 = train_step(step.init_state(model.init(cfg.model, 0), opt), split(x), split(y))
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
-    # atol: 1% of one Adam update (lr 1e-3), which divides rounding noise by sqrt(v) where gradients are tiny
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), one["params"], four["params"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), one["params"], four["params"])
     if dropout:  # it dropped something: the loss is not the deterministic one
         plain = model.loss(spec.graphdef, model.init(cfg.model, 0), x, y) / y.size
         assert abs(float(m1["loss"]) - float(plain)) > 1e-4, (m1["loss"], plain)
