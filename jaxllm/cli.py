@@ -22,14 +22,19 @@ MAX_HOST_DEVICES = 2048
 MAX_PLAN_DEVICES = 8192
 
 
+def exit_now(code: int = 0):
+    """Exits with ``code`` without Python's teardown (``os._exit``, the output flushed first): a process of
+    thousands of fake devices would wait for XLA:CPU to join their threads one by one (two minutes at 8,192)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def fail(message: str, code: int = EXIT_USAGE, *, now: bool = False):
-    """Prints ``message`` as one line on stderr and exits with ``code``; ``now``: without Python's teardown
-    (``os._exit``), for a process of thousands of fake devices, whose threads XLA:CPU joins one by one at
-    exit (two minutes at 8,192)."""
+    """Prints ``message`` as one line on stderr and exits with ``code``; ``now``: through :func:`exit_now`."""
     print(" ".join(str(message).split("\n")), file=sys.stderr, flush=True)
     if now:
-        sys.stdout.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)
 
 

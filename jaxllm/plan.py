@@ -161,8 +161,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     compiled_grads = sharding.stored(logical["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
     # the full mesh's state in place of the compiled one's, its gradient shards in the temporaries
     state_delta = sharding.per_device_bytes(state) - sharding.per_device_bytes(run.abstract_state)
-    temp = mem["temp"] + sharding.per_device_bytes(grads) - sharding.per_device_bytes(compiled_grads)
-    total = mem["total"] + state_delta + temp - mem["temp"]
+    grads_delta = sharding.per_device_bytes(grads) - sharding.per_device_bytes(compiled_grads)
+    temp, total = mem["temp"] + grads_delta, mem["total"] + state_delta + grads_delta
     stage, host = cfg.parallel.zero_stage, offloaded_bytes(cfg, run)
     shape = full.mesh_shape
 
@@ -279,9 +279,7 @@ def main(argv):
     print(report(p, memory, F.device))
     if estimate is not None:
         print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))
-    # XLA:CPU joins a thread per device at exit: minutes for thousands of devices, nothing left to do
-    sys.stdout.flush()
-    os._exit(0)
+    cli.exit_now()  # XLA:CPU would join a thread per fake device
 
 
 if __name__ == "__main__":
