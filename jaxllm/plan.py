@@ -235,7 +235,8 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
         *([f"  (compiled shrunk: there the optimizer updates a shard {p['update_slack'] / GiB:.2f} GiB larger in "
-           "float32; XLA's temporaries may hold it, docs/parallelism.md)"] if p["update_slack"] else []),
+           "float32, which XLA's temporaries may hold, and XLA packs them differently at other sizes: about 1 % "
+           "either way, docs/parallelism.md)"] if p["update_slack"] else []),
         *([f"  offloaded to host     {gib(p['host'])}   (model.remat=offload: the layer inputs; this machine's "
            "compile holds them, a GPU's does not)", f"  total on the device   {gib(p['device'])}"]
           if p["host"] else []),
