@@ -11,20 +11,16 @@ import os
 import sys
 
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
-# XLA:CPU compiles for at most this many devices of one process: its global device ids hold the process
-# index above the low 11 bits, so a larger device assignment fails as "Multiprocess computations aren't
-# implemented on the CPU backend" (JAX 0.10), unless CPU collectives are configured (see
-# :func:`lift_host_device_limit`).
+# XLA:CPU holds at most this many devices in one process: a device's global id is its process index x 2,048
+# + its local index (kMaxCpuDevicesPerProcess, xla/pjrt/plugin/xla_cpu/cpu_topology.h).  The planning tools
+# compile larger meshes with the other devices on stand-in processes (:func:`stand_in_processes`).
 MAX_HOST_DEVICES = 2048
-# The most fake devices jaxllm.plan and jaxllm.tune --cluster make (the device limit lifted): XLA:CPU starts a
-# thread per device (8,474 threads at 8,192 devices; at 16,384 thread creation failed on a machine whose pid_max
-# is 32,768).  Larger meshes are compiled with their data-parallel axes shrunk (jaxllm.plan.compiled_sizes).
-MAX_PLAN_DEVICES = 8192
-
+_STAND_INS: list = []  # the clients of stand_in_processes, alive until the exit
 
 def exit_now(code: int = 0):
     """Exits with ``code`` without Python's teardown (``os._exit``, the output flushed first): a process of
-    thousands of fake devices would wait for XLA:CPU to join their threads one by one (two minutes at 8,192)."""
+    thousands of fake devices would wait for XLA:CPU to join their threads (a thread each) one by one, and
+    one with :func:`stand_in_processes` for them at the ``jax.distributed`` shutdown barrier."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -54,8 +50,8 @@ def devices_from_argv(argv, default: int = 0, flag: str = "devices") -> int:
 
 def force_host_devices(argv, limit: int = MAX_HOST_DEVICES) -> None:
     """Before jax starts a backend: make the CPU platform expose ``--devices`` devices, at most ``limit``
-    (the planning tools plan, bench and tune; no effect on GPUs), and at most ``--compile_devices``."""
-    n = min(devices_from_argv(argv), devices_from_argv(argv, limit, "compile_devices"), limit)
+    (the planning tools plan, bench and tune; no effect on GPUs), and at most ``--devices_per_process``."""
+    n = min(devices_from_argv(argv), devices_from_argv(argv, limit, "devices_per_process"), limit)
     if n > 1:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
 
@@ -257,20 +253,79 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(f"config error: --config={path}: {_file_error(e)}")
 
 
-def lift_host_device_limit() -> None:
-    """Before jax starts a backend: let XLA:CPU compile for more than :data:`MAX_HOST_DEVICES` devices.
+def stand_in_processes(num_devices: int, per_process: int) -> None:
+    """Before jax starts a backend: let jax see ``num_devices`` CPU devices, this process's ``per_process``
+    (its ``--xla_force_host_platform_device_count``) and the rest on stand-in processes, to compile for them.
 
-    XLA:CPU skips its one-process check of a device assignment when CPU collectives are configured
-    (``jax_cpu_collectives_implementation``, set by ``jax.distributed`` jobs), so this starts a one-process
-    ``jax.distributed`` with gloo collectives on a free local port.  For compiling only (``jaxllm.plan``):
-    nothing runs on the devices.
+    Starts a ``jax.distributed`` job of ``ceil(num_devices / per_process)`` processes on a free local port
+    (gloo collectives) in which this process is process 0 and the others are stand-ins: clients of the job's
+    coordination service, in this process, that publish their devices as the processes of a real job do
+    (each a ``LocalTopologyProto`` of ``per_process`` devices, xla/pjrt/distributed/protocol.proto, under
+    the CPU client's key ``local_topology/cpu/<process>``), numbered as XLA:CPU numbers a process's devices
+    (:data:`MAX_HOST_DEVICES`).  An SPMD program compiles to the same per-device program on any process: this
+    one's compile is the full mesh's, with a thread per local device only.  Nothing may run on the devices
+    (the stand-ins execute nothing); exit through :func:`exit_now` (the job's shutdown barrier would wait
+    for them).
+
+    Raises:
+      ValueError: ``num_devices`` cannot be had: this jaxlib's CPU client took the stand-ins' devices
+        differently (their count or numbering changed), so no more than :data:`MAX_HOST_DEVICES`.
     """
     import socket  # noqa: PLC0415
+    import threading  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax._src.lib import _jax  # noqa: PLC0415  the client jax.distributed makes for each process
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    def proto(*fields) -> bytes:  # protobuf's wire format: (number, int | bytes) fields
+        def varint(n):
+            out = bytearray()
+            while n > 0x7F:
+                out.append(n & 0x7F | 0x80)
+                n >>= 7
+            return bytes(out + bytes([n]))
+        return b"".join(varint(k << 3) + varint(v) if isinstance(v, int) else varint(k << 3 | 2) + varint(len(v)) + v
+                        for k, v in fields)
+
+    def topology(process: int, count: int) -> bytes:
+        """A LocalTopologyProto {node_id 1, boot_id 2, devices 3}, each a DeviceProto {local_device_ordinal 1,
+        global_device_id 4, device_kind 8, to_string 9, debug_string 10}, as XLA:CPU's processes publish them
+        (this host's boot id: one host, as in a job of processes on one machine)."""
+        first = process * MAX_HOST_DEVICES
+        devices = [(3, proto((1, i), (4, d), (8, b"cpu"), (9, f"CpuDevice(id={d})".encode()),
+                             (10, f"cpu:{d}".encode()))) for i, d in enumerate(range(first, first + count))]
+        return proto((1, process), (2, boot_id), *devices)
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot_id = f.read().strip()
+    except OSError:  # not Linux: XLA publishes an empty boot id there
+        boot_id = b""
+    counts = [min(per_process, num_devices - n) for n in range(per_process, num_devices, per_process)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+
+    def stand_in(process: int, count: int) -> None:
+        client = _jax.get_distributed_runtime_client(address, process, init_timeout=120)
+        client.connect()  # returns once every process of the job has connected
+        client.key_value_set_bytes(f"cpu:local_topology/cpu/{process}", topology(process, count))
+        _STAND_INS.append(client)  # a dropped client would leave the job
+
+    for process, count in enumerate(counts, start=1):
+        threading.Thread(target=stand_in, args=(process, count), daemon=True).start()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(address, num_processes=1 + len(counts), process_id=0, initialization_timeout=120)
+    devices = jax.devices()
+    if len(devices) != num_devices:
+        raise ValueError(f"--devices={num_devices}: with stand-in processes jax sees {len(devices)} CPU devices; "
+                         f"plan at most {MAX_HOST_DEVICES} devices")
+    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+    try:  # the numbering checked by a compile over every device (XLA:CPU looks each one up)
+        jax.jit(lambda x: x.sum()).lower(jax.ShapeDtypeStruct((len(devices),), "float32", sharding=(
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))))).compile()
+    except Exception as e:  # noqa: BLE001  jaxlib's error, said in one line below
+        raise ValueError(f"--devices={num_devices}: compiling for them on stand-in processes failed ({e}): this "
+                         "jaxlib's CPU client numbers the devices of other processes differently; plan at most "
+                         f"{MAX_HOST_DEVICES} devices") from None

@@ -4,8 +4,8 @@ Compiles the training step ahead of time for N devices (fake CPU devices: the
 same SPMD partitioning, nothing allocated) and prints per-device bytes of
 parameters, gradients, optimizer state and XLA's temporaries, the FLOPs of a
 step, and whether it fits the named accelerator's memory.  Above the devices one
-process can make (:data:`jaxllm.cli.MAX_PLAN_DEVICES`: XLA:CPU starts a thread per
-device), the data-parallel axes are shrunk for the compile (:func:`compiled_sizes`).
+process holds (:data:`jaxllm.cli.MAX_HOST_DEVICES`), the others are on stand-in processes
+(:func:`jaxllm.cli.stand_in_processes`): the compile is the whole mesh's at any count.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import sys
 import time
 
 if __name__ == "__main__":  # the device count must be fixed before jax is imported
-    from jaxllm.cli import MAX_PLAN_DEVICES, force_host_devices
+    from jaxllm.cli import force_host_devices
 
-    force_host_devices(sys.argv, limit=MAX_PLAN_DEVICES)  # at most: a larger mesh is compiled shrunk
+    force_host_devices(sys.argv)  # this process's devices; the rest on stand-in processes (main)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -58,34 +58,7 @@ def memory_report(compiled) -> dict:
             - mem.alias_size_in_bytes}
 
 
-def compiled_sizes(cfg, limit: int) -> dict[str, int]:
-    """The ``data`` and ``fsdp`` sizes of the program that stands in for ``cfg``'s mesh when it has more
-    than ``limit`` devices: the largest ones of at most ``limit`` devices, ``data`` shrunk before ``fsdp``,
-    each at least 2 where it is (so the program keeps its data-parallel collectives and code paths).
-
-    With the global batch shrunk alike (the same micro batches of the same rows per replica), every
-    per-device shape of that program is the full one's but those split over the data-parallel axes
-    (ZeRO's and FSDP's shards), whose bytes :func:`plan` takes from the full mesh's shardings.
-
-    Raises:
-      ConfigError: the other axes alone (tensor x pipeline x sequence x expert, with data and fsdp at
-        <= 2) hold more than ``limit`` devices.
-    """
-    full = cfg.mesh_shape
-    rest = math.prod(n for a, n in full.items() if a not in ("data", "fsdp"))
-    floor = {a: min(full[a], 2) for a in ("data", "fsdp")}
-    if rest * floor["data"] * floor["fsdp"] > limit:
-        raise config.ConfigError(
-            "devices", cfg.num_devices, f"the mesh's axes other than data and fsdp hold {rest} devices (x "
-            f"{floor['data'] * floor['fsdp']} data-parallel), more than the {limit} this process compiles for "
-            "(XLA:CPU starts a thread per device); plan fewer tensor, pipeline or sequence devices")
-    data = max(floor["data"], min(full["data"], limit // (rest * full["fsdp"])))
-    fsdp = max(floor["fsdp"], min(full["fsdp"], limit // (rest * data)))
-    return {"data": data, "fsdp": fsdp}
-
-
-def plan(spec: config.Config, num_devices: int, backend: str | None = None, collectives: bool = False,
-         compile_devices: int | None = None) -> dict:
+def plan(spec: config.Config, num_devices: int, backend: str | None = None, collectives: bool = False) -> dict:
     """Compiles ``spec``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
 
     ``backend`` is the kind of machine planned for (``"cuda"``, ``"rocm"``; None: this one): it
@@ -99,15 +72,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     float16 it runs as it is.  ``model.remat=offload`` keeps the layer inputs in host memory, which
     this machine's compile does not separate: :func:`offloaded_bytes` are taken off its total.
 
-    With more than ``compile_devices`` devices (default: this process's devices) the step is compiled
-    for a mesh whose data-parallel axes are shrunk (:func:`compiled_sizes`), the global batch with them.
-    The model state (parameters, optimizer state) is then counted in the full mesh's shardings, and
-    XLA's temporaries are the compiled program's with its gradients (accumulated over micro batches, a
-    ZeRO-2/3 or FSDP shard) swapped for the full mesh's shard.  What else differs: the optimizer updates
-    a larger shard in the compiled program (``update_slack``: the bytes of one float32 copy of the
-    difference; XLA's temporaries hold one or more copies when the update is their peak), and XLA's
-    choices for other sizes (docs/parallelism.md measures both against full compiles).  Collectives
-    over a shrunk axis are counted over its full size (:func:`jaxllm.parallel.collectives.collectives`).
+    The compile is the whole mesh's: with more devices than one process holds, the others are on stand-in
+    processes (:func:`jaxllm.cli.stand_in_processes`, which ``python -m jaxllm.plan`` starts).
 
     Returns a dict: ``params, grads, opt_state, batch`` (bytes per device from the shardings),
     ``split`` (for each of ``params, grads, opt_state``: the mesh axes ``{name: size}`` its ``embed``
@@ -116,34 +82,26 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     ``device`` (``total - host``: what the verdict checks), ``model_flops`` (per step, all
     devices, :func:`jaxllm.runtime.flops.flops_per_step`), ``compile_s``, ``dtype`` (the compute dtype
     planned), ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary: bubble and
-    activations in flight, :func:`jaxllm.parallel.schedules.summary`), ``mesh`` (the planned mesh) and
-    ``compiled_mesh`` (the mesh compiled for), ``update_slack`` (bytes per device, above; 0 unshrunk).
+    activations in flight, :func:`jaxllm.parallel.schedules.summary`), ``mesh`` (``{axis: size}``),
+    ``collectives`` (with ``collectives=True``: :func:`jaxllm.parallel.collectives.collectives`, else None).
     Raises:
-      ConfigError: the config does not fit the mesh or the model, or the mesh cannot be shrunk to
-        ``compile_devices``.
+      ConfigError: the config does not fit the mesh or the model, or this process sees fewer than
+        ``num_devices`` devices.
     """
     vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
     if not spec.model.vocab_size and vocab is None:
         raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
-    full = cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
-    limit = min(compile_devices or len(jax.devices()), len(jax.devices()))
-    if num_devices > limit:
-        sizes = compiled_sizes(full, limit)
-        small = config.from_dict(cfg.to_dict())
-        for a, n in sizes.items():
-            setattr(small.mesh, a, n)
-            setattr(small.mesh, f"dcn_{a}", 1)
-        # the same micro batches of the same rows per replica (the data-parallel size is data x fsdp x expert)
-        small.train.global_batch_size = (cfg.train.global_batch_size // cfg.data_parallel * cfg.mesh_shape["expert"]
-                                         * sizes["data"] * sizes["fsdp"])
-        cfg = resolve(small, num_devices=math.prod({**full.mesh_shape, **sizes}.values()), vocab_size=vocab,
-                      data_files=False, backend=backend)
+    cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+    if num_devices > len(jax.devices()):
+        raise config.ConfigError(
+            "devices", num_devices, f"this process has {len(jax.devices())} devices to compile for (python -m "
+            "jaxllm.plan makes any count: jaxllm.cli.stand_in_processes)")
     dtype = cfg.model.dtype
     if cfg.backend in attention.TARGET_FAMILY and dtype == "bfloat16":
-        stand_in = config.from_dict(cfg.to_dict())
-        stand_in.model.dtype = "float16"
-        cfg = resolve(stand_in, num_devices=cfg.num_devices, vocab_size=vocab, data_files=False, backend=backend)
-    run = Run(cfg, devices=jax.devices()[:cfg.num_devices])
+        half = config.from_dict(cfg.to_dict())
+        half.model.dtype = "float16"
+        cfg = resolve(half, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+    run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
     gpu = attention.lowering_target(cfg.backend, interpret=True) if cfg.backend in attention.TARGET_FAMILY \
@@ -153,49 +111,32 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = memory_report(compiled)
-    logical = run.logical_state
-    mesh = run.mesh if full.mesh_shape == cfg.mesh_shape else jax.sharding.AbstractMesh(
-        tuple(full.mesh_shape.values()), tuple(full.mesh_shape))  # shardings without devices
-    state = sharding.stored(logical, sharding.state_shardings(full, logical, run.spec.axes, mesh))
-    grads = sharding.stored(logical["params"], sharding.grad_shardings(full, run.spec.axes, mesh))
-    compiled_grads = sharding.stored(logical["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
-    # the full mesh's state in place of the compiled one's, its gradient shards in the temporaries
-    state_delta = sharding.per_device_bytes(state) - sharding.per_device_bytes(run.abstract_state)
-    grads_delta = sharding.per_device_bytes(grads) - sharding.per_device_bytes(compiled_grads)
-    temp, total = mem["temp"] + grads_delta, mem["total"] + state_delta + grads_delta
+    state = run.abstract_state
+    grads = sharding.stored(run.logical_state["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
     stage, host = cfg.parallel.zero_stage, offloaded_bytes(cfg, run)
-    shape = full.mesh_shape
-
-    def update_bytes(c, m):  # the float32 parameters as the optimizer updates them (ZeRO's table from stage 1)
-        specs = sharding.param_specs(run.spec.axes, sharding.rules(c, zero=stage >= 1))
-        return sharding.per_device_bytes(sharding.stored(logical["params"], jax.tree.map(
-            lambda spec: jax.sharding.NamedSharding(m, spec), specs)))
-
-    split = lambda zero: {a: shape[a] for a in sharding.rules(full, zero=zero)["embed"] if shape[a] > 1}  # noqa: E731
+    split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
+                          if run.mesh.shape[a] > 1}
     return {
         "split": {"params": split(stage >= 3), "grads": split(stage >= 2), "opt_state": split(stage >= 1)},
         "params": sharding.per_device_bytes(state["params"]),
         "grads": sharding.per_device_bytes(grads),
         "opt_state": sharding.per_device_bytes(state["opt_state"]),
         "batch": 2 * sharding.per_device_bytes(batch),
-        "temp": temp,
-        "total": total,
+        "temp": mem["temp"],
+        "total": mem["total"],
         "host": host,
-        "device": total - (host or 0),
-        "model_flops": flops.flops_per_step(full),
+        "device": mem["total"] - (host or 0),
+        "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
         "dtype": dtype if dtype == cfg.model.dtype else f"{dtype} (compiled as {cfg.model.dtype}, the same bytes)",
-        "num_params": model.num_params(logical["params"]),
-        "active_params": model.active_params(cfg.model, logical["params"]),
-        "mesh": dict(shape),
-        "compiled_mesh": dict(run.mesh.shape),
-        "update_slack": update_bytes(cfg, run.mesh) - update_bytes(full, mesh),
-        "pipeline": (full.stages, full.parallel.pipeline_virtual_stages, full.microbatches, schedules.summary(full)),
-        "bubble": schedules.schedule_bubble(full) if full.stages > 1 else 0.0,
+        "num_params": model.num_params(run.logical_state["params"]),
+        "active_params": model.active_params(cfg.model, run.logical_state["params"]),
+        "mesh": dict(run.mesh.shape),
+        "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
+        "bubble": schedules.schedule_bubble(cfg) if cfg.stages > 1 else 0.0,
         "compute_dtype": dtype,
-        "seq_tokens": full.train.global_batch_size * full.train.seq_length,
-        "collectives": comms.collectives(compiled.as_text(), dict(run.mesh.shape), dict(shape))
-        if collectives else None,
+        "seq_tokens": cfg.train.global_batch_size * cfg.train.seq_length,
+        "collectives": comms.collectives(compiled.as_text(), dict(run.mesh.shape)) if collectives else None,
     }
 
 
@@ -222,10 +163,7 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
     lines = [
         f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters"
         + (f" ({p['active_params'] / 1e9:.3f}B active per token)" if p["active_params"] != p["num_params"] else "")
-        + f"; {p['dtype']}; compiled in {p['compile_s']:.1f} s"
-        + ("" if p["compiled_mesh"] == p["mesh"] else " for " + ", ".join(
-            f"{a} {n} of {p['mesh'][a]}" for a, n in p["compiled_mesh"].items() if n != p["mesh"][a])
-           + " (the data-parallel axes shrunk: their shards counted at full size; jaxllm.plan.compiled_sizes)"),
+        + f"; {p['dtype']}; compiled in {p['compile_s']:.1f} s",
         "per device:",
         f"  parameters            {gib(p['params'])}{over(p['split']['params'])}",
         f"  gradients             {gib(p['grads'])}{over(p['split']['grads'])}",
@@ -234,9 +172,6 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         f"({state / p['num_params'] * math.prod(p['mesh'].values()):.1f} bytes/param x N / devices)",
         f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
         f"  total (compiled)      {gib(p['total'])}",
-        *([f"  (compiled shrunk: there the optimizer updates a shard {p['update_slack'] / GiB:.2f} GiB larger in "
-           "float32, which XLA's temporaries may hold, and XLA packs them differently at other sizes: about 1 % "
-           "either way, docs/parallelism.md)"] if p["update_slack"] else []),
         *([f"  offloaded to host     {gib(p['host'])}   (model.remat=offload: the layer inputs; this machine's "
            "compile holds them, a GPU's does not)", f"  total on the device   {gib(p['device'])}"]
           if p["host"] else []),
@@ -259,11 +194,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
     memory, backend = None, None  # no GPU named: plan for this machine's backend
-    if min(F.devices, F.compile_devices) > cli.MAX_HOST_DEVICES:  # before the backend creates devices
-        cli.lift_host_device_limit()
     try:
-        if not 1 <= F.compile_devices <= cli.MAX_PLAN_DEVICES:
-            raise ValueError(f"--compile_devices={F.compile_devices}: give 1 to {cli.MAX_PLAN_DEVICES}")
+        if not 1 <= F.devices_per_process <= cli.MAX_HOST_DEVICES:
+            raise ValueError(f"--devices_per_process={F.devices_per_process}: give 1 to {cli.MAX_HOST_DEVICES} "
+                             "(XLA:CPU's most in one process)")
         cluster = named_cluster(F.cluster) if F.cluster else None
         if cluster is not None:
             step_time.check_mfu(F.cluster, F.mfu)
@@ -272,8 +206,9 @@ def main(argv):
             memory, backend = named_device(F.device)
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
-        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None,
-                 compile_devices=F.compile_devices)
+        if F.devices > F.devices_per_process:  # before the backend creates its devices
+            cli.stand_in_processes(F.devices, F.devices_per_process)
+        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None)
         estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None
     except (config.ConfigError, ValueError) as e:
         cli.fail(e, now=True)
@@ -290,7 +225,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
     flags.DEFINE_string("cluster", None, f"also model the step's time on a cluster: {', '.join(CLUSTERS)} "
                         "(its device is the --device; jaxllm/runtime/step_time.py)")
-    flags.DEFINE_integer("compile_devices", MAX_PLAN_DEVICES, "compile for at most this many devices: a larger "
-                         "mesh is planned from a program with its data and fsdp axes shrunk (plan.compiled_sizes)")
+    flags.DEFINE_integer("devices_per_process", cli.MAX_HOST_DEVICES, "compile as processes of this many devices, this "
+                         "one's and stand-ins for the others (cli.stand_in_processes); the default is XLA:CPU's most")
     flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")
     app.run(main, flags_parser=cli.parse_flags)

@@ -45,12 +45,10 @@ import os
 import sys
 
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
-    from jaxllm.cli import MAX_HOST_DEVICES, MAX_PLAN_DEVICES, force_host_devices
+    from jaxllm.cli import force_host_devices
     from jaxllm.platform import gpu_env, host_memory
 
-    # a cluster's scale is modeled, not run: as many fake devices as jaxllm.plan compiles for
-    force_host_devices(sys.argv, MAX_PLAN_DEVICES if any(a.startswith("--cluster") for a in sys.argv)
-                       else MAX_HOST_DEVICES)
+    force_host_devices(sys.argv)  # with --cluster, the devices above this process's on stand-in processes (main)
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
     host_memory.keep_freed_memory()
 
@@ -405,11 +403,11 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     base = F.config
-    if F.cluster and min(F.devices, cli.MAX_PLAN_DEVICES) > cli.MAX_HOST_DEVICES:
-        cli.lift_host_device_limit()  # before the backend creates its devices
     try:
+        if F.cluster and F.devices > cli.MAX_HOST_DEVICES:  # a cluster's scale is planned, not run
+            cli.stand_in_processes(F.devices, cli.MAX_HOST_DEVICES)  # before the backend creates its devices
         n = F.devices or len(jax.devices())
-        if n < 1 or (n > len(jax.devices()) and not F.cluster):  # a cluster's larger meshes: planned shrunk
+        if n < 1 or n > len(jax.devices()):
             raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
         trials, seconds = parse_budget(F.budget)
         axes = F.axes if F.axes != "auto" else ",".join(a for a in AXES if a != "expert" or base.model.num_experts)

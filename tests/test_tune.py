@@ -248,6 +248,19 @@ def test_cli_ranks_by_the_step_time_model_on_a_cluster(tmp_path):
     assert "ranked by the step-time MODEL on frontier at MFU 40%" in (tmp_path / "tune.md").read_text()
 
 
+def test_cli_ranks_a_cluster_beyond_one_process(tmp_path):
+    # 4,096 devices: this process's 2,048 and a stand-in process's (cli.stand_in_processes)
+    r = cli("--devices=4096", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
+            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
+            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=1",
+            "--config.train.global_batch_size=4096", "--axes=data,tensor", "--micro-batch=1", "--remat=none",
+            "--budget=2", "--cluster=frontier", "--mfu=0.4", f"--output_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "tune.csv")))
+    assert len(rows) == 2 and all(row["status"].startswith("modeled") for row in rows)
+    assert all(int(row["data"]) * int(row["tensor"]) == 4096 and float(row["tokens_per_sec"]) > 0 for row in rows)
+
+
 @pytest.mark.parametrize("flag,message", [("--budget=abc", "--budget"), ("--axes=data,model", "--axes"),
                                           ("--device=Z80", "--device='Z80'"), ("--cluster=frontier", "--mfu"),
                                           ("--cluster=summit", "--cluster='summit'")])

@@ -91,16 +91,12 @@ def _axes(group: list[int], mesh_shape: dict) -> tuple[str, ...]:
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def collectives(hlo: str, mesh_shape: dict, full_shape: dict | None = None) -> dict[tuple[str, ...], Traffic]:
+def collectives(hlo: str, mesh_shape: dict) -> dict[tuple[str, ...], Traffic]:
     """Per-device collective traffic of one execution of a compiled SPMD program, by the mesh axes it spans.
 
     Args:
       hlo: ``compiled.as_text()`` of a program jitted over a mesh of ``mesh_shape`` (``{axis: size}`` in the
         mesh's axis order; the program's device assignment is the mesh's devices in flat order).
-      full_shape: the mesh the program stands in for (:func:`jaxllm.plan.plan`'s shrunk data-parallel axes;
-        default ``mesh_shape``): a group spanning axes that are larger there counts over their full sizes,
-        its buffer (an all-reduce's, an all-gather's output, a reduce-scatter's input: the same arrays on
-        either mesh) sent as a ring of that many devices.
     Returns:
       ``{axes: Traffic}``, axes a tuple of mesh axis names (collectives within one device's group, such as
       over an axis of size 1, are left out).
@@ -116,7 +112,6 @@ def collectives(hlo: str, mesh_shape: dict, full_shape: dict | None = None) -> d
         elif current is not None:
             bodies[current].append(line)
     devices = math.prod(mesh_shape.values())
-    full_shape = full_shape or mesh_shape
     out: dict[tuple[str, ...], Traffic] = {}
 
     def visit(name: str, times: int, depth: int = 0) -> None:
@@ -135,7 +130,6 @@ def collectives(hlo: str, mesh_shape: dict, full_shape: dict | None = None) -> d
                     continue
                 axes = _axes(groups[0], mesh_shape)
                 size = _bytes(shapes) * (n if kind == "reduce-scatter" else 1)  # its input: n outputs
-                n = round(n * math.prod(full_shape[a] / mesh_shape[a] for a in axes))
                 wire, hops = {"all-reduce": (2 * (n - 1) / n * size, 2 * (n - 1)),
                               "all-gather": ((n - 1) / n * size, n - 1),
                               "reduce-scatter": ((n - 1) / n * size, n - 1),
