@@ -15,7 +15,10 @@ EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on st
 # + its local index (kMaxCpuDevicesPerProcess, xla/pjrt/plugin/xla_cpu/cpu_topology.h).  The planning tools
 # compile larger meshes with the other devices on stand-in processes (:func:`stand_in_processes`).
 MAX_HOST_DEVICES = 2048
+# stand_in_processes' most: each is a client of the job in this process, with a few threads of its own.
+MAX_STAND_INS = 1024
 _STAND_INS: list = []  # the clients of stand_in_processes, alive until the exit
+
 
 def exit_now(code: int = 0):
     """Exits with ``code`` without Python's teardown (``os._exit``, the output flushed first): a process of
@@ -264,19 +267,29 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
     the CPU client's key ``local_topology/cpu/<process>``), numbered as XLA:CPU numbers a process's devices
     (:data:`MAX_HOST_DEVICES`).  An SPMD program compiles to the same per-device program on any process: this
     one's compile is the full mesh's, with a thread per local device only.  Nothing may run on the devices
-    (the stand-ins execute nothing); exit through :func:`exit_now` (the job's shutdown barrier would wait
-    for them).
+    (the stand-ins execute nothing).  At the exit the stand-ins leave the job with this process (jax's
+    shutdown barrier); :func:`exit_now` skips it.
 
     Raises:
-      ValueError: ``num_devices`` cannot be had: this jaxlib's CPU client took the stand-ins' devices
-        differently (their count or numbering changed), so no more than :data:`MAX_HOST_DEVICES`.
+      ValueError: ``per_process`` is not 1 to :data:`MAX_HOST_DEVICES`, makes more than
+        :data:`MAX_STAND_INS` processes, or is not this process's device count; the job did not start; or
+        this jaxlib's CPU client took the stand-ins' devices differently (their count or numbering).
     """
+    import atexit  # noqa: PLC0415
     import socket  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     from jax._src.lib import _jax  # noqa: PLC0415  the client jax.distributed makes for each process
+
+    if not 1 <= per_process <= MAX_HOST_DEVICES:
+        raise ValueError(f"--devices_per_process={per_process}: give 1 to {MAX_HOST_DEVICES} (XLA:CPU's most in one "
+                         "process)")
+    processes = -(-num_devices // per_process)
+    if processes - 1 > MAX_STAND_INS:
+        raise ValueError(f"--devices_per_process={per_process}: {num_devices} devices make {processes} processes; "
+                         f"give at least {-(-num_devices // (MAX_STAND_INS + 1))} (at most {MAX_STAND_INS} stand-ins)")
 
     def proto(*fields) -> bytes:  # protobuf's wire format: (number, int | bytes) fields
         def varint(n):
@@ -302,21 +315,44 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
             boot_id = f.read().strip()
     except OSError:  # not Linux: XLA publishes an empty boot id there
         boot_id = b""
-    counts = [min(per_process, num_devices - n) for n in range(per_process, num_devices, per_process)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
+    failures = []
 
     def stand_in(process: int, count: int) -> None:
-        client = _jax.get_distributed_runtime_client(address, process, init_timeout=120)
-        client.connect()  # returns once every process of the job has connected
-        client.key_value_set_bytes(f"cpu:local_topology/cpu/{process}", topology(process, count))
-        _STAND_INS.append(client)  # a dropped client would leave the job
+        try:
+            client = _jax.get_distributed_runtime_client(address, process, init_timeout=60)
+            client.connect()  # returns once every process of the job has connected
+            client.key_value_set_bytes(f"cpu:local_topology/cpu/{process}", topology(process, count))
+            _STAND_INS.append(client)  # a dropped client would leave the job
+        except Exception as e:  # noqa: BLE001  said by the caller, in one line
+            failures.append(e)
 
-    for process, count in enumerate(counts, start=1):
+    for process in range(1, processes):
+        count = min(per_process, num_devices - process * per_process)
         threading.Thread(target=stand_in, args=(process, count), daemon=True).start()
+    jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(address, num_processes=1 + len(counts), process_id=0, initialization_timeout=120)
+    first_line = lambda e: str(e).strip().splitlines()[0]  # noqa: E731  XLA's errors run to pages
+    try:
+        jax.distributed.initialize(address, num_processes=processes, process_id=0, initialization_timeout=60)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--devices={num_devices}: the stand-in processes did not start: "
+                         f"{first_line(failures[0] if failures else e)}") from None
+
+    def leave():  # at the exit, before jax's own hook (registered before this one): the whole job shuts down
+        threads = [threading.Thread(target=client.shutdown) for client in _STAND_INS]
+        for t in threads:
+            t.start()
+        jax.distributed.shutdown()  # this process's client meets the stand-ins' at the job's shutdown barrier
+        for t in threads:
+            t.join()
+        _STAND_INS.clear()
+    atexit.register(leave)
+    if jax.local_device_count() != per_process:
+        raise ValueError(f"--devices_per_process={per_process}: this process has {jax.local_device_count()} CPU "
+                         "devices (--xla_force_host_platform_device_count in XLA_FLAGS)")
     devices = jax.devices()
     if len(devices) != num_devices:
         raise ValueError(f"--devices={num_devices}: with stand-in processes jax sees {len(devices)} CPU devices; "
@@ -326,6 +362,6 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
         jax.jit(lambda x: x.sum()).lower(jax.ShapeDtypeStruct((len(devices),), "float32", sharding=(
             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))))).compile()
     except Exception as e:  # noqa: BLE001  jaxlib's error, said in one line below
-        raise ValueError(f"--devices={num_devices}: compiling for them on stand-in processes failed ({e}): this "
-                         "jaxlib's CPU client numbers the devices of other processes differently; plan at most "
-                         f"{MAX_HOST_DEVICES} devices") from None
+        raise ValueError(f"--devices={num_devices}: compiling for them on stand-in processes failed "
+                         f"({first_line(e)}): this jaxlib's CPU client numbers the devices of other processes "
+                         f"differently; plan at most {MAX_HOST_DEVICES} devices") from None

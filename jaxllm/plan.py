@@ -58,6 +58,15 @@ def memory_report(compiled) -> dict:
             - mem.alias_size_in_bytes}
 
 
+def resolved(spec: config.Config, num_devices: int, backend: str | None = None):
+    """``spec`` resolved for a plan of ``num_devices`` devices on ``backend`` (:func:`plan`), reading no data:
+    the vocabulary is ``model.vocab_size`` or the tokenizer's.  Raises ConfigError."""
+    vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
+    if not spec.model.vocab_size and vocab is None:
+        raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
+    return resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+
+
 def plan(spec: config.Config, num_devices: int, backend: str | None = None, collectives: bool = False) -> dict:
     """Compiles ``spec``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
 
@@ -88,10 +97,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
       ConfigError: the config does not fit the mesh or the model, or this process sees fewer than
         ``num_devices`` devices.
     """
-    vocab = KNOWN_VOCAB_SIZES.get(spec.data.tokenizer)
-    if not spec.model.vocab_size and vocab is None:
-        raise config.ConfigError("model.vocab_size", 0, "the plan reads no data: set the vocabulary size")
-    cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+    cfg = resolved(spec, num_devices, backend)
     if num_devices > len(jax.devices()):
         raise config.ConfigError(
             "devices", num_devices, f"this process has {len(jax.devices())} devices to compile for (python -m "
@@ -100,7 +106,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     if cfg.backend in attention.TARGET_FAMILY and dtype == "bfloat16":
         half = config.from_dict(cfg.to_dict())
         half.model.dtype = "float16"
-        cfg = resolve(half, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
+        cfg = resolved(half, num_devices, backend)
     run = Run(cfg, devices=jax.devices()[:num_devices])
     batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
@@ -195,9 +201,6 @@ def main(argv):
     F = flags.FLAGS
     memory, backend = None, None  # no GPU named: plan for this machine's backend
     try:
-        if not 1 <= F.devices_per_process <= cli.MAX_HOST_DEVICES:
-            raise ValueError(f"--devices_per_process={F.devices_per_process}: give 1 to {cli.MAX_HOST_DEVICES} "
-                             "(XLA:CPU's most in one process)")
         cluster = named_cluster(F.cluster) if F.cluster else None
         if cluster is not None:
             step_time.check_mfu(F.cluster, F.mfu)
@@ -206,7 +209,8 @@ def main(argv):
             memory, backend = named_device(F.device)
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
-        if F.devices > F.devices_per_process:  # before the backend creates its devices
+        if F.devices > F.devices_per_process:  # the config checked, then the processes started before the backend
+            resolved(F.config, F.devices, backend or "cpu")  # (stand-in processes are CPU devices)
             cli.stand_in_processes(F.devices, F.devices_per_process)
         p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None)
         estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None

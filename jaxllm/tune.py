@@ -49,6 +49,8 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
     from jaxllm.platform import gpu_env, host_memory
 
     force_host_devices(sys.argv)  # with --cluster, the devices above this process's on stand-in processes (main)
+    if any(a.startswith("--cluster") for a in sys.argv):  # a cluster is planned (fake CPU devices), not measured
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
     host_memory.keep_freed_memory()
 
@@ -404,16 +406,7 @@ def main(argv):
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     base = F.config
     try:
-        if F.cluster and F.devices > cli.MAX_HOST_DEVICES:  # a cluster's scale is planned, not run
-            cli.stand_in_processes(F.devices, cli.MAX_HOST_DEVICES)  # before the backend creates its devices
-        n = F.devices or len(jax.devices())
-        if n < 1 or n > len(jax.devices()):
-            raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
         trials, seconds = parse_budget(F.budget)
-        axes = F.axes if F.axes != "auto" else ",".join(a for a in AXES if a != "expert" or base.model.num_experts)
-        dims = layouts.dimensions(base, axes=axes, micro_batch=F.micro_batch, remat=F.remat, attention=F.attention,
-                                  virtual_stages=F.virtual_stages, pipeline_schedules=F.pipeline_schedules,
-                                  sequence_impls=F.sequence_impls)
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
         if F.steps < 1 or F.warmup < 0 or F.confirm < 0:
@@ -429,6 +422,15 @@ def main(argv):
             memory = named_device(F.device)[0]
         if F.device_memory:
             memory = plan.parse_bytes(F.device_memory)
+        if F.cluster and F.devices > cli.MAX_HOST_DEVICES:  # a cluster's scale is planned, not run
+            cli.stand_in_processes(F.devices, cli.MAX_HOST_DEVICES)  # before the backend creates its devices
+        axes = F.axes if F.axes != "auto" else ",".join(a for a in AXES if a != "expert" or base.model.num_experts)
+        dims = layouts.dimensions(base, axes=axes, micro_batch=F.micro_batch, remat=F.remat, attention=F.attention,
+                                  virtual_stages=F.virtual_stages, pipeline_schedules=F.pipeline_schedules,
+                                  sequence_impls=F.sequence_impls)  # the default attentions: the backend's
+        n = F.devices or len(jax.devices())
+        if n < 1 or n > len(jax.devices()):
+            raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
         if memory is None:
             memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
         if n > 1 and all(getattr(base.mesh, a) == 1 for a in AXES):  # a one-device config: the baseline is data N

@@ -38,11 +38,39 @@ def test_plan_of_all_of_frontier_gives_a_verdict():
     assert "(embed over data 147)" in r.stdout and "FITS in MI250X" in r.stdout
 
 
-def test_plan_refuses_more_devices_per_process_than_xla_cpu_holds_in_one_line():
-    r = plan("--devices=8192", "--devices_per_process=4096")
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
-    assert lines[0] == "--devices_per_process=4096: give 1 to 2048 (XLA:CPU's most in one process)"
+@pytest.mark.parametrize("args,line", [
+    (["--devices_per_process=4096"], "--devices_per_process=4096: give 1 to 2048 (XLA:CPU's most in one process)"),
+    (["--devices_per_process=4"], "--devices_per_process=4: 8192 devices make 2048 processes; give at least 8 (at "
+                                  "most 1024 stand-ins)"),
+    (["--config.mesh.tensor=3"], "config error: mesh={'data': 8192, 'fsdp': 1, 'expert': 1, 'pipeline': 1, "
+                                 "'tensor': 3, 'sequence': 1}: the mesh covers 24576 devices but there are 8192"),
+])
+def test_plan_above_one_process_refuses_in_one_line(args, line):
+    r = plan("--devices=8192", "--config.mesh.data=8192", "--config.train.global_batch_size=8192", *args)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), r.stderr[-3000:]
+
+
+EXITS = r'''
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from jaxllm import cli
+cli.stand_in_processes(6, 2)
+import jax
+assert len(jax.devices()) == 6 and jax.process_count() == 3
+if sys.argv[1] == "raise":
+    raise RuntimeError("unexpected")
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.mark.parametrize("how,code", [("0", 0), ("3", 3), ("raise", 1)])
+def test_a_process_with_stand_ins_exits_at_once_with_its_status(how, code):
+    # the stand-ins leave the job with this process: no wait at jax.distributed's shutdown barrier (300 s)
+    r = subprocess.run([sys.executable, "-c", EXITS, how], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stderr[-3000:]
+    assert ("RuntimeError: unexpected" in r.stderr) == (how == "raise")
 
 
 PLANS = r'''
