@@ -212,15 +212,18 @@ def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+# the tiny model of the CLI tests, as flags
+TINY = [f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}", f"--config.model.num_attention_heads={N}",
+        f"--config.model.vocab_size={V}", f"--config.train.seq_length={S}"]
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "jaxllm.tune", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=600)
 
 
 def test_cli_two_devices_with_optuna(tmp_path):
-    r = cli("--devices=2", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
-            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
-            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=2",
+    r = cli("--devices=2", *TINY, "--config.train.micro_batch_size=2",
             "--config.train.global_batch_size=4", "--config.model.dtype=float32", "--axes=data,tensor",
             "--micro-batch=2", "--remat=none", "--sampler=optuna", "--budget=3", "--steps=1", "--warmup=0",
             "--confirm=0", f"--output_dir={tmp_path}")
@@ -234,9 +237,7 @@ def test_cli_two_devices_with_optuna(tmp_path):
 
 
 def test_cli_ranks_by_the_step_time_model_on_a_cluster(tmp_path):
-    r = cli("--devices=2", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
-            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
-            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=2",
+    r = cli("--devices=2", *TINY, "--config.train.micro_batch_size=2",
             "--config.train.global_batch_size=4", "--axes=data,tensor", "--micro-batch=2", "--remat=none",
             "--budget=3", "--cluster=frontier", "--mfu=0.4", f"--output_dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -250,9 +251,7 @@ def test_cli_ranks_by_the_step_time_model_on_a_cluster(tmp_path):
 
 def test_cli_ranks_a_cluster_beyond_one_process(tmp_path):
     # 4,096 devices: this process's 2,048 and a stand-in process's (cli.stand_in_processes)
-    r = cli("--devices=4096", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
-            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
-            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=1",
+    r = cli("--devices=4096", *TINY, "--config.train.micro_batch_size=1",
             "--config.train.global_batch_size=4096", "--axes=data,tensor", "--micro-batch=1", "--remat=none",
             "--budget=2", "--cluster=frontier", "--mfu=0.4", f"--output_dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -272,9 +271,7 @@ def test_bad_flags_one_line_exit_2(flag, message):
 
 def test_optuna_tries_the_baselines_layout_under_the_other_schedules_first(tmp_path):
     # baseline: pipeline 2 with gpipe; before Optuna's draws the same mesh with 1f1b and zb_h1 (budget 3)
-    r = cli("--devices=2", f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",
-            f"--config.model.num_attention_heads={N}", f"--config.model.vocab_size={V}",
-            f"--config.train.seq_length={S}", "--config.train.micro_batch_size=1", "--config.train.global_batch_size=4",
+    r = cli("--devices=2", *TINY, "--config.train.micro_batch_size=1", "--config.train.global_batch_size=4",
             "--config.mesh.pipeline=2", "--axes=data,pipeline,tensor", "--micro-batch=1", "--remat=none",
             "--virtual_stages=1", "--pipeline_schedules=gpipe,1f1b,zb_h1", "--sampler=optuna", "--budget=3",
             "--cluster=frontier", "--mfu=0.4", f"--output_dir={tmp_path}")
