@@ -1,6 +1,7 @@
 """Validate a GPU machine in one command; write one Markdown report for docs/performance.md.
 
     python benchmarks/gpu_check.py --output=gpu_check.md          # on a GPU machine, < 10 minutes on one H100
+    python benchmarks/gpu_check.py --part=speed --output=speed.md  # jaxllm against PyTorch only: ~5 minutes
     python benchmarks/gpu_check.py --dry-run --output=report.md   # any machine: every step shortened, on the CPU
 
 Steps, each a subprocess with its own time limit (the report keeps whatever finished):
@@ -8,20 +9,23 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
 1. versions (Python, jax, jaxlib and its GPU plugins, flax, optax, orbax, triton, jax_triton,
    ml_collections), the devices JAX sees, ``nvidia-smi``/``rocm-smi`` and the GPU settings of
    :mod:`jaxllm.platform.gpu_env`;
-2. the GPU tests: ``tests/test_kernels.py`` compiled Pallas, Triton (where ``jax_triton``
-   imports) and cuDNN attention against the XLA reference, forward and backward (the tests that
-   skip on a CPU);
-3. ``benchmarks/attention.py --check``: every attention implementation, sequence 1k, 4k, 16k,
-   bfloat16, 16 heads of 128, causal;
+2. the GPU tests (not with ``--part=speed``): ``tests/test_kernels.py`` compiled Pallas, Triton (where
+   ``jax_triton`` imports) and cuDNN attention against the XLA reference, forward and backward (the tests
+   that skip on a CPU);
+3. ``benchmarks/attention.py --check`` (not with ``--part=speed``): every attention implementation,
+   sequence 1k, 4k, 16k, bfloat16, 16 heads of 128, causal;
 4. ``python -m jaxllm.bench``: GPT125M (all 12 layers, micro batch 8 = global batch 8, no
    recomputation) with ``attention_impl`` auto (cuDNN on NVIDIA), pallas and xla side by side (xla
    runs out of memory there on an 80 GB H100: the row says so), and GPT1_5B (all 48 layers, micro
-   batch 4, global batch 8 = 2 microbatches, ``model.remat=full``) with auto and xla, both bfloat16,
-   sequence 2048, one device, 10 timed steps after 3 warm-up steps; synthetic batches (no data
-   files).  GPT1_5B's step compiles to 36.9 GiB by ``python -m jaxllm.plan
-   --config=configs/gpt3.py:GPT1_5B --devices=1 --device=H100 --config.model.remat=full
-   --config.train.micro_batch_size=4 --config.train.global_batch_size=8`` (XLA's CPU compiler, an
-   estimate; 29.4 GiB peak measured on an H100).
+   batch 4, global batch 8 = 2 microbatches, ``model.remat=full``) with auto, xla, and remat
+   ``save_dots`` at micro batch 8 (the fastest measured on an H100), all bfloat16, sequence 2048, one
+   device, 10 timed steps after 3 warm-up steps, each variant in a process of its own; synthetic batches
+   (no data files); each followed by
+5. ``benchmarks/torch_reference.py``, the PyTorch reference of the same model on the same GPU
+   (``torch.compile``, fused attention, fused AdamW, no recomputation; micro batch 8 for GPT125M, 4 for
+   GPT1_5B).  The report ends its summary with each model's fastest jaxllm variant against the reference
+   (tokens/s and their ratio); every benchmark's JSON record goes to ``--records`` (default: the report's
+   name with ``.jsonl``), for ``benchmarks/results/``.
 
 ``--dry-run`` runs the same steps on whatever backend JAX has (the CPU here) with tiny sizes, to
 check the script and the report; its report says DRY RUN and its figures are not GPU figures.
@@ -54,6 +58,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -66,11 +71,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin", "flax", "optax",
             "orbax-checkpoint", "tensorstore", "triton", "jax-triton", "ml-collections", "numpy", "pytest")
-GPT = [  # (name, config key, overrides, attention impls compared with auto's: GPU, dry run)
+GPT = [  # (name, config key, overrides, variants compared on a GPU, in the dry run, the PyTorch reference's overrides)
     ("GPT125M", "GPT125M", ["--config.train.micro_batch_size=8", "--config.train.global_batch_size=8"],
-     ("pallas", "xla"), ("xla",)),
+     ("model.attention_impl=pallas", "model.attention_impl=xla"), ("model.attention_impl=xla",),
+     ["--config.train.micro_batch_size=8", "--config.train.global_batch_size=8"]),
     ("GPT1_5B", "GPT1_5B", ["--config.model.remat=full", "--config.train.micro_batch_size=4",
-                            "--config.train.global_batch_size=8"], ("xla",), ()),
+                            "--config.train.global_batch_size=8"],
+     ("model.attention_impl=xla", "model.remat=save_dots,train.micro_batch_size=8"), (),
+     ["--config.train.micro_batch_size=4", "--config.train.global_batch_size=8"]),
 ]
 # --dry-run: the same configs cut to seconds on a CPU (the vocabulary stays)
 TINY = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "--config.model.num_attention_heads=4",
@@ -83,7 +91,12 @@ def _parse(argv=None):
     p.add_argument("--output", default="gpu_check.md", help="the Markdown report")
     p.add_argument("--dry-run", action="store_true", help="shortened steps on any backend (checks the script)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per step at most")
-    return p.parse_args(argv)
+    p.add_argument("--records", default="", help="the benchmarks' JSON records (default: --output's name, .jsonl)")
+    p.add_argument("--part", choices=("all", "speed"), default="all",
+                   help="speed: the throughput steps only (jaxllm against PyTorch), not the kernel tests")
+    a = p.parse_args(argv)
+    a.records = a.records or os.path.splitext(a.output)[0] + ".jsonl"
+    return a
 
 
 def _environment() -> dict[str, str]:
@@ -158,25 +171,33 @@ def steps(a, env) -> list[dict]:
     """Steps 2-4 (see the module doc)."""
     py = sys.executable
     out = []
-    tests = [py, "-m", "pytest", "tests/test_kernels.py", "-q", "-rA", "-p", "no:cacheprovider",
-             "-k", "gpu_matches or triton_matches or cudnn_matches"]
-    out.append(run_step("GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
-                        tests, env, a.timeout))
-    attn = [py, "benchmarks/attention.py", "--check"]
-    attn += (["--seqs", "128", "--heads", "2", "--iters", "1", "--warmup", "0", "--impls", "xla,pallas"] if a.dry_run
-             else ["--seqs", "1024,4096,16384"])
-    out.append(run_step("attention benchmark", attn, env, a.timeout))
-    for name, key, overrides, gpu_impls, dry_impls in GPT:
+    if a.part == "all":
+        tests = [py, "-m", "pytest", "tests/test_kernels.py", "-q", "-rA", "-p", "no:cacheprovider",
+                 "-k", "gpu_matches or triton_matches or cudnn_matches"]
+        out.append(run_step("GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
+                            tests, env, a.timeout))
+        attn = [py, "benchmarks/attention.py", "--check"]
+        attn += (["--seqs", "128", "--heads", "2", "--iters", "1", "--warmup", "0", "--impls", "xla,pallas"]
+                 if a.dry_run else ["--seqs", "1024,4096,16384"])
+        out.append(run_step("attention benchmark", attn, env, a.timeout))
+    for name, key, overrides, gpu_variants, dry_variants, torch_overrides in GPT:
         # auto: cuDNN on NVIDIA, Pallas on AMD; the others beside it (Pallas is interpret mode on a CPU: the dry
         # run skips it; xla may run out of memory at sequence 2048: the table then says so)
         cmd = [py, "-m", "jaxllm.bench", f"--config=configs/gpt3.py:{key}", *overrides,
-               "--config.model.attention_impl=auto", "--steps=10", "--warmup=3", "--output=", "--devices=1"]
-        compare = dry_impls if a.dry_run else gpu_impls
+               "--config.model.attention_impl=auto", "--steps=10", "--warmup=3", f"--output={a.records}", "--devices=1"]
+        compare = dry_variants if a.dry_run else gpu_variants
         if compare:
-            cmd.append("--compare=" + ";".join(f"model.attention_impl={i}" for i in compare))
+            cmd.append("--compare=" + ";".join(compare))
         if a.dry_run:
             cmd += TINY + ["--steps=2", "--warmup=1"]
         out.append(run_step(f"jaxllm.bench {name}", cmd, env, a.timeout + (180 if key == "GPT1_5B" else 0)))
+        # the PyTorch reference (benchmarks/torch_reference.py: torch.compile, cuDNN/flash attention, fused AdamW) on
+        # the same GPU; without recomputation, at the micro batch measured fastest for it
+        ref = [py, "benchmarks/torch_reference.py", f"--config=configs/gpt3.py:{key}", *torch_overrides,
+               "--steps=10", "--warmup=3", f"--output={a.records}"]
+        if a.dry_run:
+            ref += TINY + ["--device=cpu", "--no-compile", "--steps=1", "--warmup=0"]
+        out.append(run_step(f"torch reference {name}", ref, env, a.timeout))
     return out
 
 
@@ -193,9 +214,23 @@ def _table_lines(stdout: str) -> str:
     return "\n".join(lines[keep[0]:])
 
 
-def report(a, results, started, total_s) -> str:
-    import json  # noqa: PLC0415
+def versus_torch(records: list[dict]) -> list[str]:
+    """Markdown: per config file, jaxllm's fastest record against the PyTorch reference's, tokens/s and ratio."""
+    lines = ["| model | jaxllm (fastest variant) | tokens/s | PyTorch reference | tokens/s | jaxllm / PyTorch |",
+             "|---|---|---|---|---|---|"]
+    for key in dict.fromkeys(r["config_file"] for r in records):
+        mine = [r for r in records if r["config_file"] == key and r.get("framework") != "torch"]
+        theirs = [r for r in records if r["config_file"] == key and r.get("framework") == "torch"]
+        if not mine or not theirs:
+            continue
+        best, ref = max(mine, key=lambda r: r["tokens_per_sec"]), max(theirs, key=lambda r: r["tokens_per_sec"])
+        label = lambda r: f"micro {r['micro_batch_size']}, remat {r['remat']}, {r['attention_impl']}"  # noqa: E731
+        lines.append(f"| {key} | {label(best)} | {best['tokens_per_sec']:,.0f} | {label(ref)} | "
+                     f"{ref['tokens_per_sec']:,.0f} | {best['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x |")
+    return lines
 
+
+def report(a, results, started, total_s, records=()) -> str:
     dev = {}
     if results and results[0]["rc"] == 0:
         dev = json.loads(results[0]["stdout"].strip().splitlines()[-1])
@@ -218,6 +253,9 @@ def report(a, results, started, total_s) -> str:
     lines += ["| step | seconds | result |", "|---|---|---|"]
     lines += [f"| {r['title']} | {r['seconds']:.0f} | {'ok' if r['rc'] == 0 else 'FAILED: ' + str(r['rc'])} |"
               for r in results]
+    if records:
+        lines += ["", "## jaxllm against the PyTorch reference, same GPU, same run", "", *versus_torch(records),
+                  "", f"(records: `{a.records}`)"]
     for r in results[1:]:
         lines += ["", f"## {r['title']}", "", f"`{r['command']}` ({r['seconds']:.0f} s, exit {r['rc']})", ""]
         if r["title"].startswith("GPU tests"):
@@ -236,6 +274,10 @@ def report(a, results, started, total_s) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lines(path: str) -> list[str]:
+    return open(path, encoding="utf-8").read().splitlines() if os.path.exists(path) else []
+
+
 def main(argv=None) -> int:
     a = _parse(argv)
     env = _environment()
@@ -247,8 +289,10 @@ def main(argv=None) -> int:
         print("error: JAX has no GPU backend here (it runs on the CPU); use --dry-run to check the script",
               file=sys.stderr)
         return 2
+    done = _lines(a.records)  # records of earlier runs in the same file stay out of this report
     results = [first, *steps(a, env)]
-    text = report(a, results, started, time.perf_counter() - t0)
+    records = [json.loads(x) for x in _lines(a.records)[len(done):]]
+    text = report(a, results, started, time.perf_counter() - t0, records)
     tmp = a.output + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
     with open(tmp, "w", encoding="utf-8") as f:

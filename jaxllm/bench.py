@@ -14,8 +14,13 @@ default all), ``--steps`` (10), ``--warmup`` (2), ``--data=synthetic|real``
 real: the config's data through the training loader, each next batch prepared while
 the step runs, as ``jaxllm.train`` does), ``--workdir`` (where real data is
 tokenized), ``--output`` (JSONL file), ``--compare="K=V,K=V;K=V"``: more configs,
-each the base ``--config`` plus these overrides, benchmarked in the same process
-after the base and printed side by side with their ratio to it.
+each the base ``--config`` plus these overrides, printed side by side with their ratio to
+the base; each config (the base too) then runs in a process of its own, one after another, so
+that each record's peak memory is its own (JAX's ``peak_bytes_in_use`` is a maximum over the
+process's life).  ``--profile=DIR``: after the timed steps, ``--profile_steps`` more under the
+JAX profiler (the trace in ``DIR``, TensorBoard/XProf's format) and the device time by
+category (:mod:`jaxllm.runtime.profile`; GPUs: CPU traces hold no kernels), in the
+record as ``profile``.
 
 Exit codes: 0 done; 2 a bad flag, config or data (one line); 1 anything unexpected.
 """
@@ -38,7 +43,10 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -52,7 +60,7 @@ from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.parallel import schedules  # noqa: E402
 from jaxllm.platform import hardware  # noqa: E402
 from jaxllm.resolve import resolve  # noqa: E402
-from jaxllm.runtime import flops  # noqa: E402
+from jaxllm.runtime import flops, profile  # noqa: E402
 from jaxllm.runtime.run import Run  # noqa: E402
 
 DATA_MODES = ("synthetic", "real")
@@ -99,7 +107,7 @@ def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", w
 
 
 def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: int = 2, data=None,
-              name: str = "") -> dict:
+              name: str = "", profile_dir: str = "", profile_steps: int = 2) -> dict:
     """Compiles and times ``cfg``'s training step; returns one record (the JSON line).
 
     Args:
@@ -108,6 +116,9 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       steps: timed steps (>= 1); warmup: untimed steps before them (>= 0).
       data: a :class:`jaxllm.data.Data` to feed real batches, or None for synthetic ones.
       name: a label stored in the record.
+      profile_dir: when set, ``profile_steps`` more steps after the timed ones under the JAX profiler,
+        written there; the record's ``profile`` is then :func:`jaxllm.runtime.profile.summary` of them
+        (None on a CPU), ``profile_trace`` the trace's folder.
     Returns:
       A dict; times in seconds, throughput in tokens/s (all devices), ``tflops_per_device``
       and ``hardware_tflops_per_device`` in TFLOP/s (1e12 FLOP/s), ``mfu`` / ``hfu``
@@ -155,9 +166,17 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         if i >= warmup:
             times.append(time.perf_counter() - start)
 
-    step_time = float(np.mean(times))
+    profiled = {}
+    if profile_dir:
+        held = [state]
+
+        def one_step():  # the state is donated: each step takes the last one's
+            held[0], metrics = compiled(held[0], *batch)
+            return float(metrics["loss"])
+
+        profiled = _profile(one_step, profile_steps, profile_dir, float(np.median(times)), compiled, cfg,
+                            devices[0], peak)
     schedule = schedules.schedule_stats(cfg)
-    out = flops.throughput(step_time, cfg, num_devices=n, peak_flops=peak)
     stats = devices[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         peak_mem, mem_source = int(stats["peak_bytes_in_use"]), "memory_stats peak_bytes_in_use"
@@ -179,21 +198,35 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "pipeline_awaiting_w": schedule.deferred,
         "data": "real" if data is not None else "synthetic",
         "warmup": warmup, "steps": steps, "compile_s": compile_s,
-        **out,
-        "step_time_median_s": float(np.median(times)), "step_time_min_s": float(np.min(times)),
-        "step_time_max_s": float(np.max(times)),
-        "hardware_tflops_per_device": out["hfu"] * peak / 1e12,
-        "model_flops_per_step": flops.flops_per_step(cfg, recompute=False),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg),
+        **flops.step_figures(times, cfg, num_devices=n, peak_flops=peak),
         "peak_flops_per_device": peak, "peak_flops_source": peak_source,
         "peak_memory_bytes": peak_mem, "peak_memory_source": mem_source,
         "compiled_memory_bytes": memory["total"], "compiled_temp_bytes": memory["temp"],
         "final_loss": loss, "step_times_s": times,
         "fp8": cfg.model.fp8,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # jaxllm's GPU settings and the user's
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "platform_version": jax.extend.backend.get_backend().platform_version,  # CUDA / ROCm versions on GPUs
         "config": cfg.to_dict(),
+        **profiled,
     }
+
+
+def _profile(step, steps: int, logdir: str, step_time_s: float, compiled, cfg, device, peak_flops: float) -> dict:
+    """``profile_trace`` (the trace's folder, with the optimized program as ``step.hlo.txt``) and ``profile``
+    (:func:`jaxllm.runtime.profile.summary`, None for a CPU's trace) of ``steps`` calls of ``step``."""
+    folder = profile.capture(step, steps, logdir)
+    hlo = compiled.as_text()
+    with open(os.path.join(folder, "step.hlo.txt"), "w", encoding="utf-8") as f:
+        f.write(hlo)  # the program the trace's kernels are found in
+    runs = profile.kernels(os.path.join(folder, "perfetto_trace.json.gz"))
+    bandwidth = hardware.memory_bandwidth(device.device_kind) if device.platform != "cpu" else None
+    table = profile.summary(runs, profile.program(hlo), steps, step_time_s, flops.hardware_flops_by_kind(cfg),
+                            peak_flops, bandwidth)
+    if not table:
+        print(f"profile: trace in {folder}; it holds no device kernels (XLA:CPU's operations are not traced)",
+              flush=True)
+    return {"profile_trace": folder, "profile": table or None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +267,65 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _variant_flags(name: str) -> list[str]:
+    """``"model.remat=full,train.micro_batch_size=8"`` -> ``--config.model.remat=full --config.train...``."""
+    items = (o.strip().removeprefix("--config.").removeprefix("config.") for o in name.split(","))
+    return [f"--config.{o}" for o in items if o]
+
+
+def _own_flags() -> list[str]:
+    """This command's flags without ``--compare`` (what each variant's own process is given)."""
+    return [a for a in sys.argv[1:] if not a.startswith(("--compare=", "--nocompare"))]
+
+
+def _summary_line(r: dict) -> str:
+    return (f"{r['name'] or 'base'}: {r['tokens_per_sec']:,.0f} tokens/s, {r['step_time_s']:.4g} s/step, "
+            f"{r['tflops_per_device']:.4g} TFLOP/s/device, MFU {100 * r['mfu']:.2f}% HFU {100 * r['hfu']:.2f}%, "
+            f"peak {r['peak_memory_bytes'] / 2**30:.3f} GiB/device ({r['peak_memory_source']}), "
+            f"compiled in {r['compile_s']:.1f} s")
+
+
+def run_here(name: str, cfg, data, F, n: int) -> dict:
+    """One config benchmarked in this process: its record, or ``{"name", "error": "out of memory"}``."""
+    try:
+        r = benchmark(cfg, num_devices=n, steps=F.steps, warmup=F.warmup, data=data, name=name,
+                      profile_dir=F.profile, profile_steps=F.profile_steps)
+    except jax.errors.JaxRuntimeError as e:  # out of memory is a result (a row saying so)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"{name or 'base'}: out of memory ({str(e).splitlines()[0][:200]})", flush=True)
+        return {"name": name, "error": "out of memory"}
+    # how it was run: the command, the config file[:key] and the overrides given (the variant's last)
+    given = [a for a in sys.argv[1:] if a.startswith("--config.")] + _variant_flags(name)
+    r.update(command=shlex.join(["python", "-m", "jaxllm.bench", *_own_flags(), *_variant_flags(name)]),
+             config_file=cli.config_arg(sys.argv) or "jaxllm/default_config.py", overrides=given)
+    print(_summary_line(r), flush=True)
+    return r
+
+
+def run_apart(name: str, F) -> dict:
+    """One ``--compare`` config in a process of its own (its own peak memory): its record, or
+    ``{"name", "error"}`` with the process's last words."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "record.jsonl")
+        flags_ = [a for a in _own_flags() if not a.startswith(("--output=", "--profile="))]
+        folder = re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "base"
+        profile_dir = [f"--profile={os.path.join(F.profile, folder)}"] if F.profile else []
+        cmd = [sys.executable, "-m", "jaxllm.bench", *flags_, *_variant_flags(name), f"--output={out}", *profile_dir]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        for line in proc.stdout.splitlines():  # its progress, without its one-row table
+            if not line.startswith(("|", "peak memory:", "wrote ", "device time by")) and line.strip():
+                print(line.replace("base:", f"{name or 'base'}:", 1), flush=True)
+        if proc.returncode == 0 and os.path.exists(out):
+            r = json.loads(open(out, encoding="utf-8").read().splitlines()[-1])
+            r.update(name=name, command=shlex.join(["python", "-m", "jaxllm.bench", *_own_flags(),
+                                                    *_variant_flags(name)]))
+            return r
+    words = "out of memory" if "out of memory" in proc.stdout else (proc.stderr.strip().splitlines() or ["?"])[-1]
+    print(f"{name or 'base'}: failed ({words[:200]})", file=sys.stderr, flush=True)
+    return {"name": name, "error": words[:200]}
+
+
 def main(argv):
     from absl import flags  # noqa: PLC0415
 
@@ -243,8 +335,8 @@ def main(argv):
     try:
         if F.steps < 1:
             raise ValueError(f"--steps={F.steps}: must be >= 1")
-        if F.warmup < 0:
-            raise ValueError(f"--warmup={F.warmup}: must be >= 0")
+        if F.warmup < 0 or F.profile_steps < 1:
+            raise ValueError(f"--warmup={F.warmup}, --profile_steps={F.profile_steps}: need >= 0 and >= 1")
         if F.devices < 0 or F.devices > len(jax.devices()):
             raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} "
                              f"{jax.devices()[0].platform} device(s) (0: all)")
@@ -253,35 +345,23 @@ def main(argv):
         variants = ["", *(v.strip() for v in F.compare.split(";") if v.strip())]
         n = F.devices or len(jax.devices())
         configs = [(name, prepare(with_overrides(F.config, name), n, data=F.data, workdir=F.workdir))
-                   for name in variants]
+                   for name in variants]  # every variant's config checked before any runs
     except config.ConfigError as e:
         cli.fail(e)
     except DataError as e:
         cli.fail(f"data error: {e}")
     except ValueError as e:
         cli.fail(f"error: {e}")
-    records = []
     if F.output:
         os.makedirs(os.path.dirname(os.path.abspath(F.output)), exist_ok=True)
+    records = []
     for name, (cfg, data) in configs:
-        try:
-            r = benchmark(cfg, num_devices=n, steps=F.steps, warmup=F.warmup, data=data, name=name)
-        except jax.errors.JaxRuntimeError as e:  # one variant out of memory is a result; the others still run
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            records.append({"name": name, "error": "out of memory"})
-            print(f"{name or 'base'}: out of memory ({str(e).splitlines()[0][:200]})", flush=True)
-            continue
-        # how it was run: the command, the config file[:key] and the overrides given (the variant's last)
-        given = [a for a in sys.argv[1:] if a.startswith("--config.")] + [f"--config.{o}" for o in name.split(",") if o]
-        r.update(command=shlex.join(["python", "-m", "jaxllm.bench", *sys.argv[1:]]),
-                 config_file=cli.config_arg(sys.argv) or "jaxllm/default_config.py", overrides=given)
+        r = run_here(name, cfg, data, F, n) if len(configs) == 1 else run_apart(name, F)
         records.append(r)
-        print(f"{name or 'base'}: {r['tokens_per_sec']:,.0f} tokens/s, {r['step_time_s']:.4g} s/step, "
-              f"{r['tflops_per_device']:.4g} TFLOP/s/device, MFU {100 * r['mfu']:.2f}% HFU {100 * r['hfu']:.2f}%, "
-              f"peak {r['peak_memory_bytes'] / 2**30:.3f} GiB/device ({r['peak_memory_source']}), "
-              f"compiled in {r['compile_s']:.1f} s", flush=True)
-        if F.output:
+        if r.get("profile"):
+            print(f"{name or 'base'}: device time by category ({F.profile_steps} profiled steps, trace "
+                  f"{r['profile_trace']}):\n{profile.markdown(r['profile'])}", flush=True)
+        if F.output and "error" not in r:
             with open(F.output, "a", encoding="utf-8") as f:
                 f.write(json.dumps(r) + "\n")
     print(table(records))
@@ -303,5 +383,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", "runs/bench", "where real data is tokenized (WORKDIR/data)")
     flags.DEFINE_string("output", "runs/bench/bench.jsonl", "JSONL file; one line per benchmarked config is appended")
     flags.DEFINE_string("compare", "", "more configs: ';'-separated lists of ','-separated SECTION.KEY=VALUE "
-                        "overrides of --config, e.g. 'mesh.data=4,mesh.tensor=2;model.remat=full'")
+                        "overrides of --config, e.g. 'mesh.data=4,mesh.tensor=2;model.remat=full' (each config "
+                        "then runs in a process of its own)")
+    flags.DEFINE_string("profile", "", "a folder: profile steps after the timed ones, write the trace there and "
+                        "print the device time by category (GPUs)")
+    flags.DEFINE_integer("profile_steps", 2, "steps profiled with --profile")
     app.run(main, flags_parser=cli.parse_flags)

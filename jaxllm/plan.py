@@ -6,6 +6,11 @@ parameters, gradients, optimizer state and XLA's temporaries, the FLOPs of a
 step, and whether it fits the named accelerator's memory.  Above the devices one
 process holds (:data:`jaxllm.cli.MAX_HOST_DEVICES`), the others are on stand-in processes
 (:func:`jaxllm.cli.stand_in_processes`): the compile is the whole mesh's at any count.
+
+For one NVIDIA GPU of :data:`jaxllm.platform.xla_gpu.SPECS` (``--device=H100``) with JAX's CUDA plugin
+installed, the step is compiled by XLA:GPU for that GPU instead (no GPU needed:
+:mod:`jaxllm.platform.xla_gpu`): the memory is XLA:GPU's, and the plan prints the program's kernels by
+kind (GEMMs by library and dtype, cuDNN attention, fusions, copies, collectives).  ``--compiler`` picks.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import collectives as comms  # noqa: E402
 from jaxllm.parallel import schedules, sharding  # noqa: E402
+from jaxllm.platform import xla_gpu  # noqa: E402
 from jaxllm.platform.hardware import CLUSTERS, DEVICES, GiB, named_cluster, named_device  # noqa: E402
 from jaxllm.resolve import resolve  # noqa: E402
 from jaxllm.runtime import flops, step_time  # noqa: E402
@@ -49,13 +55,16 @@ def parse_bytes(text: str) -> float:
 
 def memory_report(compiled) -> dict:
     """Per-device bytes of a compiled step from XLA's ``memory_analysis()``: ``{"argument",
-    "output", "alias", "temp", "total"}``, ``total`` = arguments + temporaries + outputs not
-    aliased to donated inputs."""
+    "output", "alias", "temp", "total", "host"}``, ``total`` = arguments + temporaries + outputs not
+    aliased to donated inputs, in device memory; ``host``: the same sum in host memory (what a GPU
+    program keeps there, ``model.remat=offload``; XLA:CPU's is 0)."""
     mem = compiled.memory_analysis()
     return {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
             "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes,
             "total": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes}
+            - mem.alias_size_in_bytes,
+            "host": mem.host_argument_size_in_bytes + mem.host_temp_size_in_bytes + mem.host_output_size_in_bytes
+            - mem.host_alias_size_in_bytes}
 
 
 def resolved(spec: config.Config, num_devices: int, backend: str | None = None):
@@ -67,8 +76,13 @@ def resolved(spec: config.Config, num_devices: int, backend: str | None = None):
     return resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=False, backend=backend)
 
 
-def plan(spec: config.Config, num_devices: int, backend: str | None = None, collectives: bool = False) -> dict:
+def plan(spec: config.Config, num_devices: int, backend: str | None = None, collectives: bool = False,
+         gpu: str | None = None) -> dict:
     """Compiles ``spec``'s train step for ``num_devices`` devices; returns per-device bytes and FLOPs.
+
+    ``gpu`` (a key of :data:`jaxllm.platform.xla_gpu.SPECS`; ``backend`` is then ``"cuda"``): compiled by
+    XLA:GPU for that GPU (:func:`gpu_compile`), in bfloat16, attention as that GPU runs it; the GPU's own
+    memory figures, and its program's kernels (``kernels``).  None: compiled by this machine's XLA, as follows.
 
     ``backend`` is the kind of machine planned for (``"cuda"``, ``"rocm"``; None: this one): it
     decides what ``model.dtype="auto"`` is (bfloat16 on GPUs) and which attention implementations
@@ -92,34 +106,27 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     devices, :func:`jaxllm.runtime.flops.flops_per_step`), ``compile_s``, ``dtype`` (the compute dtype
     planned), ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary: bubble and
     activations in flight, :func:`jaxllm.parallel.schedules.summary`), ``mesh`` (``{axis: size}``),
-    ``collectives`` (with ``collectives=True``: :func:`jaxllm.parallel.collectives.collectives`, else None).
+    ``collectives`` (with ``collectives=True``: :func:`jaxllm.parallel.collectives.collectives`, else None),
+    ``gpu`` (the GPU XLA:GPU compiled for, or None), ``kernels`` (with ``gpu``:
+    :func:`jaxllm.platform.xla_gpu.kernels`, else None), ``cudnn_workspace`` (with ``gpu``: the estimate of
+    :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else 0), ``gemm_workspace`` (with
+    ``gpu``: the largest cuBLAS workspace, already in ``temp``; else 0).
     Raises:
       ConfigError: the config does not fit the mesh or the model, or this process sees fewer than
-        ``num_devices`` devices.
+        ``num_devices`` devices; ``model.fp8`` on a GPU without FP8 matmuls.
     """
-    cfg = resolved(spec, num_devices, backend)
-    if num_devices > len(jax.devices()):
-        raise config.ConfigError(
-            "devices", num_devices, f"this process has {len(jax.devices())} devices to compile for (python -m "
-            "jaxllm.plan makes any count: jaxllm.cli.stand_in_processes)")
+    cfg = resolved(spec, num_devices, "cuda" if gpu else backend)
     dtype = cfg.model.dtype
-    if cfg.backend in attention.TARGET_FAMILY and dtype == "bfloat16":
-        half = config.from_dict(cfg.to_dict())
-        half.model.dtype = "float16"
-        cfg = resolved(half, num_devices, backend)
-    run = Run(cfg, devices=jax.devices()[:num_devices])
-    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
-    # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
-    gpu = attention.lowering_target(cfg.backend, interpret=True) if cfg.backend in attention.TARGET_FAMILY \
-        else contextlib.nullcontext()
-    t0 = time.perf_counter()
-    with gpu:
-        compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
-    compile_s = time.perf_counter() - t0
+    if gpu is not None:
+        run, compiled, compile_s = gpu_compile(cfg, num_devices, gpu)
+    else:
+        run, compiled, compile_s = cpu_compile(cfg, num_devices, backend)
+    hlo = compiled.as_text()
     mem = memory_report(compiled)
     state = run.abstract_state
     grads = sharding.stored(run.logical_state["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
-    stage, host = cfg.parallel.zero_stage, offloaded_bytes(cfg, run)
+    stage, host = cfg.parallel.zero_stage, mem["host"] if gpu else offloaded_bytes(cfg, run)
+    workspace = xla_gpu.cudnn_workspace(hlo) if gpu else 0
     split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
                           if run.mesh.shape[a] > 1}
     return {
@@ -127,14 +134,16 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         "params": sharding.per_device_bytes(state["params"]),
         "grads": sharding.per_device_bytes(grads),
         "opt_state": sharding.per_device_bytes(state["opt_state"]),
-        "batch": 2 * sharding.per_device_bytes(batch),
+        "batch": 2 * sharding.per_device_bytes(jax.ShapeDtypeStruct(cfg.batch_shape, "int32",
+                                                                    sharding=run.batch_sharding)),
         "temp": mem["temp"],
         "total": mem["total"],
         "host": host,
-        "device": mem["total"] - (host or 0),
+        "device": mem["total"] + workspace - (0 if gpu else host or 0),
         "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
-        "dtype": dtype if dtype == cfg.model.dtype else f"{dtype} (compiled as {cfg.model.dtype}, the same bytes)",
+        "dtype": dtype if dtype == run.cfg.model.dtype
+        else f"{dtype} (compiled as {run.cfg.model.dtype}, the same bytes)",
         "num_params": model.num_params(run.logical_state["params"]),
         "active_params": model.active_params(cfg.model, run.logical_state["params"]),
         "mesh": dict(run.mesh.shape),
@@ -142,8 +151,57 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         "bubble": schedules.schedule_bubble(cfg) if cfg.stages > 1 else 0.0,
         "compute_dtype": dtype,
         "seq_tokens": cfg.train.global_batch_size * cfg.train.seq_length,
-        "collectives": comms.collectives(compiled.as_text(), dict(run.mesh.shape)) if collectives else None,
+        "collectives": comms.collectives(hlo, dict(run.mesh.shape)) if collectives else None,
+        "gpu": gpu,
+        "kernels": xla_gpu.kernels(hlo) if gpu else None,
+        "cudnn_workspace": workspace,
+        "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0,
     }
+
+
+def cpu_compile(cfg, num_devices: int, backend: str | None):
+    """``cfg``'s train step compiled by this machine's XLA for ``num_devices`` of its devices: ``(Run, compiled,
+    seconds)``.  For a GPU ``backend``, attention is the interpreted flash kernel (memory linear in the
+    sequence, as the GPU's) and bfloat16 is compiled as float16 (:func:`plan`).  Raises ConfigError: fewer
+    devices here."""
+    if num_devices > len(jax.devices()):
+        raise config.ConfigError(
+            "devices", num_devices, f"this process has {len(jax.devices())} devices to compile for (python -m "
+            "jaxllm.plan makes any count: jaxllm.cli.stand_in_processes)")
+    if cfg.backend in attention.TARGET_FAMILY and cfg.model.dtype == "bfloat16":
+        half = config.from_dict(cfg.to_dict())
+        half.model.dtype = "float16"
+        cfg = resolved(half, num_devices, backend)
+    run = Run(cfg, devices=jax.devices()[:num_devices])
+    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
+    # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
+    target = attention.lowering_target(cfg.backend, interpret=True) if cfg.backend in attention.TARGET_FAMILY \
+        else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with target:
+        compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
+    return run, compiled, time.perf_counter() - t0
+
+
+def gpu_compile(cfg, num_devices: int, gpu: str):
+    """``cfg``'s train step compiled by XLA:GPU for ``num_devices`` GPUs ``gpu`` without them
+    (:func:`jaxllm.platform.xla_gpu.devices`): ``(Run, compiled, seconds)``.  Attention is traced for that
+    GPU (``attention.lowering_target``: ``auto`` is cuDNN's), the XLA flags are those a GPU run gets
+    (:func:`jaxllm.platform.xla_gpu.compiler_options`, and ``XLA_FLAGS``).
+
+    Raises:
+      ConfigError: ``model.fp8`` on a GPU without FP8 matmuls (before Hopper).
+    """
+    arch = xla_gpu.SPECS[gpu].arch
+    if cfg.model.fp8 and arch == "ampere":
+        raise config.ConfigError("model.fp8", True, f"{gpu} has no FP8 matmuls (H100, H200 have); set model.fp8=False")
+    run = Run(cfg, devices=xla_gpu.devices(gpu, num_devices))
+    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
+    t0 = time.perf_counter()
+    with attention.lowering_target("cuda", arch):
+        lowered = run.train_step.lower(run.abstract_state, batch, batch)
+    compiled = lowered.compile(compiler_options=xla_gpu.compiler_options())
+    return run, compiled, time.perf_counter() - t0
 
 
 def offloaded_bytes(cfg, run: Run) -> int | None:
@@ -162,25 +220,32 @@ def offloaded_bytes(cfg, run: Run) -> int | None:
 
 
 def report(p: dict, device_memory: float | None, device_name: str | None) -> str:
-    """The plan as text, with a fits / does-not-fit verdict against ``device_memory`` bytes."""
+    """The plan as text, with a fits / does-not-fit verdict against ``device_memory`` bytes; with XLA:GPU's
+    compile (``p["gpu"]``) also the cuDNN workspace estimate and the program's kernels by kind."""
     gib = lambda b: f"{b / GiB:10.2f} GiB"  # noqa: E731
     over = lambda axes: ("   (embed over " + " x ".join(f"{a} {n}" for a, n in axes.items()) + ")") if axes else ""  # noqa: E731
     state = p["params"] + p["grads"] + p["opt_state"]
+    compiler = f"compiled by XLA:GPU for {p['gpu']} (no GPU here)" if p["gpu"] else "compiled"
     lines = [
         f"mesh {p['mesh']}; {p['num_params'] / 1e9:.3f}B parameters"
         + (f" ({p['active_params'] / 1e9:.3f}B active per token)" if p["active_params"] != p["num_params"] else "")
-        + f"; {p['dtype']}; compiled in {p['compile_s']:.1f} s",
+        + f"; {p['dtype']}; {compiler} in {p['compile_s']:.1f} s",
         "per device:",
         f"  parameters            {gib(p['params'])}{over(p['split']['params'])}",
         f"  gradients             {gib(p['grads'])}{over(p['split']['grads'])}",
         f"  optimizer state       {gib(p['opt_state'])}{over(p['split']['opt_state'])}",
         f"  model state (sum)     {gib(state)}   "
         f"({state / p['num_params'] * math.prod(p['mesh'].values()):.1f} bytes/param x N / devices)",
-        f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers)",
+        f"  XLA temporaries       {gib(p['temp'])}   (activations, gradients in flight, collectives' buffers"
+        + (f"; cuBLAS workspaces, {p['gemm_workspace'] / 2**20:.0f} MiB the largest)" if p["gemm_workspace"] else ")"),
         f"  total (compiled)      {gib(p['total'])}",
-        *([f"  offloaded to host     {gib(p['host'])}   (model.remat=offload: the layer inputs; this machine's "
-           "compile holds them, a GPU's does not)", f"  total on the device   {gib(p['device'])}"]
-          if p["host"] else []),
+        *([f"  cuDNN workspace       {gib(p['cudnn_workspace'])}   (estimate, not in XLA's figures: "
+           "jaxllm.platform.xla_gpu.cudnn_workspace)", f"  total on the device   {gib(p['device'])}"]
+          if p["cudnn_workspace"] else []),
+        *([f"  offloaded to host     {gib(p['host'])}   (model.remat=offload: the layer inputs; "
+           + ("XLA:GPU's host memory, not in the total)" if p["gpu"] else
+              "this machine's compile holds them, a GPU's does not)"),
+           *([] if p["gpu"] else [f"  total on the device   {gib(p['device'])}"])] if p["host"] else []),
         *(["  offloaded to host     (with pipeline stages not computed: counted on the device above)"]
           if p["host"] is None else []),
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.runtime.flops.flops_per_step)",
@@ -192,7 +257,28 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         verdict = "FITS" if p["device"] <= device_memory else "DOES NOT FIT"
         lines.append(f"{verdict} in {device_name or ''} {device_memory / GiB:.1f} GiB "
                      f"({p['device'] / device_memory:.0%} used)")
+    if p["kernels"]:
+        lines += [f"kernels of the program (XLA:GPU for {p['gpu']}, without autotuning: on the GPU a Triton GEMM may "
+                  "become a cuBLAS call):", xla_gpu.table(p["kernels"])]
     return "\n".join(lines)
+
+
+def gpu_target(device: str | None, backend: str | None, num_devices: int, compiler: str) -> tuple[str | None, str]:
+    """The GPU that ``--compiler`` asks XLA:GPU to compile for, and a note when ``auto`` cannot: ``(gpu or None,
+    note or "")``.  ``auto``: XLA:GPU for one NVIDIA GPU of :data:`jaxllm.platform.xla_gpu.SPECS` where this
+    process can compile for it (:func:`jaxllm.platform.xla_gpu.unavailable`), else this machine's XLA (with
+    more devices too: their XLA:GPU compile is ``--compiler=gpu``'s); ``gpu``: XLA:GPU or an error; ``cpu``:
+    this machine's XLA.
+
+    Raises:
+      ValueError: ``--compiler=gpu`` where XLA:GPU cannot compile for ``device``.
+    """
+    if compiler == "cpu" or (compiler == "auto" and (backend != "cuda" or num_devices > 1)):
+        return None, ""
+    why = xla_gpu.unavailable(device) if device else f"name a GPU with --device ({', '.join(xla_gpu.SPECS)})"
+    if why and compiler == "gpu":
+        raise ValueError(f"--compiler=gpu: {why}")
+    return (None, f"note: compiled by this machine's XLA with {device}'s memory: {why}") if why else (device, "")
 
 
 def main(argv):
@@ -205,17 +291,20 @@ def main(argv):
         if cluster is not None:
             step_time.check_mfu(F.cluster, F.mfu)
             F.device = F.device or cluster.device
-        if F.device:  # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
+        if F.device and F.device != "cpu":  # a GPU named: plan for its backend (model.dtype=auto is bfloat16 there)
             memory, backend = named_device(F.device)
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
-        if F.devices > F.devices_per_process:  # the config checked, then the processes started before the backend
-            resolved(F.config, F.devices, backend or "cpu")  # (stand-in processes are CPU devices)
+        gpu, note = gpu_target(F.device, backend, F.devices, F.compiler)
+        if gpu is None and F.devices > F.devices_per_process:  # the config checked, then the processes started
+            resolved(F.config, F.devices, backend or "cpu")  # before the backend (stand-ins are CPU devices)
             cli.stand_in_processes(F.devices, F.devices_per_process)
-        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None)
+        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None, gpu=gpu)
         estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None
     except (config.ConfigError, ValueError) as e:
         cli.fail(e, now=True)
+    if note:
+        print(note)
     print(report(p, memory, F.device))
     if estimate is not None:
         print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))
@@ -225,7 +314,12 @@ def main(argv):
 if __name__ == "__main__":
     cli.define_config_flag()
     flags.DEFINE_integer("devices", 1, "number of devices to plan for")
-    flags.DEFINE_string("device", None, f"accelerator whose memory to check against: {', '.join(DEVICES)}")
+    flags.DEFINE_string("device", None, f"accelerator to plan for and check the memory of: {', '.join(DEVICES)}; "
+                        "cpu (the default): this machine's")
+    flags.DEFINE_enum("compiler", "auto", ["auto", "gpu", "cpu"], "who compiles the step: gpu, XLA:GPU for the "
+                      f"--device ({', '.join(xla_gpu.SPECS)}; JAX's CUDA plugin installed, no GPU needed); cpu, this "
+                      "machine's XLA (a GPU's memory figures, its flash attention interpreted); auto, gpu for one "
+                      "such device where it can, else cpu")
     flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
     flags.DEFINE_string("cluster", None, f"also model the step's time on a cluster: {', '.join(CLUSTERS)} "
                         "(its device is the --device; jaxllm/runtime/step_time.py)")

@@ -58,6 +58,23 @@ def test_hardware_flops_hand_count(remat, schedule):
     assert out["hfu"] / out["mfu"] == pytest.approx(hardware_fpt / model_fpt, rel=1e-12)
 
 
+def test_megatron_convention_is_megatron_lms_formula():
+    """Megatron-LM's FLOPs of a GPT-3-style step (Narayanan et al. 2021, eq. 3, attention not halved):
+    ``72 B s L h^2 (1 + s / 6h + V / 12 L h)``, for every configs/gpt3.py size of GPT-3's shape (f = 4h)."""
+    spec = importlib.util.spec_from_file_location("gpt3", ROOT / "configs" / "gpt3.py")
+    gpt3 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt3)
+    for key in ("GPT125M", "GPT1_5B", "GPT2_7B", "GPT175B"):
+        c = gpt3.get_config(key)
+        c.train.update(micro_batch_size=1, global_batch_size=8)
+        cfg = resolve(c, num_devices=1, vocab_size=50257)
+        B, s, L, h, V = 8, cfg.train.seq_length, cfg.model.num_layers, cfg.model.hidden_size, 50304
+        megatron = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+        assert flops.megatron_flops_per_step(cfg) == pytest.approx(megatron, rel=1e-12), key
+        out = flops.throughput(2.0, cfg, num_devices=4, peak_flops=1e15)
+        assert out["megatron_mfu"] == pytest.approx(megatron / 2.0 / 4 / 1e15, rel=1e-12)
+
+
 def test_bench_numbers_against_hand_count_and_independent_timing():
     cfg, _ = bench.prepare(tiny("save_dots"), 1)
     t0 = time.perf_counter()

@@ -45,8 +45,19 @@ def test_fp8_dense_is_the_quantized_matmul_with_e5m2_gradients(spec, x_shape, w_
     assert np.abs(np.asarray(y) - np.asarray(b) - exact).max() > 1e-3 * np.abs(exact).max()
 
 
+def test_gradients_come_back_in_the_operands_dtypes():
+    """A bfloat16 activation's gradient is bfloat16, a float32 weight's float32 (straight from its FP8 GEMM)."""
+    x, w = jnp.ones((2, 3, 16), jnp.bfloat16), jnp.ones((16, 8), jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: fp8.dense(x, w, None, "bse,ef->bsf", jnp.bfloat16), x, w)
+    dx, dw = vjp(jnp.ones_like(y))
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    np.testing.assert_allclose(np.asarray(dw, np.float32), 6.0)  # ones quantize exactly: 2 x 3 rows of 1 x 1
+
+
 def test_zeros_quantize_to_zeros():
-    np.testing.assert_array_equal(fp8.quantize_dequantize(jnp.zeros((3, 4)), fp8.E4M3, jnp.float32), 0)
+    q, scale = fp8.quantize(jnp.zeros((3, 4)), fp8.E4M3)
+    assert q.dtype == fp8.E4M3 and float(scale) == 1.0
+    np.testing.assert_array_equal(q.astype(jnp.float32), 0)
 
 
 def _fp8_config(**parallel):

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py on the CPU: the dry run writes its whole report; without a GPU the real run
 refuses before doing anything (exit 2, no report).  The GPU run itself is for a GPU machine."""
 
+import json
 import os
 import subprocess
 import sys
@@ -32,8 +33,17 @@ def test_dry_run_writes_the_report(tmp_path):
     steps = [ln for ln in text.splitlines() if ln.startswith("| ") and ln.endswith(" | ok |")]
     assert [s.split(" | ")[0][2:] for s in steps] == [
         "devices", "GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
-        "attention benchmark", "jaxllm.bench GPT125M", "jaxllm.bench GPT1_5B"]
+        "attention benchmark", "jaxllm.bench GPT125M", "torch reference GPT125M", "jaxllm.bench GPT1_5B",
+        "torch reference GPT1_5B"]
     assert "16 skipped" in text  # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN
     assert "| 128 | xla | " in text and "| 128 | pallas | " in text  # the attention table, both rows measured
     assert text.count("| config | mesh | tokens/s |") == 2 and "| model.attention_impl=xla | 1 device |" in text
     assert not list(out.parent.glob("*.tmp"))
+    # jaxllm's fastest variant against the PyTorch reference, from the records both wrote
+    records = [json.loads(x) for x in (out.parent / "report.jsonl").read_text().splitlines()]
+    assert [r.get("framework", "jax") for r in records] == ["jax", "jax", "torch", "jax", "torch"]
+    for key in ("GPT125M", "GPT1_5B"):
+        mine = max(r["tokens_per_sec"] for r in records if r["config_file"].endswith(key) and "framework" not in r)
+        ref = next(r["tokens_per_sec"] for r in records if r["config_file"].endswith(key) and "framework" in r)
+        row = next(ln for ln in text.splitlines() if ln.startswith(f"| configs/gpt3.py:{key} |"))
+        assert row.endswith(f" | {mine / ref:.2f}x |") and f"| {ref:,.0f} |" in row

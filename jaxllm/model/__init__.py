@@ -16,6 +16,7 @@ from jaxllm.model.gpt import (
     Ops,
     Spec,
     active_params,
+    cast_layers,
     dense,
     describe,
     forward,
@@ -29,6 +30,6 @@ from jaxllm.model.gpt import (
     row_keys,
 )
 
-__all__ = ["GPT", "LOCAL", "MOE_STATS", "REMAT_POLICIES", "RESIDUAL", "Ops", "Spec", "active_params", "dense",
-           "describe", "forward", "gelu", "init", "init_cache", "logical_sizes", "loss", "num_params", "rotary",
-           "row_keys"]
+__all__ = ["GPT", "LOCAL", "MOE_STATS", "REMAT_POLICIES", "RESIDUAL", "Ops", "Spec", "active_params", "cast_layers",
+           "dense", "describe", "forward", "gelu", "init", "init_cache", "logical_sizes", "loss", "num_params",
+           "rotary", "row_keys"]

@@ -552,11 +552,12 @@ class GPT(nnx.Module):
         :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
         (:func:`jaxllm.model.fused_loss.cross_entropy`)."""
         dt = jnp.dtype(self.cfg.dtype)
-        if self.lm_head is None:
-            table = self.ops.param(self.wte[...].astype(dt), ("vocab", "embed"))
-        else:
-            table = self.ops.param(self.lm_head[...].astype(dt), ("embed", "vocab")).T
-        return self.ops.cross_entropy(self.ln_f(x), table, targets, self.cfg.vocab_size, loss_mask)
+        with jax.named_scope("output_loss"):  # the profile's category (jaxllm.runtime.profile)
+            if self.lm_head is None:
+                table = self.ops.param(self.wte[...].astype(dt), ("vocab", "embed"))
+            else:
+                table = self.ops.param(self.lm_head[...].astype(dt), ("embed", "vocab")).T
+            return self.ops.cross_entropy(self.ln_f(x), table, targets, self.cfg.vocab_size, loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,6 +607,28 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
         "length": (seq_length, "train.seq_length"),
         "residual": (seq_length, "train.seq_length"),
     }
+
+
+FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "router")  # what the model reads in float32: the norms, the MoE router
+
+
+def cast_layers(cfg: ModelConfig, params: dict) -> dict:
+    """``params`` with the layers' parameters that the model reads only in ``model.dtype`` (every projection,
+    MLP and expert weight and bias: all but :data:`FLOAT32_PARAMS`) cast to it, once, so that a step of several
+    micro batches, and the recomputation and backward pass of each layer, do not cast them again.  The same
+    values reach every matmul, and a gradient with respect to a cast copy is the one the model's own cast
+    gives before it is converted to float32.  Unchanged with ``model.fp8`` (whose scaling reads the float32
+    weights) and for float32 models."""
+    if cfg.fp8 or jnp.dtype(cfg.dtype) == jnp.float32 or "layers" not in params:
+        return params
+    dt = jnp.dtype(cfg.dtype)
+
+    def cast(tree, keep=False):
+        if isinstance(tree, dict):
+            return {k: cast(v, keep or k in FLOAT32_PARAMS) for k, v in tree.items()}
+        return tree if keep or tree is None else tree.astype(dt)
+
+    return {**params, "layers": cast(params["layers"])}
 
 
 def init(cfg: ModelConfig, seed) -> dict:

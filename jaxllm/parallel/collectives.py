@@ -17,13 +17,11 @@ import re
 
 import numpy as np
 
+from jaxllm.platform import hlo
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(KINDS) + r")(-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_WHILE = re.compile(r" while\(.*body=%([^,\s]+)")
+_BODY = re.compile(r"body=%([^,\s]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLS = re.compile(r"(?:calls|body|true_computation|false_computation)=%([^,\s)]+)|branch_computations=\{([^}]*)\}")
 
@@ -46,11 +44,6 @@ class Traffic:
     wire: float = 0.0
     hops: int = 0
     kinds: dict = dataclasses.field(default_factory=dict)
-
-
-def _bytes(shapes: str) -> int:
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-               for dtype, dims in _SHAPE.findall(shapes) if dtype in _DTYPE_BYTES)
 
 
 def _groups(line: str, devices: int) -> list[list[int]]:
@@ -91,45 +84,36 @@ def _axes(group: list[int], mesh_shape: dict) -> tuple[str, ...]:
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def collectives(hlo: str, mesh_shape: dict) -> dict[tuple[str, ...], Traffic]:
+def collectives(hlo_text: str, mesh_shape: dict) -> dict[tuple[str, ...], Traffic]:
     """Per-device collective traffic of one execution of a compiled SPMD program, by the mesh axes it spans.
 
     Args:
-      hlo: ``compiled.as_text()`` of a program jitted over a mesh of ``mesh_shape`` (``{axis: size}`` in the
+      hlo_text: ``compiled.as_text()`` of a program jitted over a mesh of ``mesh_shape`` (``{axis: size}`` in the
         mesh's axis order; the program's device assignment is the mesh's devices in flat order).
     Returns:
       ``{axes: Traffic}``, axes a tuple of mesh axis names (collectives within one device's group, such as
       over an axis of size 1, are left out).
     """
-    bodies: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group(1)
-            bodies[current] = []
-            entry = current if line.startswith("ENTRY") else entry
-        elif current is not None:
-            bodies[current].append(line)
+    entry, bodies = hlo.parse(hlo_text)
     devices = math.prod(mesh_shape.values())
     out: dict[tuple[str, ...], Traffic] = {}
 
     def visit(name: str, times: int, depth: int = 0) -> None:
         if depth > 64 or name not in bodies:
             return
-        for line in bodies[name]:
-            op = _OP.match(line)
-            if op:
-                shapes, kind = op.group(1), op.group(2)
-                if op.group(3) and kind != "all-reduce":  # an async start's (operands, outputs): the outputs
+        for op in bodies[name]:
+            kind = op.opcode.removesuffix("-start")
+            if kind in KINDS:
+                shapes = op.type
+                if op.opcode.endswith("-start") and kind != "all-reduce":  # (operands, outputs): the outputs
                     parts = _SHAPE.findall(shapes)
-                    shapes = " ".join(f"{d}[{s}]" for d, s in parts[len(parts) // 2:] if d in _DTYPE_BYTES)
-                groups = _groups(line, devices)
+                    shapes = " ".join(f"{d}[{s}]" for d, s in parts[len(parts) // 2:] if d in hlo.DTYPE_BYTES)
+                groups = _groups(op.rest, devices)
                 n = max(len(g) for g in groups)
                 if n < 2:
                     continue
                 axes = _axes(groups[0], mesh_shape)
-                size = _bytes(shapes) * (n if kind == "reduce-scatter" else 1)  # its input: n outputs
+                size = hlo.type_bytes(shapes) * (n if kind == "reduce-scatter" else 1)  # its input: n outputs
                 wire, hops = {"all-reduce": (2 * (n - 1) / n * size, 2 * (n - 1)),
                               "all-gather": ((n - 1) / n * size, n - 1),
                               "reduce-scatter": ((n - 1) / n * size, n - 1),
@@ -141,12 +125,12 @@ def collectives(hlo: str, mesh_shape: dict) -> dict[tuple[str, ...], Traffic]:
                 t.hops += times * hops
                 t.kinds[kind] = t.kinds.get(kind, 0) + times
                 continue
-            loop = _WHILE.search(line)
+            loop = _BODY.search(op.rest) if op.opcode == "while" else None
             if loop:
-                trips = _TRIPS.search(line)
+                trips = _TRIPS.search(op.rest)
                 visit(loop.group(1), times * int(trips.group(1) if trips else 1), depth + 1)
                 continue
-            for called, branches in _CALLS.findall(line):
+            for called, branches in _CALLS.findall(op.rest):
                 for child in ([called] if called else re.findall(r"%([^,\s]+)", branches)):
                     visit(child, times, depth + 1)
 

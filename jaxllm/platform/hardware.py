@@ -202,6 +202,26 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 _MEASURED: dict[tuple[str, str, str], float] = {}  # (platform, device_kind, dtype) -> FLOP/s
 
+# Peak memory bandwidth, bytes/s, from the same datasheets (A100: the 80 GB SXM's HBM2e, 2,039 GB/s; the 40 GB
+# card's 1,555; H100 SXM HBM3 3.35 TB/s, PCIe 2.0, NVL 3.9; H200 4.8 TB/s; MI250X 3.2 TB/s for two GCDs;
+# MI300X 5.3 TB/s); matched as PEAK_FLOPS is, the 40 GB A100 by its name.  The basis of a profile's bandwidth
+# fractions (:mod:`jaxllm.runtime.profile`).
+MEMORY_BANDWIDTH: dict[str, float] = {
+    "A100": 2.039e12, "A100-SXM4-40GB": 1.555e12, "A100-PCIE-40GB": 1.555e12,
+    "H100": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H200 NVL": 4.8e12,
+    "GH200": 4.0e12, "V100": 0.9e12, "MI250X": 3.2e12 / 2, "MI300X": 5.3e12,
+}
+
+
+def memory_bandwidth(device_kind: str) -> float | None:
+    """Peak memory bandwidth (bytes/s) of a device kind (``jax.Device.device_kind``; the longest
+    :data:`MEMORY_BANDWIDTH` key it contains, case-insensitive), or None when none matches."""
+    kind = device_kind.lower()
+    for key in sorted(MEMORY_BANDWIDTH, key=len, reverse=True):
+        if key.lower() in kind:
+            return MEMORY_BANDWIDTH[key]
+    return None
+
 
 def _dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name

@@ -194,6 +194,33 @@ def hardware_flops_per_step(cfg) -> float:
     return flops_per_step(cfg, recompute=False) + tokens * extra
 
 
+def megatron_flops_per_step(cfg) -> float:
+    """:func:`flops_per_step` (model FLOPs, no recomputation) in Megatron-LM's convention, whose attention
+    matmuls are not halved for the causal mask (``num_floating_point_operations`` in Megatron-LM's
+    ``training.py``; Narayanan et al. 2021, eq. 3): ``6 * L * s * n * d`` more per token, ``n * d`` the
+    query heads' width.  The basis of the Megatron-convention TFLOP/s and MFU in docs/performance.md."""
+    m, seq = cfg.model, cfg.train.seq_length
+    tokens = cfg.train.global_batch_size * seq
+    return flops_per_step(cfg, recompute=False) + tokens * 6 * m.num_layers * seq * m.num_attention_heads * m.head_dim
+
+
+def hardware_flops_by_kind(cfg) -> dict[str, float]:
+    """:func:`hardware_flops_per_step` split by the kernels that run them: ``attention`` (the score and value
+    matmuls, forward, backward and recomputed), ``loss`` (the output layer's three matmuls) and ``gemm``
+    (every other layer matmul: projections and MLP, with their recomputation); FLOPs per step, all
+    devices.  The basis of a profile's FLOP rates (:mod:`jaxllm.runtime.profile`)."""
+    tokens, seq, m = cfg.train.global_batch_size * cfg.train.seq_length, cfg.train.seq_length, cfg.model
+    per_layer = _layer_forward_flops(m, seq)
+    attention_keys = ("scores", "values")
+    forwards = schedules.recomputed_forwards(cfg)  # the 1F1B family's: one more forward of every matmul
+    recomputed = [k for k in _RECOMPUTED[m.remat] if k in attention_keys]
+    attention = m.num_layers * ((3 + forwards) * sum(per_layer[k] for k in attention_keys)
+                                + sum(per_layer[k] for k in recomputed))
+    loss = 3 * 2 * m.hidden_size * m.padded_vocab_size
+    total = hardware_flops_per_step(cfg)
+    return {"gemm": total - tokens * (attention + loss), "attention": tokens * attention, "loss": tokens * loss}
+
+
 def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) -> dict[str, float]:
     """Throughput of one training step.
 
@@ -207,12 +234,14 @@ def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) 
       (tokens/s); ``tflops_per_device``: model TFLOP/s (1e12 FLOP/s) per device;
       ``mfu``: model FLOPs utilisation (model FLOP/s per device / peak, recomputation not
       counted); ``hfu``: hardware FLOPs utilisation (:func:`hardware_flops_per_step`: adds
-      the matmuls ``model.remat`` recomputes; equals ``mfu`` for ``remat="none"``).
-      Fractions, not percent.
+      the matmuls ``model.remat`` recomputes; equals ``mfu`` for ``remat="none"``);
+      ``megatron_tflops_per_device`` and ``megatron_mfu``: the same in Megatron-LM's FLOP convention
+      (:func:`megatron_flops_per_step`). Fractions, not percent.
     """
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     model_flops = flops_per_step(cfg, recompute=False) / step_time_s / num_devices
     hardware_flops = hardware_flops_per_step(cfg) / step_time_s / num_devices
+    megatron_flops = megatron_flops_per_step(cfg) / step_time_s / num_devices
     return {
         "step_time_s": float(step_time_s),
         "tokens_per_sec": tokens / step_time_s,
@@ -220,4 +249,21 @@ def throughput(step_time_s: float, cfg, *, num_devices: int, peak_flops: float) 
         "tflops_per_device": model_flops / 1e12,
         "mfu": model_flops / peak_flops,
         "hfu": hardware_flops / peak_flops,
+        "megatron_tflops_per_device": megatron_flops / 1e12,
+        "megatron_mfu": megatron_flops / peak_flops,
     }
+
+
+def step_figures(times, cfg, *, num_devices: int, peak_flops: float) -> dict[str, float]:
+    """A benchmark record's figures of the timed steps ``times`` (seconds each) of ``cfg`` (``jaxllm.bench``
+    and ``benchmarks/torch_reference.py`` write the same): :func:`throughput` of their mean, the median,
+    fastest and slowest step (``step_time_median_s``, ``_min_s``, ``_max_s``), ``hardware_tflops_per_device``,
+    ``model_flops_per_step`` and ``hardware_flops_per_step`` (FLOPs, all devices)."""
+    out = throughput(sum(times) / len(times), cfg, num_devices=num_devices, peak_flops=peak_flops)
+    ordered = sorted(times)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {**out, "step_time_median_s": float(median), "step_time_min_s": float(ordered[0]),
+            "step_time_max_s": float(ordered[-1]), "hardware_tflops_per_device": out["hfu"] * peak_flops / 1e12,
+            "model_flops_per_step": flops_per_step(cfg, recompute=False),
+            "hardware_flops_per_step": hardware_flops_per_step(cfg)}

@@ -113,12 +113,14 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
 
     def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
         count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
+        held = model.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
+        add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731 - float32 sums of the cast copies' gradients
 
         def micro_step(acc, xs):
             x, y, pos, d, key = xs
-            (loss, stats), grads = grad_fn(spec.graphdef, params, x, y, pos, d, key if dropout else None, count)
+            (loss, stats), grads = grad_fn(spec.graphdef, held, x, y, pos, d, key if dropout else None, count)
             stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
-            return jax.tree.map(jnp.add, acc, (loss, pin(grads), stats)), None
+            return jax.tree.map(add, acc, (loss, pin(grads), stats)), None
 
         stats = {k: jnp.zeros((), jnp.float32) for k in (model.MOE_STATS if cfg.model.num_experts else ())}
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)), stats)
@@ -170,15 +172,16 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
         keys = row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
         loss, grads, moe_stats = loss_and_grads(params, inputs, targets, order, docs, keys)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A select rather than lax.cond: XLA fuses it into the update, and both sides are computed anyway.
-        keep_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        with jax.named_scope("optimizer"):  # the profile's category (jaxllm.runtime.profile)
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            # A select rather than lax.cond: XLA fuses it into the update, and both sides are computed anyway.
+            keep_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep_if_bad, optax.apply_updates(params, updates), params)
+            opt_state = jax.tree.map(keep_if_bad, opt_state, state["opt_state"])
         skipped = (~finite).astype(jnp.int32)
-        new_state = {"step": state["step"] + 1,
-                     "params": jax.tree.map(keep_if_bad, optax.apply_updates(params, updates), params),
-                     "opt_state": jax.tree.map(keep_if_bad, opt_state, state["opt_state"]),
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
                      "nonfinite_steps": state["nonfinite_steps"] + skipped,
                      "nonfinite_in_a_row": (state["nonfinite_in_a_row"] + 1) * skipped}
         # the learning rate this step applies: optax's count, the updates applied so far (skipped steps not counted)
