@@ -12,9 +12,9 @@ Training on Frontier for Large Language Models"), with the shapes of the study's
 scripts (sajal-vt/Megatron-DeepSpeed-ORNL: launch_gpt22b_bf16.slurm, launch_gpt175b_srun.frontier,
 launch_gpt1T_srun.frontier).
 
-Every size uses GPT-2's BPE (the files shipped with jaxllm; vocabulary 50257, padded to 50304),
-sequence 2048, learned positions, LayerNorm and GELU (4 x hidden), biases and tied embeddings, as
-GPT-3 and ALCF's GPT-3 runs (``NO_LLAMA=1``).
+Every size uses GPT-2's BPE (the files shipped with jaxllm; vocabulary 50257, padded to a multiple of
+128 x the tensor-parallel size: 50304 on one tensor device), sequence 2048, learned positions, LayerNorm and
+GELU (4 x hidden), biases and tied embeddings, as GPT-3 and ALCF's GPT-3 runs (``NO_LLAMA=1``).
 """
 
 from jaxllm.config import get_config as defaults

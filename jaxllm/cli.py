@@ -31,7 +31,8 @@ def exit_now(code: int = 0):
 
 def fail(message: str, code: int = EXIT_USAGE, *, now: bool = False):
     """Prints ``message`` as one line on stderr and exits with ``code``; ``now``: through :func:`exit_now`."""
-    print(" ".join(str(message).split("\n")), file=sys.stderr, flush=True)
+    sys.stderr.write(" ".join(str(message).split("\n")) + "\n")  # one write: other processes' lines stay apart
+    sys.stderr.flush()
     if now:
         exit_now(code)
     sys.exit(code)

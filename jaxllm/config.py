@@ -92,7 +92,7 @@ class Model(Section):
     num_kv_heads: int = _key(0, ">=0")  # 0: = num_attention_heads (multi-head attention)
     ffn_hidden_size: int = _key(0, ">=0")  # 0: 4 x hidden (gelu) or 8/3 x hidden rounded up to 64 (swiglu)
     vocab_size: int = _key(0, ">=0")  # 0: the tokenizer's vocabulary
-    # the embedding and output tables are padded to a multiple of this (and of the tensor-parallel size)
+    # the embedding and output tables are padded to a multiple of this x the tensor-parallel size (Megatron-LM's)
     make_vocab_size_divisible_by: int = _key(128, ">0")
     max_position_embeddings: int = _key(0, ">=0")  # positions of the learned table; 0: train.seq_length
     position_embedding: str = _key("learned", choices=("learned", "rotary"))
@@ -184,6 +184,9 @@ class Train(Section):
     # seconds a train step, an evaluation or a save may make no progress (a collective some devices
     # never reach) before the run stops with one line and exit status 70; 0: never
     stall_timeout_s: int = _key(600, ">=0")
+    # multi-process runs: a process whose own step time (jaxllm/runtime/stragglers.py) is more than this
+    # times the processes' median is named in one warning line; 0: never
+    straggler_threshold: float = _key(1.3, ">=0")
     # JAX's persistent compilation cache: a restart reads the compiled programs instead of compiling them
     # again. A relative path is under WORKDIR; an absolute one may be shared by every run of a cluster
     # (docs/clusters.md); "": jaxllm sets none (JAX's own JAX_COMPILATION_CACHE_DIR still applies)
@@ -272,6 +275,11 @@ class Checkpoint(Section):
     interval: int = _key(100, ">=0")  # steps between saves (a crash loses at most this many); 0: only at the end
     keep: int = _key(2, ">0")  # most recent checkpoints kept
     keep_period: int = _key(0, ">=0")  # also keep every checkpoint whose step is a multiple of this; 0: off
+    # the node-local tier (docs/checkpoints.md): each process's shards in a directory on its node (NVMe, /tmp)
+    # every local_interval steps (the last `keep`); a restart resumes from it when every process has the step
+    local_dir: str = ""  # "": no node-local tier
+    local_interval: int = _key(0, ">=0")  # steps between node-local saves; 0: none
+    fail_on_save_error: bool = False  # a failed save stops the run (exit 1); default: one warning line, go on
 
 
 @dataclasses.dataclass
@@ -283,7 +291,7 @@ class Log(Section):
     # otherwise it goes to WORKDIR/logs/
     verbose: bool = False
     samples: int = _key(1, ">=0")  # text samples printed at the end of training
-    sample_tokens: int = _key(256, ">=0")
+    sample_tokens: int = _key(256, ">=0")  # tokens of each sample: >= 1 when log.samples > 0 (resolve checks)
     sample_prompt: str = ""  # "": the first tokens of the validation split
     temperature: float = _key(0.8, ">0")
     top_k: int = _key(200, ">=0")

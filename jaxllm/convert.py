@@ -69,6 +69,7 @@ from jaxllm.model.hf import (
     read_safetensors,
     to_hf,
 )
+from jaxllm.parallel import sharding
 from jaxllm.resolve import resolve, resolve_model
 from jaxllm.runtime import checkpoint, optim, step
 
@@ -127,6 +128,13 @@ def _write_hf_tokenizer(data: config.Data, m: config.Model, out: str, hf: dict) 
     hf.update(eos_token_id=tok.eot_id)
 
 
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the process's umask (0644 under the usual 022)."""
+    umask = os.umask(0o022)  # the umask is read only by setting it: put it back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_hf(m: config.Model, params: dict, out: str, *, data: config.Data | None = None) -> dict:
     """Writes ``out/config.json`` and ``out/model.safetensors`` (see :func:`jaxllm.model.hf.to_hf`), and the
     tokenizer's files when ``data`` (the run's data section) used GPT-2's or a Hugging Face tokenizer.json
@@ -138,7 +146,9 @@ def save_hf(m: config.Model, params: dict, out: str, *, data: config.Data | None
     if data is not None:
         _write_gpt2_tokenizer(data, m, out, hf)
         _write_hf_tokenizer(data, m, out, hf)
-    save_file(tensors, os.path.join(out, SAFETENSORS), metadata={"format": "pt"})
+    weights = os.path.join(out, SAFETENSORS)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.chmod(weights, _new_file_mode())  # safetensors writes 0600; the export is for others to read too
     with open(os.path.join(out, "config.json"), "w") as fp:
         json.dump(hf, fp, indent=2, sort_keys=True)
     return hf
@@ -155,9 +165,13 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
     if os.path.isdir(out) and os.listdir(out):
         raise ConvertError(f"{out} exists and is not empty: export into a new directory")
     cfg = checkpoint.load_config(workdir, step)
-    m = resolve_model(cfg.model, seq_length=cfg.train.seq_length)  # the run's padding is restored away
+    m = resolve_model(cfg.model, seq_length=cfg.train.seq_length)  # one tensor device: the least padding
     hf_architecture(m)  # fail before reading the parameters
-    return save_hf(m, checkpoint.restore_params(m, workdir, step), out, data=cfg.data)
+    # The checkpoint's arrays are as its layout stored them (vocabulary rows padded for its tensor size,
+    # dimensions for ZeRO/FSDP; zeros at the end): cut to the model's shapes, whose real rows to_hf writes.
+    # A smaller array (another model's) stays smaller, and to_hf names it.
+    params = sharding.unpad(checkpoint.restore_params(m, workdir, step), model.describe(m).params)
+    return save_hf(m, params, out, data=cfg.data)
 
 
 # --------------------------------------------------------------------------- import
@@ -330,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = import_to_workdir(directory, workdir, overrides)
     except config.ConfigError as e:  # already reads "config error: KEY=VALUE: fix"
         cli.fail(e)
-    except (ConvertError, DataError, FileNotFoundError) as e:
+    except (ConvertError, DataError, OSError) as e:  # OSError: a file missing, unreadable or unwritable
         cli.fail(f"error: {e}")
     config_py = os.path.join(workdir, "config.py")
     if not any(k.startswith("data.") for k in overrides) and cfg.data.tokenizer != "gpt2":

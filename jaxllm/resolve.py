@@ -73,6 +73,9 @@ def _check_values(cfg: Config) -> None:
     if not m.num_experts and cfg.mesh.expert * cfg.mesh.dcn_expert > 1:
         raise ConfigError("mesh.expert", cfg.mesh.expert * cfg.mesh.dcn_expert,
                           "splits the experts' weights: set model.num_experts > 0, or mesh.expert=1")
+    if cfg.log.samples and not cfg.log.sample_tokens:
+        raise ConfigError("log.sample_tokens", 0, f"each of the log.samples={cfg.log.samples} end-of-run samples "
+                          "needs at least 1 token; for no samples set log.samples=0")
     for key in ("beta1", "beta2", "sgd_momentum"):
         if not getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
@@ -165,13 +168,12 @@ def _mesh_error(mesh: Mesh, num_devices: int, shape: dict[str, int]) -> ConfigEr
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tensor: int) -> int:
-    """``vocab_size`` rounded up to a multiple of ``divisible_by`` and of the tensor-parallel size.
-
-    Megatron-LM pads to a multiple of ``make_vocab_size_divisible_by x tensor``; the least
-    common multiple gives the same tables whenever the tensor size divides
-    ``make_vocab_size_divisible_by`` (e.g. GPT-2's 50257 -> 50304 for tensor 1 to 128).
+    """``vocab_size`` rounded up to a multiple of ``divisible_by x tensor`` (the tensor-parallel size), as
+    Megatron-LM pads (``_vocab_size_with_padding``): GPT-2's 50257 -> 50304 on one tensor device (128),
+    50432 on 2 (256); with ``divisible_by`` 1, 65 characters -> 66 rows on 2.  The padded rows are zeros
+    whose logits are masked, so the padding does not change the model (export writes the real rows only).
     """
-    k = math.lcm(divisible_by, tensor)
+    k = divisible_by * tensor
     return k * math.ceil(vocab_size / k)
 
 

@@ -6,17 +6,22 @@ the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.runtime.ch
 
 Exit codes: 0 done; 1 an unexpected error, or :class:`NonFiniteError` (the loss or
 gradient norm was NaN/inf for ``train.max_nonfinite_steps`` steps in a row), or
-:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read);
+:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read, or a
+save failed with ``checkpoint.fail_on_save_error``);
 2 bad config or data, one line naming the key, the value and the fix, before
 anything is compiled; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
 made the run save a checkpoint at the next step boundary and stop; rerun the same
 command to continue.
+
+``JAXLLM_DEBUG_SLOW_PROCESS=INDEX:SECONDS`` makes process INDEX sleep SECONDS in every step: a
+straggler for the tests (:mod:`jaxllm.runtime.stragglers`), never set by jaxllm.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging as python_logging
 import math
 import os
 import sys
@@ -33,7 +38,7 @@ from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
-from jaxllm.runtime import checkpoint, compile_cache, flops, metrics
+from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers
 from jaxllm.runtime.run import Run
 from jaxllm.runtime.sampling import Sampler
 from jaxllm.runtime.watchdog import Watchdog
@@ -208,7 +213,7 @@ def _train(cfg, workdir: str, started: float) -> dict:
     startup = {"startup_data_s": time.perf_counter() - tick, "startup_index_s": data.index_seconds,
                "startup_index_built": None if data.sampling == "uniform" else bool(data.index_built)}
     t = cfg.train
-    checkpointer = checkpoint.Checkpointer(workdir, cfg)
+    checkpointer = checkpoint.Checkpointer(workdir, cfg, tokenizer=data.tokenizer)
     run = Run(cfg)
     tick = time.perf_counter()
     state = run.initial_state(checkpointer)
@@ -266,39 +271,52 @@ def _train(cfg, workdir: str, started: float) -> dict:
     pending_startup = {}
     nonfinite = NonFiniteStop(t.max_nonfinite_steps)
     watchdog = Watchdog(t.stall_timeout_s)
+    step_times = stragglers.StepTimes(t.straggler_threshold)
+    slow_down = debug_slow_down(os.environ.get("JAXLLM_DEBUG_SLOW_PROCESS", ""))
     # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
     preemption = checkpoint.Preemption().install()
     try:
         for s in range(start, t.train_iters):
             done = s + 1
             with watchdog.waiting(f"train step {done}"):
-                state, m = train_step(state, *batch)
+                with step_times.waiting():
+                    state, m = train_step(state, *batch)
                 if done < t.train_iters:  # prepared while the step runs
                     batch = run.global_batch(*loader.train_batch(done))
                 if s == start:  # the time to the first step: waits for it once
-                    jax.block_until_ready(m)
+                    with step_times.waiting():
+                        jax.block_until_ready(m)
                     now = time.perf_counter()
                     startup.update(startup_first_step_s=now - tick, startup_s=now - started)
                     if primary:
                         print(f"jaxllm: {startup_line(startup, hits.directory)}", flush=True)
                     pending_startup = {k: v for k, v in startup.items() if k.startswith(("startup_", "compile_"))}
+            if slow_down:
+                time.sleep(slow_down)
             steps_since += 1
             logger.advance(1)
             log = done % t.log_interval == 0 or done == t.train_iters
             evaluate = t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters)
             with watchdog.waiting(f"the checkpoint at step {done}"):
                 stop = preemption.reached(done)
-            save = stop or done == t.train_iters or (checkpointer.interval and done % checkpointer.interval == 0)
+            save = stop or done == t.train_iters or checkpointer.due(done)
             # The host reads the device only where it must: the non-finite stop from steps a few back
             # (all pending ones before logging, evaluation and saving), the metrics at log steps.
             settle = log or evaluate or save
             with watchdog.waiting(f"train step {done if settle else max(done - nonfinite.lag, start + 1)}"):
-                diverged = nonfinite.add(done, m, settle=settle)
+                with step_times.waiting():
+                    diverged = nonfinite.add(done, m, settle=settle)
             if log or diverged:
                 step, m = diverged or (done, m)
-                m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
-                elapsed = time.perf_counter() - tick
+                with step_times.waiting():
+                    m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
+                now = time.perf_counter()
+                elapsed, tick = now - tick, now  # the next interval holds the wait for the others just below
                 m.update(flops.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
+                spread, straggler = step_times.report(elapsed, steps_since)  # every process: a collective
+                m.update(spread)
+                if straggler and primary:
+                    print(straggler, flush=True)
                 if bubble:  # the schedule's theoretical idle fraction, next to the MFU it costs
                     m["pipeline_bubble"] = bubble
                 stats = jax.local_devices()[0].memory_stats() or {}
@@ -308,7 +326,7 @@ def _train(cfg, workdir: str, started: float) -> dict:
                     m.update(pending_startup)
                     pending_startup = {}
                 logger.log(step, m)
-                last, tick, steps_since = m, time.perf_counter(), 0
+                last, steps_since = m, 0
             if diverged:
                 raise NonFiniteError(f"the loss or gradient norm was NaN/inf for {t.max_nonfinite_steps} steps in a "
                                      f"row (steps {step - t.max_nonfinite_steps + 1}-{step}, updates skipped); "
@@ -322,7 +340,7 @@ def _train(cfg, workdir: str, started: float) -> dict:
                     last_eval["eval_bpb"] = loss * bpb_scale
                 logger.log(done, last_eval, kind="eval")
                 tick += time.perf_counter() - t_eval  # throughput counts training steps only
-            with watchdog.waiting(f"the checkpoint at step {done}"):
+            with watchdog.waiting(f"the checkpoint at step {done}"), step_times.waiting():
                 checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
             if stop:
                 exit_code = EXIT_PREEMPTED
@@ -340,6 +358,23 @@ def _train(cfg, workdir: str, started: float) -> dict:
     return {**last, **last_eval, "compile_s": compile_s, **startup}
 
 
+def debug_slow_down(value: str) -> float:
+    """Seconds this process sleeps per step for ``JAXLLM_DEBUG_SLOW_PROCESS=INDEX:SECONDS`` (0 for another
+    process, or when unset).
+
+    Raises:
+      ConfigError: not ``INDEX:SECONDS``.
+    """
+    if not value:
+        return 0.0
+    index, _, seconds = value.partition(":")
+    try:
+        return float(seconds) if int(index) == jax.process_index() else 0.0
+    except ValueError:
+        raise config.ConfigError("JAXLLM_DEBUG_SLOW_PROCESS", value, "give INDEX:SECONDS (a test's straggler), "
+                                 "or unset it") from None
+
+
 def print_samples(run, state, tokenizer, default_prompt, workdir):
     """Prints ``log.samples`` continuations of ``log.sample_prompt`` (default: ``default_prompt`` tokens),
     on this host with the model's local operations (the run's are bound to its mesh)."""
@@ -353,6 +388,16 @@ def print_samples(run, state, tokenizer, default_prompt, workdir):
                    temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
     for row in rows:
         print(f"--- sample ---\n{tokenizer.decode(list(tokens) + row.tolist())}\n--------------")
+
+
+def fail_once(message: str, code: int):
+    """Exits with ``code`` after one line on stderr from process 0: every process of a multi-process run
+    meets the same data error or preemption, and the others write theirs to their log file
+    (``WORKDIR/logs/process_N.log``) instead of repeating it on the job's console."""
+    if jax.process_index() == 0:
+        cli.fail(message, code)
+    python_logging.getLogger("jaxllm.library").error("%s", message)
+    sys.exit(code)
 
 
 def main(argv):
@@ -376,10 +421,9 @@ def main(argv):
     except config.ConfigError as e:
         cli.fail(e)
     except DataError as e:
-        cli.fail(f"data error: {e}")
+        fail_once(f"data error: {e}", 2)
     except Preempted as e:
-        print(f"jaxllm: {e}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
+        fail_once(f"jaxllm: {e}", EXIT_PREEMPTED)
     except (NonFiniteError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

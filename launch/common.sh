@@ -36,6 +36,23 @@
 # rest last, so they win over the knobs.  DRY_RUN=1 or --dry-run prints the exports and the
 # command instead of running it, and checks the config for the job's devices; the files the config
 # names (data, tokenizer) are the cluster's: a dry run does not look for them, and says so.
+#
+# Paths: jaxllm.train runs where the script was run (submitted, for sbatch and qsub), so a relative
+# path (WORKDIR, DATA_FILE_LIST, the prefixes in the list, --config.data.input, ...) means what it
+# means there; WORKDIR, --workdir, DATA_FILE_LIST, --config.data.file_list and a --config=FILE are
+# made absolute (a --config=FILE found only in the repository, like configs/gpt3.py, is the
+# repository's), so that errors name the path read.
+#
+# In-job restart (jaxllm_run): when jaxllm.train fails (a process died, the others' heartbeat abort,
+# a stall: exit 70, a crash, a signal the scheduler did not send) it is started again in the same
+# allocation and resumes from the newest complete checkpoint in WORKDIR, each time with one line
+# naming the cause and the step.  Not restarted: success, exit 2 (bad input: it would fail again),
+# 75 (preempted: saved, the scheduler requeues), a SIGTERM/SIGINT/SIGUSR1 to the script itself (the
+# scheduler or Ctrl-C), a failure with the same status from the same checkpoint as the previous one
+# (it would loop; one line says so).
+#   JAXLLM_MAX_RESTARTS     restarts per job (default 3; 0: none)
+#   JAXLLM_RESTART_MIN_TIME seconds the allocation must have left for a restart (default 300); the end is
+#                           SLURM_JOB_END_TIME on Slurm, PBS's walltime after the job's start on PBS
 
 # jaxllm_die MESSAGE: one line on stderr, exit 2 (as jaxllm.train does for a bad config).
 jaxllm_die() {
@@ -65,8 +82,36 @@ jaxllm_setup() {
     else JAXLLM_DIR=${SLURM_SUBMIT_DIR:-${PBS_O_WORKDIR:-$PWD}}; fi
   fi
   [[ -f "$JAXLLM_DIR/jaxllm/train.py" ]] || jaxllm_die "JAXLLM_DIR=$JAXLLM_DIR: not the jaxllm repository (set JAXLLM_DIR)"
-  cd "$JAXLLM_DIR" || jaxllm_die "cannot cd to $JAXLLM_DIR"
+  JAXLLM_DIR=$(cd "$JAXLLM_DIR" && pwd) || jaxllm_die "cannot cd to $JAXLLM_DIR"
+  JAXLLM_STARTED=$(date +%s)
   JAXLLM_EXPORTS=()
+  # PBS starts a job in $HOME: the user's directory is where qsub ran
+  if [[ -n "${PBS_JOBID:-}" && -n "${PBS_O_WORKDIR:-}" ]]; then
+    cd "$PBS_O_WORKDIR" || jaxllm_die "PBS_O_WORKDIR=$PBS_O_WORKDIR: cannot cd to it"
+  fi
+  if [[ "$(pwd -P)" != "$(cd "$JAXLLM_DIR" && pwd -P)" ]]; then
+    JAXLLM_CONFIGS=$JAXLLM_DIR/configs
+    jaxllm_export PYTHONPATH="$JAXLLM_DIR${PYTHONPATH:+:$PYTHONPATH}"  # jaxllm from JAXLLM_DIR, run from here
+  else
+    JAXLLM_CONFIGS=configs
+  fi
+}
+
+# jaxllm_abspath PATH: PATH made absolute against the directory the script was run from.
+jaxllm_abspath() {
+  if [[ "$1" == /* ]]; then echo "$1"; else echo "$PWD/$1"; fi
+}
+
+# jaxllm_config_path FILE[:KEY]: the --config value with FILE absolute: the one in the directory the
+# script was run from, else the repository's, else (an error for jaxllm.train to report) the first.
+jaxllm_config_path() {
+  local file=${1%%:*} key=""
+  [[ "$1" != *:* ]] || key=:${1#*:}
+  if [[ "$file" != /* && ! -e "$file" && -e "$JAXLLM_DIR/$file" ]]; then
+    echo "$JAXLLM_DIR/$file$key"
+  else
+    echo "$(jaxllm_abspath "$file")$key"
+  fi
 }
 
 # jaxllm_export NAME=VALUE...: exports and remembers them for the dry-run listing.
@@ -86,9 +131,18 @@ jaxllm_train_cmd() {
   jaxllm_posint "world devices" "$world"
   local extra=()  # JAXLLM_ARGS: more flags as one variable (qsub passes a script only -v variables)
   if [[ -n "${JAXLLM_ARGS:-}" ]]; then read -ra extra <<< "$JAXLLM_ARGS"; fi
+  JAXLLM_WORKDIR=runs/default  # jaxllm.train's default
+  if [[ -n "${WORKDIR:-}" ]]; then WORKDIR=$(jaxllm_abspath "$WORKDIR"); JAXLLM_WORKDIR=$WORKDIR; fi
+  if [[ -n "${DATA_FILE_LIST:-}" ]]; then DATA_FILE_LIST=$(jaxllm_abspath "$DATA_FILE_LIST"); fi
   for a in "$@" "${extra[@]}"; do
-    if [[ "$a" == --config=* ]]; then config_file=("$a"); else rest+=("$a"); fi
+    case "$a" in
+      --config=*) config_file=("--config=$(jaxllm_config_path "${a#--config=}")") ;;
+      --workdir=*) JAXLLM_WORKDIR=$(jaxllm_abspath "${a#--workdir=}"); rest+=("--workdir=$JAXLLM_WORKDIR") ;;
+      --config.data.file_list=?*) rest+=("--config.data.file_list=$(jaxllm_abspath "${a#--config.data.file_list=}")") ;;
+      *) rest+=("$a") ;;
+    esac
   done
+  JAXLLM_WORKDIR=$(jaxllm_abspath "$JAXLLM_WORKDIR")
   # ALCF's train_llama_alcf.sh trains Llama unless NO_LLAMA is set; jaxllm keeps GPT-3 style the default
   # (MODEL_SIZE_KEY=GPT1_5B ... as documented) and LLAMA=1 selects the Llama recipe.
   case "${LLAMA:-}" in
@@ -98,10 +152,10 @@ jaxllm_train_cmd() {
   esac
   if [[ "${LLAMA:-}" == 1 ]]; then
     [[ ${#config_file[@]} -eq 0 ]] || jaxllm_die "LLAMA=1 and ${config_file[0]}: give one of them"
-    config_file=("--config=configs/llama.py:${MODEL_SIZE_KEY:-ALCF-7B}")
+    config_file=("--config=$JAXLLM_CONFIGS/llama.py:${MODEL_SIZE_KEY:-ALCF-7B}")
   elif [[ -n "${MODEL_SIZE_KEY:-}" ]]; then
     [[ ${#config_file[@]} -eq 0 ]] || jaxllm_die "MODEL_SIZE_KEY=$MODEL_SIZE_KEY and ${config_file[0]}: give one of them"
-    config_file=("--config=configs/gpt3.py:$MODEL_SIZE_KEY")
+    config_file=("--config=$JAXLLM_CONFIGS/gpt3.py:$MODEL_SIZE_KEY")
   fi
   local tp=${TP:-1} pp=${PP:-1} sp=${SP:-1} ep=${EP:-1} mb=${MICRO_BATCH:-1} gas=${GAS:-1} name
   for name in TP PP SP EP MICRO_BATCH GAS SEQ_LEN; do
@@ -211,16 +265,101 @@ jaxllm_summary() {
   fi
 }
 
-# jaxllm_exec CMD...: DRY_RUN=1: print the exports and the command (shell-quoted); else run it.
-jaxllm_exec() {
-  if [[ "$DRY_RUN" == 1 ]]; then
-    local v
-    for v in "${JAXLLM_EXPORTS[@]}"; do printf 'export %s=%q\n' "$v" "${!v}"; done
-    printf '%q ' "$@"
-    printf '\n'
-  else
-    exec "$@"
+# jaxllm_print CMD...: a dry run's listing: the exports and the command (shell-quoted).
+jaxllm_print() {
+  local v
+  for v in "${JAXLLM_EXPORTS[@]}"; do printf 'export %s=%q\n' "$v" "${!v}"; done
+  printf '%q ' "$@"
+  printf '\n'
+}
+
+# jaxllm_stop: the trap of SIGTERM, SIGINT and SIGUSR1 to the script while the job runs: the scheduler
+# (its time limit, scancel, qdel) or Ctrl-C ends the job, so it is not restarted.  (local.sh replaces it
+# with one that also passes the signal on to its processes.)
+# shellcheck disable=SC2329  # (invoked by the trap in jaxllm_run)
+jaxllm_stop() {
+  JAXLLM_STOPPING=1
+}
+
+# jaxllm_run CMD...: DRY_RUN=1: jaxllm_print.  Else runs CMD (the job: srun/mpiexec of TRAIN_CMD) and starts
+# it again when it fails, as the header says; exits with its last status.
+jaxllm_run() {
+  if [[ "$DRY_RUN" == 1 ]]; then jaxllm_print "$@"; return; fi
+  local max=${JAXLLM_MAX_RESTARTS:-3} min_time=${JAXLLM_RESTART_MIN_TIME:-300} restarts=0 status cause step
+  local previous="" end left from
+  [[ "$max" =~ ^[0-9]+$ ]] || jaxllm_die "JAXLLM_MAX_RESTARTS=$max: must be an integer >= 0"
+  [[ "$min_time" =~ ^[0-9]+$ ]] || jaxllm_die "JAXLLM_RESTART_MIN_TIME=$min_time: must be an integer >= 0 (seconds)"
+  end=$(jaxllm_end_time)
+  JAXLLM_STOPPING=0
+  trap jaxllm_stop TERM INT USR1
+  while :; do
+    status=0
+    "$@" || status=$?
+    if (( status == 0 || status == 2 || status == 75 || JAXLLM_STOPPING )); then exit "$status"; fi
+    cause="status $status"
+    if (( status > 128 )) && kill -l $((status - 128)) >/dev/null 2>&1; then
+      cause+=" (SIG$(kill -l $((status - 128))))"
+    elif (( status == 70 )); then
+      cause+=" (stalled)"
+    fi
+    cause+=" after step $(jaxllm_logged_step)"
+    step=$(jaxllm_checkpoint_step)
+    if [[ "$previous" == "$status from $step" ]]; then
+      echo "launch: not restarting: jaxllm.train failed with $cause, the same way as before from the same" \
+        "checkpoint (${step:-none}); the job ends with status $status" >&2
+      exit "$status"
+    fi
+    if (( restarts >= max )); then
+      echo "launch: not restarting: jaxllm.train failed with $cause after $restarts restart(s)" \
+        "(JAXLLM_MAX_RESTARTS=$max); the job ends with status $status" >&2
+      exit "$status"
+    fi
+    if [[ -n "$end" ]] && (( (left = end - $(date +%s)) < min_time )); then
+      echo "launch: not restarting: jaxllm.train failed with $cause and the allocation has ${left} s left" \
+        "(JAXLLM_RESTART_MIN_TIME=$min_time); the job ends with status $status" >&2
+      exit "$status"
+    fi
+    restarts=$((restarts + 1))
+    previous="$status from $step"
+    from="the checkpoint at step $step"
+    [[ -n "$step" ]] || from="the start (no checkpoint in $JAXLLM_WORKDIR/checkpoints)"
+    echo "launch: restart $restarts of $max: jaxllm.train failed with $cause; resuming from $from" >&2
+  done
+}
+
+# jaxllm_end_time: the allocation's end (seconds since the epoch), or nothing when unknown.
+jaxllm_end_time() {
+  if [[ -n "${SLURM_JOB_END_TIME:-}" ]]; then
+    echo "$SLURM_JOB_END_TIME"
+  elif [[ -n "${PBS_JOBID:-}" ]]; then
+    local wall h m sec
+    wall=$(qstat -f "$PBS_JOBID" 2>/dev/null | sed -n 's/^ *Resource_List.walltime = //p')
+    if [[ "$wall" =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]]; then
+      h=${BASH_REMATCH[1]} m=${BASH_REMATCH[2]} sec=${BASH_REMATCH[3]}
+      echo $((JAXLLM_STARTED + 10#$h * 3600 + 10#$m * 60 + 10#$sec))
+    fi
   fi
+}
+
+# jaxllm_checkpoint_step: the newest complete checkpoint step in WORKDIR/checkpoints or in the node-local
+# tier of process 0 (named in WORKDIR/checkpoints/local_tier; process 0 runs on this node), or nothing.
+# Orbax writes a step into STEP.orbax-checkpoint-tmp-* and renames it STEP when complete
+# (jaxllm/runtime/checkpoint.py); jaxllm.train says so when the local step it restores is another.
+jaxllm_checkpoint_step() {
+  local d step="" n local_tier=""
+  if [[ -f "$JAXLLM_WORKDIR/checkpoints/local_tier" ]]; then local_tier=$(< "$JAXLLM_WORKDIR/checkpoints/local_tier"); fi
+  for d in "$JAXLLM_WORKDIR"/checkpoints/*/ ${local_tier:+"$local_tier"/*/}; do
+    n=$(basename "$d")
+    if [[ "$n" =~ ^[0-9]+$ ]] && (( ${#step} == 0 || n > step )); then step=$n; fi
+  done
+  echo "$step"
+}
+
+# jaxllm_logged_step: the last step in WORKDIR/metrics.jsonl (lines {"step": N, ...}), or 0.
+jaxllm_logged_step() {
+  local line
+  line=$(tail -n 1 "$JAXLLM_WORKDIR/metrics.jsonl" 2>/dev/null) || true
+  if [[ "$line" =~ ^\{\"step\":\ ([0-9]+) ]]; then echo "${BASH_REMATCH[1]}"; else echo 0; fi
 }
 
 # jaxllm_slurm_nodes: nodes of the Slurm allocation (a dry run outside Slurm: NNODES or 1).

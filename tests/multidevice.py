@@ -71,7 +71,9 @@ class ValidationBatches:
 
 def base_config():
     c = config.get_config()
-    c.model.update(num_layers=2, hidden_size=128, num_attention_heads=8, vocab_size=128, dtype="float32")
+    # make_vocab_size_divisible_by 1: 128 rows on every tensor size, so each layout's tables are the single device's
+    c.model.update(num_layers=2, hidden_size=128, num_attention_heads=8, vocab_size=128, make_vocab_size_divisible_by=1,
+                   dtype="float32")
     c.train.update(seq_length=16, micro_batch_size=2, global_batch_size=16, warmup_iters=1, lr=1e-3, min_lr=1e-4,
                    train_iters=10, eval_iters=EVAL_BATCHES)
     return c

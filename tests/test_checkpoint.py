@@ -337,3 +337,66 @@ def test_resuming_with_another_model_is_a_clear_error(tmp_path):
         ckpt.restore(Run(cfg).abstract_state)
     ckpt.close()
     assert (tmp_path / "checkpoints" / "1").exists()  # nothing deleted
+
+
+def test_a_flipped_byte_is_detected_and_the_step_before_restored(data_dir, reference, tmp_path, caplog):
+    """Orbax and TensorStore restore a chunk with a changed byte without a word: the checksums saved with
+    the step catch it, the step goes to damaged/ and the run resumes from the one before, exactly."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference[0], workdir)
+    (workdir / "metrics.jsonl").unlink()
+    ckpts = workdir / "checkpoints"
+    chunk = max((p for p in (ckpts / "20" / "state").glob("ocdbt.process_0/d/*")), key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    result = train.train(make_config(overrides(data_dir)), str(workdir))
+    assert result["resumed_at"] == 15
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"checkpoint step 20 in {ckpts} cannot be restored (1 array(s) do not match the "
+                                  "checksums saved with them ("), warnings[0]
+    assert warnings[0].endswith(f"moved to {ckpts / 'damaged' / '20'}; restored step 15 instead")
+    assert (ckpts / "damaged" / "20" / "state").is_dir() and finalized(workdir) == [10, 15, 20]
+    assert_matches(workdir, reference[1])
+
+
+def test_a_failed_save_keeps_the_previous_step_and_the_run_goes_on(data_dir, reference, tmp_path, monkeypatch,
+                                                                   caplog):
+    """The checkpoint directory disappears after step 9 (a file in its place: a write that fails even for
+    root, whom permissions do not stop) and is back after step 14: the save at 10 fails in one line, step 5
+    stays intact, training goes on and saves 15 and 20; with checkpoint.fail_on_save_error the run stops."""
+    o = overrides(data_dir, train__compile_cache_dir=str(reference[0] / "compile_cache"))
+    original = checkpoint.Checkpointer.maybe_save
+    seen = {}
+
+    def maybe_save(self, step, state, *, force=False):
+        ckpts = Path(self.directory)
+        away = ckpts.with_name("checkpoints.away")
+        if step in (9, 14):
+            self._finish(self.shared)  # the save in flight completes first (or reports its failure)
+        if step == 9:
+            ckpts.rename(away)
+            ckpts.write_text("")
+        if step == 14:
+            ckpts.unlink()
+            away.rename(ckpts)
+            seen["before 15"] = finalized(ckpts.parent)
+        return original(self, step, state, force=force)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "maybe_save", maybe_save)
+    workdir = tmp_path / "run"
+    train.train(make_config(o), str(workdir))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"checkpoint step 10 was not saved to {workdir / 'checkpoints'} ("), warnings[0]
+    assert warnings[0].endswith("the steps saved before it are intact; training goes on and the next save tries "
+                                "again (checkpoint.fail_on_save_error=True stops instead)")
+    assert seen["before 15"] == [5] and finalized(workdir) == [15, 20]
+    assert_matches(workdir, reference[1])
+
+    workdir = tmp_path / "stops"
+    with pytest.raises(checkpoint.CheckpointError, match=r"^checkpoint step 10 was not saved to .*; stopping "
+                                                         r"\(checkpoint.fail_on_save_error=True\)$"):
+        train.train(make_config({**o, "checkpoint.fail_on_save_error": True}), str(workdir))
+    assert last_step(workdir) == 10 and [p.name for p in (workdir / "checkpoints.away").iterdir()] == ["5"]

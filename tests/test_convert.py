@@ -276,6 +276,62 @@ def test_jaxllm_model_exports(kind, tmp_path):
     np.testing.assert_allclose(hf_logits(load_hf(tmp_path), toks), jax_logits(m, params, toks), atol=TOL, rtol=0)
 
 
+# A few steps of a tiny run on Tiny Shakespeare's 65 characters, whose tables tensor 2 pads to 66 rows
+# (make_vocab_size_divisible_by=1 x tensor 2, as Megatron-LM pads): GPT-2 from the Shakespeare recipe
+# with biases, Llama from configs/llama.py:tiny.
+TENSOR2_RUNS = {
+    "gpt2": ["--config=configs/shakespeare_char.py", "--config.model.use_bias=True"],
+    "llama": ["--config=configs/llama.py:tiny", "--config.data.input=tests/data/tinyshakespeare.txt",
+              "--config.data.tokenizer=char", "--config.data.sampling=uniform", "--config.data.split=9,1"],
+}
+
+
+def umask_mode():
+    """The mode a new file gets here: 0666 less the umask (the test's, which the CLI inherits)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@pytest.mark.parametrize("arch", list(TENSOR2_RUNS))
+def test_tensor_parallel_run_exports_its_real_rows(arch, tmp_path):
+    """A run trained by the CLI on tensor 2 (2 fake devices), its tables padded for that layout, exports with
+    the tokenizer's rows only; transformers gives jaxllm's logits.  The files are readable as the umask
+    allows (safetensors writes 0600), and an export that fails is one line on stderr, ending its line."""
+    import jaxllm
+
+    work, out = tmp_path / "run", tmp_path / "hf"
+    env = {**ENV, "XLA_FLAGS": f"{ENV.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    r = subprocess.run([sys.executable, "-m", "jaxllm.train", *TENSOR2_RUNS[arch], f"--workdir={work}",
+                        "--config.mesh.tensor=2", "--config.model.num_layers=1", "--config.model.hidden_size=32",
+                        "--config.train.micro_batch_size=4", "--config.train.global_batch_size=4",
+                        "--config.train.train_iters=3", "--config.train.warmup_iters=1",
+                        "--config.train.lr_warmup_fraction=0", "--config.train.lr_decay_iters=3",
+                        "--config.train.lr=0.01", "--config.train.min_lr=0.001", "--config.train.eval_interval=0",
+                        "--config.log.samples=0", "--config.log.tensorboard=False",
+                        "--config.log.progress_bar=False"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("--to-hf", str(work), str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {HF_CLASSES[arch]} (65 vocab) to ")
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).stat().st_mode & 0o777 == umask_mode(), name
+
+    run = jaxllm.load(str(work))
+    assert (run.config.mesh_shape["tensor"], run.vocab_size, run.config.model.padded_vocab_size) == (2, 65, 66)
+    assert run.params["wte"].shape[0] == 66 and run.config.model.use_bias == (arch == "gpt2")
+    hf = load_hf(out)
+    assert type(hf).__name__ == HF_CLASSES[arch] and hf.config.vocab_size == 65
+    toks = tokens(seq=64, vocab=65)
+    np.testing.assert_allclose(hf_logits(hf, toks), run.logits(toks), atol=TOL, rtol=0)
+
+    r = cli("--to-hf", str(work), str(out))  # the directory is not empty now
+    assert r.returncode == 2 and r.stderr.endswith("\n") and "Traceback" not in r.stderr, r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        f"error: {out} exists and is not empty: export into a new directory"]
+
+
 def test_moe_run_exports_as_mixtral_with_its_eval_loss(tmp_path):
     """A jaxllm mixture of experts (4 experts, top 2, vocab 100 padded to 128) trained 3 steps with its
     router's losses, saved as training saves it and exported by the --to-hf CLI: transformers'

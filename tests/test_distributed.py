@@ -154,7 +154,7 @@ KNOBS = {"MODEL_SIZE_KEY": "GPT1_5B", "SEQ_LEN": "1024", "MICRO_BATCH": "2", "GA
 
 
 def expected_overrides(dp):
-    return ["--config=configs/gpt3.py:GPT1_5B", "--config.mesh.tensor=2", "--config.mesh.pipeline=1",
+    return [f"--config={ROOT}/configs/gpt3.py:GPT1_5B", "--config.mesh.tensor=2", "--config.mesh.pipeline=1",
             "--config.mesh.sequence=2", f"--config.mesh.data={dp}", "--config.train.micro_batch_size=2",
             f"--config.train.global_batch_size={2 * 4 * dp}", "--config.train.seq_length=1024",
             "--config.parallel.sequence_impl=ulysses", "--config.parallel.zero_stage=1", "--workdir=/scratch/run1",
@@ -209,7 +209,8 @@ def test_polaris_dry_run(tmp_path):
     assert r.returncode == 0, r.stderr
     launcher, flags = train_args(commands[0])
     assert launcher == ["mpiexec", "-n", "8", "--ppn", "4", "--depth", "8", "--cpu-bind", "depth"]
-    assert flags == expected_overrides(dp=8 // 4)
+    # run from the repository (PBS_O_WORKDIR): the config stays relative
+    assert flags == ["--config=configs/gpt3.py:GPT1_5B", *expected_overrides(dp=8 // 4)[1:]]
     assert summary == {"nodes": "2", "processes": "8", "devices": "8", "dp": "2", "global_batch": "16"}
     assert exports["NCCL_NET"] == "AWS Libfabric" and exports["NCCL_NET_GDR_LEVEL"] == "PHB"
     assert exports["NCCL_CROSS_NIC"] == "1" and exports["NCCL_COLLNET_ENABLE"] == "1"
@@ -244,8 +245,9 @@ def test_generic_slurm_dry_run_cpu_and_gpu():
     assert r.returncode == 0, r.stderr
     launcher, flags = train_args(commands[0])
     assert launcher == ["srun", "-N", "2", "-n", "2", "--ntasks-per-node=1"]
-    assert flags == ["--config=configs/shakespeare_char.py", "--config.mesh.tensor=2", "--config.mesh.pipeline=1",
-                     "--config.mesh.sequence=1", "--config.mesh.data=4", "--config.train.micro_batch_size=3"]
+    assert flags == [f"--config={ROOT}/configs/shakespeare_char.py", "--config.mesh.tensor=2",  # run from /
+                     "--config.mesh.pipeline=1", "--config.mesh.sequence=1", "--config.mesh.data=4",
+                     "--config.train.micro_batch_size=3"]
     assert exports["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4" and exports["JAX_PLATFORMS"] == "cpu"
     assert "# jaxllm check: config ok for 8 cpu devices: data 4 x tensor 2" in r.stdout
     r, _, commands, summary = dry_run("slurm.sbatch", SLURM_JOB_NUM_NODES="2", GPUS_PER_NODE="8", DRY_RUN="1",
@@ -260,7 +262,8 @@ def test_local_dry_run_and_bad_knobs():
                                             "--config.train.micro_batch_size=2", PORT="23999")
     assert r.returncode == 0, r.stderr
     assert exports == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                       "JAXLLM_COORDINATOR_ADDRESS": "127.0.0.1:23999", "JAXLLM_NUM_PROCESSES": "2"}
+                       "JAXLLM_COORDINATOR_ADDRESS": "127.0.0.1:23999", "JAXLLM_NUM_PROCESSES": "2",
+                       "PYTHONPATH": str(ROOT)}  # run from /: jaxllm from the repository
     assert [c[:2] for c in commands] == [["env", "JAXLLM_PROCESS_ID=0"], ["env", "JAXLLM_PROCESS_ID=1"]]
     assert commands[0][-2:] == ["--config.mesh.data=-1", "--config.train.micro_batch_size=2"]
     assert summary["devices"] == "8"
@@ -285,6 +288,34 @@ def test_wb_project_turns_wandb_on():
                                 "--config.train.micro_batch_size=2", PORT="23999", WB_PROJECT="AuroraGPT")
     assert r.returncode == 0, r.stderr
     assert train_args(commands[0])[1][:2] == ["--config.log.wandb=True", "--config.log.wandb_project=AuroraGPT"]
+
+
+def test_relative_paths_resolve_where_the_script_runs(tmp_path):
+    """WORKDIR, --workdir, DATA_FILE_LIST, --config.data.file_list and --config=FILE are made absolute against the
+    directory the script is run from (a config only the repository has is the repository's), and jaxllm.train runs
+    there, so that the prefixes of a data-file list resolve there too; errors name the path read."""
+    (tmp_path / "my.py").write_text("from jaxllm.config import get_config  # noqa: F401\n")
+    r = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "2", "--dry-run", "--config=my.py",
+                        "--workdir=run1", "--config.data.file_list=lists/b.txt", "--config.mesh.data=-1",
+                        "--config.train.micro_batch_size=2"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env=clean_env(PORT="23999", DATA_FILE_LIST="lists/a.txt", WORKDIR="w", PYTHON=sys.executable))
+    assert r.returncode == 0, r.stderr
+    flags = train_args(shlex.split(r.stdout.splitlines()[-2]))[1]
+    assert flags[0] == f"--config={tmp_path}/my.py" and f"--workdir={tmp_path}/w" in flags
+    assert f"--config.data.file_list={tmp_path}/lists/a.txt" in flags and flags[-4:-2] == [
+        f"--workdir={tmp_path}/run1", f"--config.data.file_list={tmp_path}/lists/b.txt"]
+    r, *_ = dry_run("local.sh", "2", "--dry-run", "--config=configs/shakespeare_char.py",
+                    "--config.train.micro_batch_size=3", PORT="23999", TP="2")
+    assert r.returncode == 0 and f"--config={ROOT}/configs/shakespeare_char.py" in r.stdout, r.stderr  # the repo's
+    # A real run from tmp_path: the list's relative prefix is tmp_path's, named as resolved in the error.
+    (tmp_path / "list.txt").write_text("1.0 data/missing web\n")
+    r = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "1", "--workdir=run2", *TINY[1:3],
+                        "--config.mesh.data=-1", "--config.mesh.tensor=1", "--config.mesh.fsdp=1",
+                        "--config.train.micro_batch_size=1", "--config.train.global_batch_size=4"], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path,
+                       env=clean_env(DATA_FILE_LIST="list.txt", PYTHON=sys.executable, JAXLLM_MAX_RESTARTS="0"))
+    assert r.returncode == 2 and f"{tmp_path}/data/missing: no " in r.stderr, r.stderr[-3000:]
+    assert (tmp_path / "run2").is_dir() and not (ROOT / "run2").exists()
 
 
 def test_scripts_pass_shellcheck():

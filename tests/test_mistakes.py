@@ -1,6 +1,7 @@
 """A user's first mistakes and interruptions, as real processes: each gets one line and the right
 exit code, and nothing on disk is lost or left half-written."""
 
+import json
 import os
 import signal
 import subprocess
@@ -117,6 +118,41 @@ def test_binary_input_stops_and_can_be_insisted_on(tmp_path):
     r = run("--input", binary, "--tokenizer=byte", f"--output-prefix={tmp_path / 'p' / 'x'}",
             "--max-undecodable=1", module="jaxllm.data.prepare")
     assert r.returncode == 0 and (tmp_path / "p" / "x.idx").exists(), r.stderr
+
+
+def test_zero_sample_tokens_is_refused_with_the_way_to_no_samples(tmp_path):
+    """Samples of 0 tokens would train and save, then fail at the end: refused before anything runs."""
+    line = one_line(run(f"--workdir={tmp_path / 'w'}", *TINY, "--config.log.samples=2", "--config.log.sample_tokens=0"))
+    assert line == ("config error: log.sample_tokens=0: each of the log.samples=2 end-of-run samples needs at least "
+                    "1 token; for no samples set log.samples=0"), line
+    assert not (tmp_path / "w" / "checkpoints").exists() and not (tmp_path / "w" / "data").exists()
+
+
+def test_latin1_text_is_read_with_a_line_that_says_how_to_reencode(tmp_path):
+    """Latin-1 text: under data.max_undecodable (1%) its accented letters become U+FFFD with one line saying how
+    many and how to re-encode; above it the run stops, naming re-encoding; the re-encoded file keeps them."""
+    text = "The quick brown fox jumps over the lazy dog. " * 60 + "Café au lait, s'il vous plaît.\n"
+    latin1 = tmp_path / "notes.txt"
+    latin1.write_bytes(text.encode("latin-1"))  # é and î: one byte each, not UTF-8
+    prefix = tmp_path / "p" / "x"
+    r = run("--input", latin1, "--tokenizer=char", f"--output-prefix={prefix}", module="jaxllm.data.prepare")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "U+FFFD" in ln]
+    assert lines == [f"prepare: data input {latin1}: 2 of its {len(text):,} characters are bytes that do not decode "
+                     f"as UTF-8, read as U+FFFD; if it is text in another encoding, re-encode it to UTF-8 first (e.g. "
+                     f"from Latin-1: iconv -f latin1 -t utf-8 {latin1} > {latin1}.utf8)"], r.stderr
+    assert "\ufffd" in "".join(json.loads(Path(f"{prefix}.meta.json").read_text())["chars"])
+
+    latin1.write_bytes(("Voilà l'été à Noël. " * 20).encode("latin-1"))  # 25% of the characters
+    line = one_line(run(f"--workdir={tmp_path / 'w'}", *TINY, f"--config.data.input={latin1}"))
+    assert line.startswith(f"data error: data input {latin1}: 25.0% of its 400 characters are not UTF-8 text"), line
+    assert f"re-encode it to UTF-8 (e.g. from Latin-1: iconv -f latin1 -t utf-8 {latin1} > {latin1}.utf8)" in line
+
+    utf8 = tmp_path / "notes.utf8.txt"
+    utf8.write_text(latin1.read_bytes().decode("latin-1"), encoding="utf-8")  # what iconv writes
+    r = run("--input", utf8, "--tokenizer=char", f"--output-prefix={prefix}", module="jaxllm.data.prepare")
+    assert r.returncode == 0 and "U+FFFD" not in r.stderr, r.stderr
+    assert set("àéë") <= set(json.loads(Path(f"{prefix}.meta.json").read_text())["chars"])
 
 
 @pytest.mark.slow

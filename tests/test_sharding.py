@@ -27,9 +27,9 @@ LAYOUTS = {
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
     "tensor2_fsdp2_data2_pallas": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": {"attention_impl": "pallas"}},
-    # compiled only: a vocabulary (96) that no other dimension of the model shares
+    # compiled only: a vocabulary (96 rows, 48 x tensor 2: no padding) that no other dimension of the model shares
     "hlo_tensor2_fsdp2_data2": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "hlo": True,
-                                "model": {"vocab_size": 96, "make_vocab_size_divisible_by": 32}},
+                                "model": {"vocab_size": 96, "make_vocab_size_divisible_by": 48}},
 }
 
 

@@ -65,6 +65,17 @@ def test_tools_that_read_no_data_need_no_data_files():
         resolve(cfg, num_devices=1, vocab_size=50257)
 
 
+@pytest.mark.parametrize("vocab, divisible_by, tensor, padded", [
+    (50257, 128, 1, 50304), (50257, 128, 2, 50432), (50257, 128, 8, 51200), (65, 1, 2, 66), (32000, 128, 3, 32256)])
+def test_vocabulary_padded_as_megatron_pads(vocab, divisible_by, tensor, padded):
+    """Megatron-LM's _vocab_size_with_padding: a multiple of make_vocab_size_divisible_by x tensor-parallel size."""
+    cfg = config.get_config()
+    cfg.model.update(make_vocab_size_divisible_by=divisible_by, num_attention_heads=24, hidden_size=384)
+    cfg.mesh.tensor = tensor
+    cfg.train.update(micro_batch_size=1, global_batch_size=1)
+    assert resolve(cfg, num_devices=tensor, vocab_size=vocab, data_files=False).model.padded_vocab_size == padded
+
+
 def test_vocab_smaller_than_tokenizer_is_a_config_error():
     cfg = config.get_config()
     cfg.model.vocab_size = 100

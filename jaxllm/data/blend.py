@@ -111,10 +111,11 @@ def read_file_list(path: str) -> Blend:
         if w is None or not w > 0:
             raise DataError(f"{path}:{n}: {line.strip()!r}: expected \"weight prefix corpus\" with a weight > 0 "
                             f"({key} is an ALCF data-file list)")
-        if not indexed.exists(fields[1]):
-            raise DataError(f"{path}:{n}: {fields[1]}: no {fields[1]}.bin or .idx; the prefix of a Megatron indexed "
+        prefix = os.path.abspath(fields[1])  # a relative prefix is the working directory's: errors name it resolved
+        if not indexed.exists(prefix):
+            raise DataError(f"{path}:{n}: {prefix}: no {prefix}.bin or .idx; the prefix of a Megatron indexed "
                             f"dataset, without .bin/.idx")
-        prefixes.append(os.path.abspath(fields[1]))
+        prefixes.append(prefix)
         weights.append(w)
         corpora.append(fields[2] if len(fields) == 3 else os.path.basename(fields[1]))
     if not prefixes:

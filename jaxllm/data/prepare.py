@@ -17,7 +17,8 @@ exactly ``PREFIX.bin`` and ``PREFIX.idx`` (no ``_text_document`` is appended). O
 
 Directories are walked recursively in sorted order for those suffixes (``.json`` only when
 named), skipping hidden files and directories, ``__pycache__``, ``site-packages`` and
-``dist-packages``; a file listed twice is read once; bytes that are not UTF-8 become U+FFFD.
+``dist-packages``; a file listed twice is read once; bytes that are not UTF-8 become U+FFFD, with one
+line saying how many and how to re-encode the file (more than ``--max-undecodable`` of an input stop).
 The tokenizer's end-of-document token (gpt2: ``<|endoftext|>``; a Hugging Face tokenizer: its
 ``eos_token``) is appended to every document; char and byte have none, so their documents
 follow one another directly. Empty documents are skipped.
@@ -37,6 +38,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shlex
 import sys
 import time
 import uuid
@@ -212,38 +214,59 @@ def _inputs_of(inputs: list[str]) -> dict[str, str]:
     return {f: item for item in reversed(inputs) for f in collect_files([item])}
 
 
-def _check_decodable(item: str, bad: int, chars: int, limit: float) -> None:
+def _reencode_hint(path: str) -> str:
+    """How to re-encode ``path`` to UTF-8 (Latin-1 as the example: the commonest other encoding of text)."""
+    return f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {shlex.quote(path)} > {shlex.quote(path + '.utf8')}"
+
+
+def _check_decodable(item: str, counts: dict, limit: float) -> None:
+    """Stops at an input whose characters are more than ``limit`` not UTF-8 text (U+FFFD read for bytes that
+    do not decode, or NUL), and says in one line how many characters of any other input became U+FFFD: text
+    in another encoding is never changed without a word."""
+    replaced, chars, files = counts["replaced"], counts["chars"], counts["files"]
+    bad = replaced + counts["nul"]
     if chars and bad / chars > limit:
         raise DataError(f"data input {item}: {bad / chars:.1%} of its {chars:,} characters are not UTF-8 text "
-                        f"(bytes that do not decode, or NUL): is it a binary file? Leave it out of data.input "
-                        f"(--input), or set data.max_undecodable (--max-undecodable) to {bad / chars:.2g} or more "
-                        f"to keep it")
+                        f"(bytes that do not decode, or NUL): is it a binary file, or text in another encoding? "
+                        f"Leave it out of data.input (--input), re-encode it to UTF-8"
+                        f"{f' ({_reencode_hint(files[0])})' if files else ''}, or set data.max_undecodable "
+                        f"(--max-undecodable) to {bad / chars:.2g} or more to keep it as read")
+    if replaced:
+        where = "" if files == [os.path.abspath(item)] else f" (in {files[0]}" + (
+            f" and {len(files) - 1} more files)" if len(files) > 1 else ")")
+        print(f"prepare: data input {item}: {replaced:,} of its {chars:,} characters{where} are bytes that do not "
+              f"decode as UTF-8, read as U+FFFD; if it is text in another encoding, re-encode it to UTF-8 first "
+              f"({_reencode_hint(files[0])})", file=sys.stderr, flush=True)
 
 
 def _batches(files, json_key, document_marker, inputs_of=None, max_undecodable=1.0):
     """Lists of (text, source_bytes) of about _BATCH_CHARS characters, in corpus order.
 
-    Checks on the way that at most ``max_undecodable`` of the characters of each input (a file,
-    or all the files of a directory; ``inputs_of`` maps a file to its input) failed to decode as
-    UTF-8 or are NUL: a binary file (an executable, an archive) would otherwise train silently.
+    Checks on the way each input (a file, or all the files of a directory; ``inputs_of`` maps a file to
+    its input) with :func:`_check_decodable`: a binary file (an executable, an archive) would otherwise
+    train silently, and text in another encoding lose its accented letters silently.
     """
-    batch, size, counts, current = [], 0, [0, 0], None
+    batch, size, counts, current = [], 0, None, None
     for path in files:
         item = (inputs_of or {}).get(path, path)
         if item != current:
             if current is not None:
-                _check_decodable(current, *counts, max_undecodable)
-            counts, current = [0, 0], item
+                _check_decodable(current, counts, max_undecodable)
+            counts, current = {"replaced": 0, "nul": 0, "chars": 0, "files": []}, item
         for text, consumed in iter_documents(path, json_key, document_marker):
-            counts[0] += text.count("\ufffd") + text.count("\0")
-            counts[1] += len(text)
+            replaced = text.count("\ufffd")
+            if replaced and counts["files"][-1:] != [path]:  # an input's files come one after another
+                counts["files"].append(path)
+            counts["replaced"] += replaced
+            counts["nul"] += text.count("\0")
+            counts["chars"] += len(text)
             batch.append((text, consumed))
             size += len(text)
             if size >= _BATCH_CHARS:
                 yield batch
                 batch, size = [], 0
     if current is not None:
-        _check_decodable(current, *counts, max_undecodable)
+        _check_decodable(current, counts, max_undecodable)
     if batch:
         yield batch
 

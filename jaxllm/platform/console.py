@@ -23,6 +23,10 @@ Where the chatter comes from (jaxlib 0.10.2):
   restore: the reads Orbax abandoned raised too, and asyncio's default exception handler logs
   each such task on the ``asyncio`` logger when the task is garbage-collected (any time later).
   Those records go to the ``jaxllm.library`` log; the ``asyncio`` logger's other records stay.
+* Python warnings of the libraries (``warnings.warn``: JAX's, Orbax's, tensorboardX's ...) are
+  written straight to ``sys.stderr`` by the ``warnings`` module, past any logger, once per
+  process: they go to the ``py.warnings`` logger (``logging.captureWarnings``) and from there to
+  the ``jaxllm.library`` log file.
 """
 
 from __future__ import annotations
@@ -99,6 +103,10 @@ def configure(workdir: str, *, process: int, verbose: bool) -> None:
     library.propagate = verbose
     sys.unraisablehook = _closed_loop_callbacks_to(library, sys.unraisablehook)
     logging.getLogger("asyncio").addFilter(_UnretrievedTaskErrors(library))
+    logging.captureWarnings(True)
+    warnings = logging.getLogger("py.warnings")
+    warnings.addHandler(handler)
+    warnings.propagate = verbose
     if verbose:
         return
     from jaxlib import utils  # noqa: PLC0415  (jax's own switch for C++ logging, see jax._src.logging_config)

@@ -50,6 +50,7 @@ _TRAIN_FORMATS = {
     "tflops_per_device": lambda v: f"{v:.3g} TFLOP/s/dev",
     "mfu": lambda v: f"MFU {100 * v:.1f}%",
     "step_time_s": lambda v: f"{v:.3g} s/step",
+    "step_time_spread": lambda v: f"spread {v:.2f}",  # multi-process runs: slowest / median (runtime/stragglers.py)
     "nonfinite_steps": lambda v: f"{v} non-finite steps skipped" if v else "",
 }
 _EVAL_FORMATS = {
@@ -57,7 +58,8 @@ _EVAL_FORMATS = {
     "eval_bpb": lambda v: f"bpb {v:.4f}",
     "eval_ppl": lambda v: f"ppl {v:.2f}",
 }
-_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row"}  # logged to files, left off the human line
+# logged to files, left off the human line
+_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row", "slowest_process"}
 # the start-up times jaxllm.train adds to the first record after a start (printed on a line of their own)
 _QUIET_PREFIXES = ("startup_", "compile_cache")
 
@@ -125,7 +127,7 @@ class MetricsLogger:
     * stdout: one line per call, e.g.
       ``step   200 | loss 2.1034 | lr 9.8e-04 | grad 0.83 | 12.3k tok/s | 0.05 TFLOP/s/dev | MFU 12.1% | 0.061 s/step``.
       Known keys: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``,
-      ``tflops_per_device``, ``mfu`` (fraction), ``step_time_s`` (seconds) for train;
+      ``tflops_per_device``, ``mfu`` (fraction), ``step_time_s`` (seconds), ``step_time_spread`` for train;
       ``eval_loss``, ``eval_bpb``, ``eval_ppl`` for eval; other keys follow as ``key value``, but for
       ``startup_*`` and ``compile_cache`` (files only: jaxllm.train prints them on a line of their own).
     * With ``progress_bar`` and stdout a terminal: a tqdm bar over ``total_steps``,
