@@ -286,7 +286,7 @@ jaxllm_stop() {
 jaxllm_run() {
   if [[ "$DRY_RUN" == 1 ]]; then jaxllm_print "$@"; return; fi
   local max=${JAXLLM_MAX_RESTARTS:-3} min_time=${JAXLLM_RESTART_MIN_TIME:-300} restarts=0 status cause step
-  local previous="" end left from
+  local previous="" end left from shared local_step
   [[ "$max" =~ ^[0-9]+$ ]] || jaxllm_die "JAXLLM_MAX_RESTARTS=$max: must be an integer >= 0"
   [[ "$min_time" =~ ^[0-9]+$ ]] || jaxllm_die "JAXLLM_RESTART_MIN_TIME=$min_time: must be an integer >= 0 (seconds)"
   end=$(jaxllm_end_time)
@@ -303,7 +303,14 @@ jaxllm_run() {
       cause+=" (stalled)"
     fi
     cause+=" after step $(jaxllm_logged_step)"
-    step=$(jaxllm_checkpoint_step)
+    # The shared tier's newest step, and the node-local tier's of process 0 (this node), which jaxllm.train
+    # restores when every process holds it (WORKDIR/checkpoints/local_tier names it; jaxllm says which it took)
+    shared=$(jaxllm_newest_step "$JAXLLM_WORKDIR/checkpoints") local_step=""
+    if [[ -f "$JAXLLM_WORKDIR/checkpoints/local_tier" ]]; then
+      local_step=$(jaxllm_newest_step "$(< "$JAXLLM_WORKDIR/checkpoints/local_tier")")
+    fi
+    step=$shared
+    if [[ -n "$local_step" ]] && (( local_step > ${shared:--1} )); then step=$local_step; fi
     if [[ "$previous" == "$status from $step" ]]; then
       echo "launch: not restarting: jaxllm.train failed with $cause, the same way as before from the same" \
         "checkpoint (${step:-none}); the job ends with status $status" >&2
@@ -322,6 +329,7 @@ jaxllm_run() {
     restarts=$((restarts + 1))
     previous="$status from $step"
     from="the checkpoint at step $step"
+    [[ "$step" == "$shared" ]] || from+=" (node-local; step ${shared:-0} of $JAXLLM_WORKDIR/checkpoints if a node lacks it)"
     [[ -n "$step" ]] || from="the start (no checkpoint in $JAXLLM_WORKDIR/checkpoints)"
     echo "launch: restart $restarts of $max: jaxllm.train failed with $cause; resuming from $from" >&2
   done
@@ -341,14 +349,11 @@ jaxllm_end_time() {
   fi
 }
 
-# jaxllm_checkpoint_step: the newest complete checkpoint step in WORKDIR/checkpoints or in the node-local
-# tier of process 0 (named in WORKDIR/checkpoints/local_tier; process 0 runs on this node), or nothing.
-# Orbax writes a step into STEP.orbax-checkpoint-tmp-* and renames it STEP when complete
-# (jaxllm/runtime/checkpoint.py); jaxllm.train says so when the local step it restores is another.
-jaxllm_checkpoint_step() {
-  local d step="" n local_tier=""
-  if [[ -f "$JAXLLM_WORKDIR/checkpoints/local_tier" ]]; then local_tier=$(< "$JAXLLM_WORKDIR/checkpoints/local_tier"); fi
-  for d in "$JAXLLM_WORKDIR"/checkpoints/*/ ${local_tier:+"$local_tier"/*/}; do
+# jaxllm_newest_step DIR: the newest complete checkpoint step in DIR, or nothing.  Orbax writes a step into
+# STEP.orbax-checkpoint-tmp-* and renames it STEP when complete (jaxllm/runtime/checkpoint.py).
+jaxllm_newest_step() {
+  local d step="" n
+  for d in "$1"/*/; do
     n=$(basename "$d")
     if [[ "$n" =~ ^[0-9]+$ ]] && (( ${#step} == 0 || n > step )); then step=$n; fi
   done

@@ -2,13 +2,15 @@
 
 A process is killed (SIGKILL) once the run has logged a step past a complete checkpoint of its node-local
 tier only; the launcher restarts the job by itself, it resumes from that checkpoint and its losses equal
-an uninterrupted run's bit for bit.  Killed twice from the same checkpoint, the job stops with one line.  The
+an uninterrupted run's bit for bit; with the killed process's local tier deleted (its node lost), it
+resumes from the shared tier, as exactly.  Killed twice from the same checkpoint, the job stops with one line.  The
 uninterrupted run has a straggler (``JAXLLM_DEBUG_SLOW_PROCESS``: process 1 sleeps in every step),
 named in one warning line.  The runs share one compilation cache, so only the first compiles.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,11 +114,25 @@ def test_straggler_restart_and_twice_the_same_failure(tmp_path, cache):
     lines = launch_lines(once)
     assert len(lines) == 1 and lines[0].startswith("launch: restart 1 of 3: jaxllm.train failed with status 137 "
                                                    "(SIGKILL) after step "), lines
-    assert lines[0].endswith(f"; resuming from the checkpoint at step {saved}"), lines
+    assert lines[0].endswith(f"; resuming from the checkpoint at step {saved} (node-local; step "
+                             f"{saved - saved % INTERVAL} of {once}/checkpoints if a node lacks it)"), lines
     assert f"jaxllm: restored step {saved} from the node-local checkpoints" in Path(f"{once}.out").read_text()
     steps = [r["step"] for r in records(once) if r["kind"] == "train"]
     assert steps.count(saved + 1) == 2  # logged before the kill, and again after the restart
     assert losses(once) == want  # bit for bit
+
+    # The same, the killed process's node lost with its local tier: resumed from the shared tier, exactly
+    lost = tmp_path / "lost"
+    p = launch(lost, cache, JAXLLM_ARGS=f"--config.checkpoint.local_dir={tmp_path / 'lost_local'} "
+               "--config.checkpoint.local_interval=2")
+    saved = kill_after(p, lost, local_only=True)
+    for d in (tmp_path / "lost_local").glob("*/p1of2-*"):
+        shutil.rmtree(d)  # before the restart reads it: the restart needs a new start of python and jax
+    assert p.wait(timeout=400) == 0, Path(f"{lost}.err").read_text()[-3000:]
+    assert "from the node-local checkpoints" not in Path(f"{lost}.out").read_text()
+    steps = [r["step"] for r in records(lost) if r["kind"] == "train"]
+    assert steps.count(saved - saved % INTERVAL + 1) == 2  # resumed after the shared step
+    assert losses(lost) == want
 
     # Killed twice from the same checkpoint: one line, the job ends with the status of the failure
     twice = tmp_path / "twice"
