@@ -390,11 +390,11 @@ def print_samples(run, state, tokenizer, default_prompt, workdir):
         print(f"--- sample ---\n{tokenizer.decode(list(tokens) + row.tolist())}\n--------------")
 
 
-def fail_once(message: str, code: int):
+def fail_once(message: str, code: int, process: int):
     """Exits with ``code`` after one line on stderr from process 0: every process of a multi-process run
-    meets the same data error or preemption, and the others write theirs to their log file
-    (``WORKDIR/logs/process_N.log``) instead of repeating it on the job's console."""
-    if jax.process_index() == 0:
+    meets the same config error, data error or preemption, and the others (``process`` > 0) write theirs to
+    their log file (``WORKDIR/logs/process_N.log``) instead of repeating it on the job's console."""
+    if process == 0:
         cli.fail(message, code)
     python_logging.getLogger("jaxllm.library").error("%s", message)
     sys.exit(code)
@@ -405,13 +405,15 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
+    process = 0  # this process's index once it joined a multi-process job
     try:
         if flags.FLAGS.check_devices:
             print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
             return
         gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
         host_memory.keep_freed_memory()  # CPU runs: XLA's buffers come from malloc; before XLA's threads start
-        distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError is a ConfigError
+        topology = distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError
+        process = topology.process_id if topology else 0  # is a ConfigError of its process
         check_workdir(flags.FLAGS.workdir)
         console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
         gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
@@ -419,11 +421,11 @@ def main(argv):
     except KeyboardInterrupt:
         cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
     except config.ConfigError as e:
-        cli.fail(e)
+        fail_once(str(e), 2, process)
     except DataError as e:
-        fail_once(f"data error: {e}", 2)
+        fail_once(f"data error: {e}", 2, process)
     except Preempted as e:
-        fail_once(f"jaxllm: {e}", EXIT_PREEMPTED)
+        fail_once(f"jaxllm: {e}", EXIT_PREEMPTED, process)
     except (NonFiniteError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

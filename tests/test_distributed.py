@@ -307,14 +307,22 @@ def test_relative_paths_resolve_where_the_script_runs(tmp_path):
     r, *_ = dry_run("local.sh", "2", "--dry-run", "--config=configs/shakespeare_char.py",
                     "--config.train.micro_batch_size=3", PORT="23999", TP="2")
     assert r.returncode == 0 and f"--config={ROOT}/configs/shakespeare_char.py" in r.stdout, r.stderr  # the repo's
-    # A real run from tmp_path: the list's relative prefix is tmp_path's, named as resolved in the error.
+    # A real run of 2 processes from tmp_path: the list's relative prefix is tmp_path's, named as resolved in
+    # the error, which process 0 alone prints (process 1 writes it to its log file).
     (tmp_path / "list.txt").write_text("1.0 data/missing web\n")
-    r = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "1", "--workdir=run2", *TINY[1:3],
+    r = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "2", "--workdir=run2", *TINY[1:3],
                         "--config.mesh.data=-1", "--config.mesh.tensor=1", "--config.mesh.fsdp=1",
                         "--config.train.micro_batch_size=1", "--config.train.global_batch_size=4"], capture_output=True,
                        text=True, timeout=300, cwd=tmp_path,
-                       env=clean_env(DATA_FILE_LIST="list.txt", PYTHON=sys.executable, JAXLLM_MAX_RESTARTS="0"))
+                       env=clean_env(DATA_FILE_LIST="list.txt", PYTHON=sys.executable, JAXLLM_MAX_RESTARTS="0",
+                                     DEVICES_PER_PROCESS="1"))
     assert r.returncode == 2 and f"{tmp_path}/data/missing: no " in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("data error: ") == 1, r.stderr[-3000:]
+    assert "data error: " in (tmp_path / "run2" / "logs" / "process_1.log").read_text()
+    r = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "2", "--workdir=run3", *TINY[1:3],
+                        "--config.log.sample_tokens=0"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=clean_env(PYTHON=sys.executable, DEVICES_PER_PROCESS="1"))
+    assert r.returncode == 2 and r.stderr.count("config error: log.sample_tokens=0") == 1, r.stderr[-3000:]
     assert (tmp_path / "run2").is_dir() and not (ROOT / "run2").exists()
 
 
