@@ -89,8 +89,9 @@ def test_alcf_knobs_become_config_flags():
     r, flags = dry_run("frontier.sbatch", "--config.train.lr=1e-4", LLAMA="1", MODEL_SIZE_KEY="Llama-3-8B", TP="2",
                        **KNOBS)
     assert r.returncode == 0, r.stderr
-    assert flags == ["--config=configs/llama.py:Llama-3-8B", "--config.mesh.tensor=2", "--config.mesh.pipeline=1",
-                     "--config.mesh.sequence=1", "--config.mesh.data=8", "--config.model.num_kv_heads=4",
+    assert flags == [f"--config={ROOT}/configs/llama.py:Llama-3-8B",  # run from /: the repository's, absolute
+                     "--config.mesh.tensor=2", "--config.mesh.pipeline=1", "--config.mesh.sequence=1",
+                     "--config.mesh.data=8", "--config.model.num_kv_heads=4",
                      "--config.model.ffn_hidden_size=14336", "--config.train.optimizer=lamb",
                      "--config.train.lr=3e-4", "--config.train.lr_decay_style=linear",
                      "--config.train.train_iters=5000", "--config.train.eval_interval=50",
@@ -112,11 +113,12 @@ def test_gpt3_stays_the_default_and_llama_is_chosen_by_llama_1(tmp_path):
                            PBS_O_WORKDIR=str(ROOT), TOKENIZER_TYPE="GPT2BPETokenizer",
                            JAXLLM_ARGS="--config.mesh.data=-1", **env)
         assert r.returncode == 0, r.stderr
-        assert flags == ["--config=configs/gpt3.py:GPT1_5B", "--config.data.tokenizer=gpt2", "--config.mesh.data=-1"]
+        assert flags == [f"--config={ROOT}/configs/gpt3.py:GPT1_5B", "--config.data.tokenizer=gpt2",
+                         "--config.mesh.data=-1"]  # run from /: the repository's config, made absolute
     r, flags = dry_run("polaris.pbs", LLAMA="1", PBS_NODEFILE=nodefile(tmp_path), PBS_O_WORKDIR=str(ROOT),
                        JAXLLM_ARGS="--config.mesh.data=-1")
     assert r.returncode == 0, r.stderr
-    assert flags == ["--config=configs/llama.py:ALCF-7B", "--config.mesh.data=-1"]
+    assert flags == [f"--config={ROOT}/configs/llama.py:ALCF-7B", "--config.mesh.data=-1"]
 
 
 def nodefile(tmp_path):
