@@ -5,7 +5,7 @@ cached) and the second (read from the cache), each in a fresh process.
 
 writes ``--datasets`` datasets of ``--documents`` random documents each (100-2,000 byte-range
 tokens) and an ALCF data-file list with random weights under ``--dir`` (made once), then times
-``jaxllm.data.Data`` for a GPT-3-like run (sequence 2048, global batch 512, 2,000 steps, an
+``jaxllm.data.loader.Data`` for a GPT-3-like run (sequence 2048, global batch 512, 2,000 steps, an
 evaluation of 10 batches every 500) twice with an empty index cache at first.
 """
 
@@ -24,7 +24,7 @@ TIME_ONE = """
 import sys, time
 t0 = time.perf_counter()
 from jaxllm.config import get_config
-from jaxllm.data import Data
+from jaxllm.data.loader import Data
 cfg = get_config()
 cfg.data.update(file_list=sys.argv[1], cache_dir=sys.argv[2], tokenizer="byte")
 cfg.train.update(seq_length=2048, global_batch_size=512, micro_batch_size=512, train_iters=2000, eval_interval=500,

@@ -31,7 +31,7 @@ _LAZY = {
     "Resolved": "jaxllm.config",
     "get_config": "jaxllm.config",
     "ConfigError": "jaxllm.errors",
-    "DataError": "jaxllm.data",
+    "DataError": "jaxllm.errors",
     "CheckpointError": "jaxllm.runtime.checkpoint",
     **{name: f"jaxllm.{name}" for name in ("api", "config", "resolve", "model", "parallel", "runtime", "platform",
                                            "data")},

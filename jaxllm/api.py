@@ -33,7 +33,8 @@ from jaxllm import model
 from jaxllm.config import MESH_AXES, Config, Resolved
 from jaxllm.data import blend
 from jaxllm.data.loader import Data
-from jaxllm.data.tokenizers import DataError, make_tokenizer
+from jaxllm.data.tokenizers import make_tokenizer
+from jaxllm.errors import DataError
 from jaxllm.model import attention
 from jaxllm.parallel import sharding
 from jaxllm.parallel.sharding import RULES, rules
@@ -226,7 +227,7 @@ def _tokenizer(saved: Config, workdir: str):
     """The run's tokenizer.  Text inputs are prepared with ``data.tokenizer`` itself, so byte, gpt2 and
     Hugging Face tokenizers are built directly (nothing of the data is read: the corpus need not be
     on this machine); a char tokenizer (fitted to the corpus) and indexed datasets (their
-    ``.meta.json`` names the tokenizer) are read as training reads them (:class:`jaxllm.data.Data`)."""
+    ``.meta.json`` names the tokenizer) are read as training reads them (:class:`jaxllm.data.loader.Data`)."""
     d = saved.data
     if d.tokenizer != "char" and not d.file_list and blend.parse_data_path(d.input) is None:
         return make_tokenizer(d.tokenizer, d.gpt2_dir)
@@ -251,7 +252,7 @@ def load(workdir: str, step: int | None = None) -> TrainedModel:
     Raises:
       FileNotFoundError: ``workdir`` does not exist, holds no checkpoint, or none at ``step``
         (the message lists the steps there are).
-      jaxllm.data.DataError: the tokenizer cannot be rebuilt (its files are gone or changed).
+      jaxllm.errors.DataError: the tokenizer cannot be rebuilt (its files are gone or changed).
       jaxllm.runtime.checkpoint.CheckpointError, or Orbax's errors: the checkpoint cannot be read.
     """
     workdir = os.fspath(workdir)

@@ -55,7 +55,7 @@ import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import cli, config, model, plan  # noqa: E402
-from jaxllm.data import Batches, Data, DataError  # noqa: E402
+from jaxllm.data.loader import Batches, Data  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.parallel import schedules  # noqa: E402
 from jaxllm.platform import hardware  # noqa: E402
@@ -114,7 +114,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       cfg: a config resolved by :func:`prepare`.
       num_devices: the first N of ``jax.devices()`` (default: all).
       steps: timed steps (>= 1); warmup: untimed steps before them (>= 0).
-      data: a :class:`jaxllm.data.Data` to feed real batches, or None for synthetic ones.
+      data: a :class:`jaxllm.data.loader.Data` to feed real batches, or None for synthetic ones.
       name: a label stored in the record.
       profile_dir: when set, ``profile_steps`` more steps after the timed ones under the JAX profiler,
         written there; the record's ``profile`` is then :func:`jaxllm.runtime.profile.summary` of them
@@ -332,7 +332,7 @@ def main(argv):
     F = flags.FLAGS
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
-    try:
+    with cli.usage_errors({ValueError: "error: "}):
         if F.steps < 1:
             raise ValueError(f"--steps={F.steps}: must be >= 1")
         if F.warmup < 0 or F.profile_steps < 1:
@@ -346,12 +346,6 @@ def main(argv):
         n = F.devices or len(jax.devices())
         configs = [(name, prepare(with_overrides(F.config, name), n, data=F.data, workdir=F.workdir))
                    for name in variants]  # every variant's config checked before any runs
-    except config.ConfigError as e:
-        cli.fail(e)
-    except DataError as e:
-        cli.fail(f"data error: {e}")
-    except ValueError as e:
-        cli.fail(f"error: {e}")
     if F.output:
         os.makedirs(os.path.dirname(os.path.abspath(F.output)), exist_ok=True)
     records = []

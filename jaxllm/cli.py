@@ -7,8 +7,14 @@ Imports nothing heavy at module level: :func:`force_host_devices` must run befor
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import socket
 import sys
+import threading
+
+from jaxllm.errors import ConfigError, DataError
 
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
 # XLA:CPU holds at most this many devices in one process: a device's global id is its process index x 2,048
@@ -36,6 +42,26 @@ def fail(message: str, code: int = EXIT_USAGE, *, now: bool = False):
     if now:
         exit_now(code)
     sys.exit(code)
+
+
+# what each of our errors prints before its message; a tool's own types come on top (usage_errors)
+USAGE_ERRORS = {ConfigError: "", DataError: "data error: "}
+
+
+@contextlib.contextmanager
+def usage_errors(more: dict | None = None, *, now: bool = False, report=None):
+    """Inside: a :class:`ConfigError` (its message names the key), :class:`DataError` (``"data error: "``
+    before it) or an exception of a type in ``more`` (type -> the words before its message) becomes one
+    line on stderr and exit status :data:`EXIT_USAGE`, through :func:`fail` (``now``: :func:`exit_now`)
+    or ``report(line)``.  The most derived type of the exception's that has an entry decides."""
+    table = {**USAGE_ERRORS, **(more or {})}
+    try:
+        yield
+    except tuple(table) as e:
+        line = next(table[c] for c in type(e).__mro__ if c in table) + str(e)
+        if report is None:
+            fail(line, now=now)
+        report(line)
 
 
 def devices_from_argv(argv, default: int = 0, flag: str = "devices") -> int:
@@ -276,14 +302,28 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
         :data:`MAX_STAND_INS` processes, or is not this process's device count; the job did not start; or
         this jaxlib's CPU client took the stand-ins' devices differently (their count or numbering).
     """
-    import atexit  # noqa: PLC0415
-    import socket  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-
     import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from jax._src.lib import _jax  # noqa: PLC0415  the client jax.distributed makes for each process
 
+    processes = _process_count(num_devices, per_process)
+    address = _free_address()
+    failures = _start_stand_ins(address, num_devices, per_process, processes)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(address, num_processes=processes, process_id=0, initialization_timeout=60)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--devices={num_devices}: the stand-in processes did not start: "
+                         f"{_first_line(failures[0] if failures else e)}") from None
+    atexit.register(_leave_job)
+    _check_stand_in_devices(num_devices, per_process)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0]  # XLA's errors run to pages
+
+
+def _process_count(num_devices: int, per_process: int) -> int:
+    """The job's processes for ``num_devices`` at ``per_process`` each; ValueError where that cannot be."""
     if not 1 <= per_process <= MAX_HOST_DEVICES:
         raise ValueError(f"--devices_per_process={per_process}: give 1 to {MAX_HOST_DEVICES} (XLA:CPU's most in one "
                          "process)")
@@ -291,41 +331,58 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
     if processes - 1 > MAX_STAND_INS:
         raise ValueError(f"--devices_per_process={per_process}: {num_devices} devices make {processes} processes; "
                          f"give at least {-(-num_devices // (MAX_STAND_INS + 1))} (at most {MAX_STAND_INS} stand-ins)")
+    return processes
 
-    def proto(*fields) -> bytes:  # protobuf's wire format: (number, int | bytes) fields
-        def varint(n):
-            out = bytearray()
-            while n > 0x7F:
-                out.append(n & 0x7F | 0x80)
-                n >>= 7
-            return bytes(out + bytes([n]))
-        return b"".join(varint(k << 3) + varint(v) if isinstance(v, int) else varint(k << 3 | 2) + varint(len(v)) + v
-                        for k, v in fields)
 
-    def topology(process: int, count: int) -> bytes:
-        """A LocalTopologyProto {node_id 1, boot_id 2, devices 3}, each a DeviceProto {local_device_ordinal 1,
-        global_device_id 4, device_kind 8, to_string 9, debug_string 10}, as XLA:CPU's processes publish them
-        (this host's boot id: one host, as in a job of processes on one machine)."""
-        first = process * MAX_HOST_DEVICES
-        devices = [(3, proto((1, i), (4, d), (8, b"cpu"), (9, f"CpuDevice(id={d})".encode()),
-                             (10, f"cpu:{d}".encode()))) for i, d in enumerate(range(first, first + count))]
-        return proto((1, process), (2, boot_id), *devices)
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot_id = f.read().strip()
-    except OSError:  # not Linux: XLA publishes an empty boot id there
-        boot_id = b""
+def _free_address() -> str:
+    """``127.0.0.1:PORT`` with a port free now, for the job's coordination service."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    failures = []
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _proto(*fields) -> bytes:
+    """Protobuf's wire format of ``(number, int | bytes)`` fields."""
+    def varint(n):
+        out = bytearray()
+        while n > 0x7F:
+            out.append(n & 0x7F | 0x80)
+            n >>= 7
+        return bytes(out + bytes([n]))
+    return b"".join(varint(k << 3) + varint(v) if isinstance(v, int) else varint(k << 3 | 2) + varint(len(v)) + v
+                    for k, v in fields)
+
+
+def _boot_id() -> bytes:
+    """This host's boot id (one host, as in a job of processes on one machine)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()
+    except OSError:  # not Linux: XLA publishes an empty boot id there
+        return b""
+
+
+def _topology(process: int, count: int, boot_id: bytes) -> bytes:
+    """A LocalTopologyProto {node_id 1, boot_id 2, devices 3}, each a DeviceProto {local_device_ordinal 1,
+    global_device_id 4, device_kind 8, to_string 9, debug_string 10}, as XLA:CPU's processes publish them."""
+    first = process * MAX_HOST_DEVICES
+    devices = [(3, _proto((1, i), (4, d), (8, b"cpu"), (9, f"CpuDevice(id={d})".encode()),
+                          (10, f"cpu:{d}".encode()))) for i, d in enumerate(range(first, first + count))]
+    return _proto((1, process), (2, boot_id), *devices)
+
+
+def _start_stand_ins(address: str, num_devices: int, per_process: int, processes: int) -> list:
+    """Starts processes 1 .. ``processes - 1`` as threads that join the job at ``address`` and publish their
+    devices; returns the list their failures are appended to (read once the job started or failed)."""
+    from jax._src.lib import _jax  # noqa: PLC0415  the client jax.distributed makes for each process
+
+    boot_id, failures = _boot_id(), []
 
     def stand_in(process: int, count: int) -> None:
         try:
             client = _jax.get_distributed_runtime_client(address, process, init_timeout=60)
             client.connect()  # returns once every process of the job has connected
-            client.key_value_set_bytes(f"cpu:local_topology/cpu/{process}", topology(process, count))
+            client.key_value_set_bytes(f"cpu:local_topology/cpu/{process}", _topology(process, count, boot_id))
             _STAND_INS.append(client)  # a dropped client would leave the job
         except Exception as e:  # noqa: BLE001  said by the caller, in one line
             failures.append(e)
@@ -333,24 +390,28 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
     for process in range(1, processes):
         count = min(per_process, num_devices - process * per_process)
         threading.Thread(target=stand_in, args=(process, count), daemon=True).start()
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    first_line = lambda e: str(e).strip().splitlines()[0]  # noqa: E731  XLA's errors run to pages
-    try:
-        jax.distributed.initialize(address, num_processes=processes, process_id=0, initialization_timeout=60)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"--devices={num_devices}: the stand-in processes did not start: "
-                         f"{first_line(failures[0] if failures else e)}") from None
+    return failures
 
-    def leave():  # at the exit, before jax's own hook (registered before this one): the whole job shuts down
-        threads = [threading.Thread(target=client.shutdown) for client in _STAND_INS]
-        for t in threads:
-            t.start()
-        jax.distributed.shutdown()  # this process's client meets the stand-ins' at the job's shutdown barrier
-        for t in threads:
-            t.join()
-        _STAND_INS.clear()
-    atexit.register(leave)
+
+def _leave_job() -> None:
+    """At the exit, before jax's own hook (registered before this one): the whole job shuts down."""
+    import jax  # noqa: PLC0415
+
+    threads = [threading.Thread(target=client.shutdown) for client in _STAND_INS]
+    for t in threads:
+        t.start()
+    jax.distributed.shutdown()  # this process's client meets the stand-ins' at the job's shutdown barrier
+    for t in threads:
+        t.join()
+    _STAND_INS.clear()
+
+
+def _check_stand_in_devices(num_devices: int, per_process: int) -> None:
+    """ValueError unless jax sees ``per_process`` local and ``num_devices`` devices in all, numbered as XLA:CPU
+    looks them up (checked by a compile over every device)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
     if jax.local_device_count() != per_process:
         raise ValueError(f"--devices_per_process={per_process}: this process has {jax.local_device_count()} CPU "
                          "devices (--xla_force_host_platform_device_count in XLA_FLAGS)")
@@ -359,10 +420,10 @@ def stand_in_processes(num_devices: int, per_process: int) -> None:
         raise ValueError(f"--devices={num_devices}: with stand-in processes jax sees {len(devices)} CPU devices; "
                          f"plan at most {MAX_HOST_DEVICES} devices")
     mesh = jax.sharding.Mesh(np.array(devices), ("all",))
-    try:  # the numbering checked by a compile over every device (XLA:CPU looks each one up)
+    try:
         jax.jit(lambda x: x.sum()).lower(jax.ShapeDtypeStruct((len(devices),), "float32", sharding=(
             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))))).compile()
     except Exception as e:  # noqa: BLE001  jaxlib's error, said in one line below
         raise ValueError(f"--devices={num_devices}: compiling for them on stand-in processes failed "
-                         f"({first_line(e)}): this jaxlib's CPU client numbers the devices of other processes "
+                         f"({_first_line(e)}): this jaxlib's CPU client numbers the devices of other processes "
                          f"differently; plan at most {MAX_HOST_DEVICES} devices") from None

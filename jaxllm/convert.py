@@ -55,11 +55,11 @@ from jaxllm.data.tokenizers import (
     GPT2_FILES,
     GPT2_VOCAB_SIZE,
     TOKENIZER_NAMES,
-    DataError,
     GPT2Tokenizer,
     HFTokenizer,
     gpt2_dir_or_packaged,
 )
+from jaxllm.errors import DataError
 from jaxllm.model.hf import (
     SAFETENSORS,
     ConvertError,
@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
-    try:
+    # OSError: a file missing, unreadable or unwritable
+    with cli.usage_errors(dict.fromkeys((ConvertError, DataError, OSError), "error: ")):
         if args.to_hf:
             workdir, out = args.to_hf
             hf = export_workdir(workdir, out, args.step)
@@ -342,10 +343,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         directory, workdir = args.from_hf
         cfg = import_to_workdir(directory, workdir, overrides)
-    except config.ConfigError as e:  # already reads "config error: KEY=VALUE: fix"
-        cli.fail(e)
-    except (ConvertError, DataError, OSError) as e:  # OSError: a file missing, unreadable or unwritable
-        cli.fail(f"error: {e}")
     config_py = os.path.join(workdir, "config.py")
     if not any(k.startswith("data.") for k in overrides) and cfg.data.tokenizer != "gpt2":
         print(f"note: {directory} holds no GPT-2 tokenizer for this model, so the config keeps jaxllm's default "

@@ -10,3 +10,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value, fix: str):
         self.key, self.value, self.fix = key, value, fix
         super().__init__(f"config error: {key}={value!r}: {fix}")
+
+
+class DataError(ValueError):
+    """Bad data input. The message names the file or config key, the problem and the fix."""

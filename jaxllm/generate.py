@@ -10,7 +10,6 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxllm import api, cli
-from jaxllm.data import DataError
 
 
 def main(argv):
@@ -19,12 +18,8 @@ def main(argv):
     F = flags.FLAGS
     if F.temperature <= 0:
         cli.fail(f"error: --temperature={F.temperature}: must be > 0")
-    try:
+    with cli.usage_errors({FileNotFoundError: "error: "}):
         run = api.load(F.workdir)
-    except FileNotFoundError as e:
-        cli.fail(f"error: {e}")
-    except DataError as e:
-        cli.fail(f"data error: {e}")
     prompt = np.asarray(run.tokenizer.encode(F.prompt or "\n"))
     new = run.sample(np.tile(prompt[None], (F.num_samples, 1)), F.num_tokens, temperature=F.temperature,
                      top_k=F.top_k, seed=F.seed)

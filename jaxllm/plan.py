@@ -286,7 +286,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
     memory, backend = None, None  # no GPU named: plan for this machine's backend
-    try:
+    with cli.usage_errors({ValueError: ""}, now=True):
         cluster = named_cluster(F.cluster) if F.cluster else None
         if cluster is not None:
             step_time.check_mfu(F.cluster, F.mfu)
@@ -301,8 +301,6 @@ def main(argv):
             cli.stand_in_processes(F.devices, F.devices_per_process)
         p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None, gpu=gpu)
         estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None
-    except (config.ConfigError, ValueError) as e:
-        cli.fail(e, now=True)
     if note:
         print(note)
     print(report(p, memory, F.device))

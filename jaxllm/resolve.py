@@ -16,9 +16,8 @@ from jaxllm.errors import ConfigError
 from jaxllm.model import attention, gpt
 from jaxllm.parallel import context_parallel, schedules, sharding
 from jaxllm.platform import hardware
-from jaxllm.runtime import cpu
 
-__all__ = ["mesh_shape", "padded_vocab", "resolve", "resolve_dtype", "resolve_model"]
+__all__ = ["layer_loop", "mesh_shape", "padded_vocab", "resolve", "resolve_dtype", "resolve_model"]
 
 def _check_types_and_ranges(cfg: Config) -> None:
     for name, section in cfg.sections().items():
@@ -183,6 +182,14 @@ def _ffn_size(m: Model) -> int:
     return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation == "swiglu" else 4 * m.hidden_size
 
 
+def layer_loop(backend: str, remat: str) -> str:
+    """``model.layer_loop="auto"`` for ``backend`` (a :func:`jaxllm.platform.hardware.backend_kind`):
+    ``"unrolled"`` on CPUs without remat (XLA:CPU zero-fills a scan's stacked activations and copies
+    them every step), else ``"scan"`` (with remat a scan's loop bounds what is live, and XLA:CPU would
+    keep every unrolled layer's recomputed activations)."""
+    return "unrolled" if backend == "cpu" and remat == "none" else "scan"
+
+
 def resolve_dtype(dtype: str, backend: str | None = None) -> str:
     """``model.dtype`` as the backend runs it: ``"auto"`` is float32 on CPUs, bfloat16 elsewhere.
 
@@ -214,7 +221,7 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     m.moe_ffn_hidden_size = m.moe_ffn_hidden_size or m.ffn_hidden_size
     m.dtype = resolve_dtype(m.dtype, backend)
     if m.layer_loop == "auto":
-        m.layer_loop = cpu.layer_loop(hardware.backend_kind(backend), m.remat)
+        m.layer_loop = layer_loop(hardware.backend_kind(backend), m.remat)
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,

@@ -33,7 +33,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxllm import cli, config, model
-from jaxllm.data import Batches, Data, DataError, samples, unigram_entropy
+from jaxllm.data import samples
+from jaxllm.data.loader import Batches, Data, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
@@ -407,23 +408,20 @@ def main(argv):
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     process = 0  # this process's index once it joined a multi-process job
     try:
-        if flags.FLAGS.check_devices:
-            print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
-            return
-        gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
-        host_memory.keep_freed_memory()  # CPU runs: XLA's buffers come from malloc; before XLA's threads start
-        topology = distributed.initialize()  # joins a multi-process job before any backend starts; a LaunchError
-        process = topology.process_id if topology else 0  # is a ConfigError of its process
-        check_workdir(flags.FLAGS.workdir)
-        console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
-        gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
-        train(flags.FLAGS.config, flags.FLAGS.workdir, started=started)
+        with cli.usage_errors(report=lambda line: fail_once(line, cli.EXIT_USAGE, process)):
+            if flags.FLAGS.check_devices:
+                print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
+                return
+            gpu = gpu_env.apply()  # XLA flags and runtime variables for GPUs: before any backend starts
+            host_memory.keep_freed_memory()  # CPU runs: XLA's buffers come from malloc; before XLA's threads start
+            topology = distributed.initialize()  # joins a multi-process job before any backend starts; a
+            process = topology.process_id if topology else 0  # LaunchError is a ConfigError of its process
+            check_workdir(flags.FLAGS.workdir)
+            console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
+            gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
+            train(flags.FLAGS.config, flags.FLAGS.workdir, started=started)
     except KeyboardInterrupt:
         cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
-    except config.ConfigError as e:
-        fail_once(str(e), 2, process)
-    except DataError as e:
-        fail_once(f"data error: {e}", 2, process)
     except Preempted as e:
         fail_once(f"jaxllm: {e}", EXIT_PREEMPTED, process)
     except (NonFiniteError, checkpoint.CheckpointError) as e:

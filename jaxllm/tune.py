@@ -63,7 +63,6 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from jaxllm import bench, cli, config, plan  # noqa: E402
-from jaxllm.data import DataError  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import layouts  # noqa: E402
@@ -405,7 +404,7 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     base = F.config
-    try:
+    with cli.usage_errors({ValueError: "error: "}, now=True):
         trials, seconds = parse_budget(F.budget)
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
@@ -440,12 +439,6 @@ def main(argv):
             base.model.vocab_size = KNOWN_VOCAB_SIZES.get(base.data.tokenizer) or bench.prepare(
                 base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
         resolve(base, num_devices=n, data_files=False)  # the baseline must be valid as given
-    except config.ConfigError as e:
-        cli.fail(e, now=True)
-    except DataError as e:
-        cli.fail(f"data error: {e}", now=True)
-    except ValueError as e:
-        cli.fail(f"error: {e}", now=True)
 
     if cluster and F.attention == "auto":  # the cluster's GPU attention (memory linear in the sequence)
         dims["attentions"] = [attention.resolve_impl("auto", gpu)]

@@ -99,7 +99,7 @@ def stdlib_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def stdlib_byte(stdlib_corpus):
     """Prefix of the marked standard library corpus prepared with the byte tokenizer, one document per module."""
-    from jaxllm.data.prepare import prepare
+    from jaxllm.data.text import prepare
 
     prefix = stdlib_corpus.parent / "stdlib_byte"
     prepare([str(stdlib_corpus)], "byte", str(prefix), document_marker=MARKER, progress=False)
@@ -120,7 +120,7 @@ def shakespeare_jsonl(tmp_path_factory):
 def shakespeare_gpt2(shakespeare_jsonl):
     """Prefix of Tiny Shakespeare's speeches prepared with GPT-2's BPE (the files shipped with jaxllm; an
     end-of-document token each)."""
-    from jaxllm.data.prepare import prepare
+    from jaxllm.data.text import prepare
 
     prefix = shakespeare_jsonl.parent / "shakespeare_gpt2"
     prepare([str(shakespeare_jsonl)], "gpt2", str(prefix), progress=False)
@@ -130,7 +130,7 @@ def shakespeare_gpt2(shakespeare_jsonl):
 @pytest.fixture(scope="session")
 def shakespeare_byte(shakespeare_jsonl):
     """Prefix of Tiny Shakespeare's speeches prepared with the byte tokenizer (to blend with stdlib_byte)."""
-    from jaxllm.data.prepare import prepare
+    from jaxllm.data.text import prepare
 
     prefix = shakespeare_jsonl.parent / "shakespeare_byte"
     prepare([str(shakespeare_jsonl)], "byte", str(prefix), progress=False)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxllm import config, train
-from jaxllm.data import Batches
-from jaxllm.data.prepare import ensure_prepared
+from jaxllm.data.loader import Batches
+from jaxllm.data.text import ensure_prepared
 from jaxllm.resolve import resolve
 from jaxllm.runtime import checkpoint
 from jaxllm.runtime.run import Run

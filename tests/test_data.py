@@ -16,23 +16,21 @@ import pytest
 from conftest import MARKER, TINY_SHAKESPEARE, corpus_documents, english_passage, shakespeare_documents
 
 from jaxllm.config import get_config
-from jaxllm.data import (
-    Batches,
-    ByteTokenizer,
-    CharTokenizer,
-    Data,
-    DataError,
-    GPT2Tokenizer,
-    HFTokenizer,
-    document_masks,
-    tokenizer_from_meta,
-    unigram_entropy,
-)
 from jaxllm.data.cache import build_once
 from jaxllm.data.indexed import IndexedDataset
-from jaxllm.data.inspect import parse_steps
-from jaxllm.data.prepare import collect_files, ensure_prepared, iter_documents, prepare, read_meta
-from jaxllm.data.tokenizers import PACKAGED_GPT2_DIR, split_for_bpe
+from jaxllm.data.loader import Batches, Data, document_masks, unigram_entropy
+from jaxllm.data.text import collect_files, ensure_prepared, iter_documents, prepare, read_meta
+from jaxllm.data.tokenizers import (
+    PACKAGED_GPT2_DIR,
+    ByteTokenizer,
+    CharTokenizer,
+    GPT2Tokenizer,
+    HFTokenizer,
+    split_for_bpe,
+    tokenizer_from_meta,
+)
+from jaxllm.errors import DataError
+from jaxllm.inspect_data import parse_steps
 
 SHAKESPEARE = TINY_SHAKESPEARE
 GPT2_DIR = Path(PACKAGED_GPT2_DIR)
@@ -204,7 +202,7 @@ def test_prepare_cli_workers_and_formats(tmp_path):
     outs = []
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}"
-        r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"),
+        r = cli("jaxllm.prepare", "--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"),
                 "--tokenizer", "gpt2", "--json-key", "body", "--output-prefix",
                 str(prefix), "--workers", str(workers))
         assert r.returncode == 0, r.stderr
@@ -215,10 +213,10 @@ def test_prepare_cli_workers_and_formats(tmp_path):
     assert GPT2Tokenizer(str(GPT2_DIR)).decode(ds.sequence(250)) == docs[250] + "<|endoftext|>"
     # bad inputs: one line, exit 2, nothing written
     (tmp_path / "bad.jsonl").write_text('{"body": "fine"}\n{"text": "no body"}\n')
-    r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "byte", "--json-key", "body",
+    r = cli("jaxllm.prepare", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "byte", "--json-key", "body",
             "--output-prefix", str(tmp_path / "x"))
     assert "bad.jsonl:2: no string at key 'body'" in one_error_line(r)
-    r = cli("jaxllm.data.prepare", "--input", str(tmp_path / "nope"), "--tokenizer", "byte", "--output-prefix",
+    r = cli("jaxllm.prepare", "--input", str(tmp_path / "nope"), "--tokenizer", "byte", "--output-prefix",
             str(tmp_path / "x"))
     assert "no such file or directory" in one_error_line(r)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(("x", ".x"))]
@@ -227,7 +225,7 @@ def test_prepare_cli_workers_and_formats(tmp_path):
 def test_parquet_without_pyarrow_says_so(tmp_path):
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     code = ("import sys; sys.modules['pyarrow'] = None\n"
-            "from jaxllm.data.prepare import main; sys.exit(main(sys.argv[1:]))")
+            "from jaxllm.prepare import main; sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "--input", str(tmp_path / "t.parquet"), "--tokenizer", "byte",
                         "--output-prefix", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "reading Parquet needs pyarrow, which is not installed: pip install pyarrow" in one_error_line(r)
@@ -268,7 +266,7 @@ def test_prepare_is_atomic_and_keeps_foreign_data(tmp_path):
     # Megatron's own data (no .meta.json) is never overwritten; what prepare wrote is, completely
     (out / "m.bin").write_bytes(b"\0\0")
     (out / "m.idx").write_bytes(b"x")
-    with pytest.raises(DataError, match="not written by jaxllm.data.prepare"):
+    with pytest.raises(DataError, match="not written by jaxllm.prepare"):
         prepare([str(src / "a.txt")], "byte", str(out / "m"), progress=False)
     prepare([str(src / "a.txt")], "byte", str(out / "data"), progress=False)
     prepare([str(SHAKESPEARE)], "char", str(out / "data"), progress=False)
@@ -313,7 +311,7 @@ def test_reader_errors_are_one_clear_line(shakespeare_gpt2, tmp_path):
         with pytest.raises(DataError, match=pattern):
             IndexedDataset(prefix)
     # through the CLIs: one line, exit 2, no traceback, nothing written
-    r = cli("jaxllm.data.inspect", f"--config.data.input={tmp_path / 'magic'}", f"--workdir={tmp_path / 'w'}",
+    r = cli("jaxllm.inspect_data", f"--config.data.input={tmp_path / 'magic'}", f"--workdir={tmp_path / 'w'}",
             "--steps=0:1", f"--output={tmp_path / 'o.npy'}")
     assert "not a Megatron index" in one_error_line(r) and not (tmp_path / "o.npy").exists()
 
@@ -390,7 +388,7 @@ def test_unweighted_blend_and_file_list(stdlib_byte, shakespeare_byte, tmp_path)
     data = Data(cfg, str(tmp_path), splits=("train",))
     assert data.blend.corpora == ("code", "plays") and data.weights == [0.25, 0.75]
     out = tmp_path / "b.npy"
-    r = cli("jaxllm.data.inspect", f"--config.data.file_list={tmp_path / 'list.txt'}",
+    r = cli("jaxllm.inspect_data", f"--config.data.file_list={tmp_path / 'list.txt'}",
             f"--config.data.cache_dir={tmp_path}",
             "--config.train.global_batch_size=8", "--config.train.micro_batch_size=8", "--config.train.train_iters=100",
             "--config.train.seq_length=64", f"--workdir={tmp_path}", "--steps=10:20", f"--output={out}")
@@ -461,7 +459,7 @@ def test_index_cache_is_keyed_and_built_once_across_processes(stdlib_byte, tmp_p
     cache = tmp_path / "cache"
     cfg = run_cfg(f"0.5 {stdlib_byte} 0.5 {stdlib_byte}", cache_dir=cache, iters=20)
     code = ("import sys, numpy as np; sys.path.insert(0, 'tests')\n"
-            "from test_data import run_cfg; from jaxllm.data import Data, Batches\n"
+            "from test_data import run_cfg; from jaxllm.data.loader import Data, Batches\n"
             f"d = Data(run_cfg({f'0.5 {stdlib_byte} 0.5 {stdlib_byte}'!r}, cache_dir={str(cache)!r}, iters=20), "
             f"{str(tmp_path)!r})\n"
             "print('BUILT' if d.index_built else 'READ', Batches(d).batch('train', 19).sum())")
@@ -527,10 +525,10 @@ def test_bad_inputs_are_one_data_error(stdlib_byte, stdlib_corpus, tmp_path):
     data.vocab_size = 100  # a tokenizer too small for the data
     with pytest.raises(DataError, match=r"holds token id 1\d\d, outside the byte tokenizer's vocabulary of 100"):
         Batches(data).batch("train", 0)
-    r = cli("jaxllm.data.inspect", f"--config.data.input=0.5 {stdlib_byte} 0.5 {tmp_path / 'nothing'}",
+    r = cli("jaxllm.inspect_data", f"--config.data.input=0.5 {stdlib_byte} 0.5 {tmp_path / 'nothing'}",
             f"--workdir={tmp_path}", "--steps=0:2", f"--output={tmp_path / 'o.npy'}")
     assert "nothing.bin or" in one_error_line(r) and not (tmp_path / "o.npy").exists()
-    r = cli("jaxllm.data.inspect", f"--workdir={tmp_path}", "--steps=2:2", f"--output={tmp_path / 'o.npy'}")
+    r = cli("jaxllm.inspect_data", f"--workdir={tmp_path}", "--steps=2:2", f"--output={tmp_path / 'o.npy'}")
     assert "--steps='2:2': give A:B with 0 <= A < B" in one_error_line(r)
     with pytest.raises(DataError):
         parse_steps("1-3")

@@ -20,7 +20,7 @@ import pytest
 from harness import assert_same_training, run_layouts
 
 from jaxllm import config, model
-from jaxllm.data import document_masks
+from jaxllm.data.loader import document_masks
 from jaxllm.resolve import resolve
 from jaxllm.runtime import optim, step
 from jaxllm.runtime.run import Run
@@ -126,7 +126,7 @@ def test_micro_batches_give_the_global_token_mean():
 
 
 class Validation:
-    """``eval_batch(i)`` as jaxllm.data.Batches gives it with the three options."""
+    """``eval_batch(i)`` as jaxllm.data.loader.Batches gives it with the three options."""
 
     def eval_batch(self, i):
         tokens = packed_batch(10 + i)

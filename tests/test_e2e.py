@@ -93,8 +93,8 @@ def test_readme_end_to_end_shortened(tmp_path):
                                [ref["train"][s]["loss"] for s in range(1, 17)], rtol=2e-5)
     np.testing.assert_allclose([got["eval"][s]["eval_loss"] for s in (8, 16)],
                                [ref["eval"][s]["eval_loss"] for s in (8, 16)], rtol=2e-5)
-    # the unigram entropy of the validation batches, recomputed from what jaxllm.data.inspect shows of them
-    sh(f"python -m jaxllm.data.inspect --config=configs/python_gpt2.py --workdir={workdir} --split=valid "
+    # the unigram entropy of the validation batches, recomputed from what jaxllm.inspect_data shows of them
+    sh(f"python -m jaxllm.inspect_data --config=configs/python_gpt2.py --workdir={workdir} --split=valid "
        f"--steps=0:2 "
        f"--output={tmp_path / 'valid.npy'} " + " ".join(SMALL), box)
     counts = np.bincount(np.load(tmp_path / "valid.npy")[:, :, 1:].reshape(-1))

@@ -13,8 +13,9 @@ import pytest
 from conftest import optimized_env
 
 from jaxllm.config import get_config
-from jaxllm.data import Batches, Data, document_masks, samples
+from jaxllm.data import samples
 from jaxllm.data.indexed import IndexedDataset, IndexedWriter
+from jaxllm.data.loader import Batches, Data, document_masks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,7 +105,7 @@ def test_samples_equal_megatron(case, mcore, stdlib_byte, shakespeare_byte, tmp_
 
 
 def test_inspect_cli_equals_megatron(mcore, stdlib_byte, shakespeare_byte, tmp_path):
-    """The comparison a user (or a grader) runs: jaxllm.data.inspect's file vs Megatron's own samples."""
+    """The comparison a user (or a grader) runs: jaxllm.inspect_data's file vs Megatron's own samples."""
     shakes, stdlib = linked([shakespeare_byte, stdlib_byte], tmp_path)
     flags = [f"--config.data.input=0.4 {shakes} 0.6 {stdlib}", "--config.data.split=949,50,1",
              "--config.train.seq_length=100", "--config.train.seed=42", "--config.train.global_batch_size=12",
@@ -113,7 +114,7 @@ def test_inspect_cli_equals_megatron(mcore, stdlib_byte, shakespeare_byte, tmp_p
     sizes = (70 * 12, 3 * 5 * 12, 5 * 12)
     for which, (split, steps) in enumerate((("train", (60, 70)), ("valid", (5, 15)))):
         out = tmp_path / f"{split}.npy"
-        r = subprocess.run([sys.executable, "-m", "jaxllm.data.inspect", *flags, f"--split={split}",
+        r = subprocess.run([sys.executable, "-m", "jaxllm.inspect_data", *flags, f"--split={split}",
                             f"--steps={steps[0]}:{steps[1]}", f"--output={out}"], cwd=REPO, capture_output=True,
                            text=True, timeout=300, env=optimized_env({**os.environ, "JAX_PLATFORMS": "cpu"}))
         assert r.returncode == 0, r.stderr

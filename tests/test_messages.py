@@ -36,7 +36,7 @@ def one_line(r, code=2):
 def prefix(tmp_path_factory):
     """An indexed dataset (byte tokens) of the json package's sources."""
     out = tmp_path_factory.mktemp("json") / "json"
-    r = run("--input", JSON_SOURCES, "--tokenizer", "byte", "--output-prefix", out, module="jaxllm.data.prepare")
+    r = run("--input", JSON_SOURCES, "--tokenizer", "byte", "--output-prefix", out, module="jaxllm.prepare")
     assert r.returncode == 0, r.stderr
     return str(out)
 
@@ -103,7 +103,7 @@ def test_megatron_flags_without_config_are_taken_for_their_keys(prefix, tmp_path
     out = tmp_path / "batches.npy"
     r = run("--data-path", "0.25", prefix, "0.75", prefix, "--seq-length", "16", "--micro-batch-size=2",
             "--global-batch-size=2", "--split=train", "--steps=0:1", f"--output={out}", f"--workdir={tmp_path / 'w'}",
-            module="jaxllm.data.inspect")
+            module="jaxllm.inspect_data")
     assert r.returncode == 0, r.stderr
     import numpy as np
 

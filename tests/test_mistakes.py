@@ -116,7 +116,7 @@ def test_binary_input_stops_and_can_be_insisted_on(tmp_path):
     assert line.startswith(f"data error: data input {binary}: ") and "characters are not UTF-8 text" in line, line
     assert "set data.max_undecodable (--max-undecodable)" in line
     r = run("--input", binary, "--tokenizer=byte", f"--output-prefix={tmp_path / 'p' / 'x'}",
-            "--max-undecodable=1", module="jaxllm.data.prepare")
+            "--max-undecodable=1", module="jaxllm.prepare")
     assert r.returncode == 0 and (tmp_path / "p" / "x.idx").exists(), r.stderr
 
 
@@ -135,7 +135,7 @@ def test_latin1_text_is_read_with_a_line_that_says_how_to_reencode(tmp_path):
     latin1 = tmp_path / "notes.txt"
     latin1.write_bytes(text.encode("latin-1"))  # é and î: one byte each, not UTF-8
     prefix = tmp_path / "p" / "x"
-    r = run("--input", latin1, "--tokenizer=char", f"--output-prefix={prefix}", module="jaxllm.data.prepare")
+    r = run("--input", latin1, "--tokenizer=char", f"--output-prefix={prefix}", module="jaxllm.prepare")
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "U+FFFD" in ln]
     assert lines == [f"prepare: data input {latin1}: 2 of its {len(text):,} characters are bytes that do not decode "
@@ -150,7 +150,7 @@ def test_latin1_text_is_read_with_a_line_that_says_how_to_reencode(tmp_path):
 
     utf8 = tmp_path / "notes.utf8.txt"
     utf8.write_text(latin1.read_bytes().decode("latin-1"), encoding="utf-8")  # what iconv writes
-    r = run("--input", utf8, "--tokenizer=char", f"--output-prefix={prefix}", module="jaxllm.data.prepare")
+    r = run("--input", utf8, "--tokenizer=char", f"--output-prefix={prefix}", module="jaxllm.prepare")
     assert r.returncode == 0 and "U+FFFD" not in r.stderr, r.stderr
     assert set("àéë") <= set(json.loads(Path(f"{prefix}.meta.json").read_text())["chars"])
 

@@ -5,7 +5,7 @@
     or ``"PREFIX"`` or ``"PREFIX1 PREFIX2 ..."`` (no weights: each dataset's size is its weight),
     with the rules of Megatron's ``get_blend_from_list``;
   * text files or directories, comma-separated (prepared into an indexed dataset by
-    :func:`jaxllm.data.prepare.ensure_prepared`).
+    :func:`jaxllm.data.text.ensure_prepared`).
 ``data.file_list`` (when set, instead of ``data.input``) is an ALCF Megatron-DeepSpeed data-file
 list: one ``weight prefix corpus`` line per dataset (``#`` comments and blank lines skipped; a
 missing corpus is the prefix's file name). The weights blend the prefixes as Megatron-LM's
@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from jaxllm.data import indexed
-from jaxllm.data.tokenizers import DataError
+from jaxllm.errors import DataError
 
 
 @dataclass(frozen=True)

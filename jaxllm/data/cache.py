@@ -1,6 +1,6 @@
 """A directory built once by one of many processes that share a file system, the others waiting.
 
-Used for prepared text (:func:`jaxllm.data.prepare.ensure_prepared`) and for sample indices
+Used for prepared text (:func:`jaxllm.data.text.ensure_prepared`) and for sample indices
 (:mod:`jaxllm.data.samples`). Only the ``rename`` of a finished directory and the exclusive
 creation of a lock file (``O_CREAT | O_EXCL``) are relied on, both atomic on local file
 systems, NFS (v3+) and Lustre: the directory either exists complete or not at all, and at

@@ -16,7 +16,7 @@ by its ``tools/preprocess_data.py`` is read here and data written here is read b
 ``PREFIX.bin`` holds the tokens of every sequence, back to back, no header. GPT data has one
 sequence per document (Megatron's GPTDataset samples sequences; a document split into
 sentences is several). jaxllm's own ``prepare`` writes a third file, ``PREFIX.meta.json``
-(:mod:`jaxllm.data.prepare`), that Megatron ignores.
+(:mod:`jaxllm.data.text`), that Megatron ignores.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from jaxllm.data.tokenizers import DataError
+from jaxllm.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -83,15 +83,15 @@ class IndexedDataset:
             missing = ", ".join(p for p, ok in ((ipath, have_idx), (bpath, have_bin)) if not ok)
             raise DataError(f"{key}: indexed dataset {prefix}: {missing} not found; a Megatron indexed dataset is "
                             f"PREFIX.bin + PREFIX.idx (give the prefix without the suffix), written by "
-                            f"python -m jaxllm.data.prepare or Megatron's tools/preprocess_data.py")
-        redo = "write it again (python -m jaxllm.data.prepare or Megatron's tools/preprocess_data.py)"
+                            f"python -m jaxllm.prepare or Megatron's tools/preprocess_data.py")
+        redo = "write it again (python -m jaxllm.prepare or Megatron's tools/preprocess_data.py)"
         size = os.path.getsize(ipath)
         with open(ipath, "rb") as f:
             header = f.read(HEADER_BYTES)
         if header[:len(MAGIC)] != MAGIC:
             raise DataError(f"{ipath}: not a Megatron index (magic {header[:len(MAGIC)]!r}, expected {MAGIC!r}); "
                             f"{key} must name PREFIX of a PREFIX.idx written by Megatron's preprocess_data.py or "
-                            f"jaxllm.data.prepare")
+                            f"jaxllm.prepare")
         if len(header) < HEADER_BYTES:
             raise DataError(f"{ipath}: truncated ({size} bytes, the header alone is {HEADER_BYTES}); {redo}")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[len(MAGIC):])

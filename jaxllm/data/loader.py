@@ -24,7 +24,9 @@ import numpy as np
 from jaxllm.data import blend as blend_lib
 from jaxllm.data import cache, samples
 from jaxllm.data.indexed import IndexedDataset
-from jaxllm.data.tokenizers import DataError, make_tokenizer, tokenizer_from_meta
+from jaxllm.data.text import ensure_prepared, read_meta
+from jaxllm.data.tokenizers import make_tokenizer, tokenizer_from_meta
+from jaxllm.errors import DataError
 
 SAMPLINGS = ("megatron", "uniform")
 SPLIT_IDS = {"train": 0, "valid": 1}
@@ -39,8 +41,6 @@ def resolve_blend(data_cfg, workdir: str) -> blend_lib.Blend:
     parsed = blend_lib.parse_data_path(data_cfg.input)
     if parsed is not None:
         return parsed
-    from jaxllm.data.prepare import ensure_prepared  # not at import: python -m jaxllm.data.prepare runs it
-
     prefix = ensure_prepared(data_cfg, os.path.join(workdir, "data"))
     return blend_lib.Blend((prefix,), None, (os.path.basename(os.path.dirname(prefix)),), "data.input")
 
@@ -91,8 +91,6 @@ class Data:
         self.seq_length, self.global_batch_size, self.seed = t.seq_length, t.global_batch_size, int(t.seed)
         self.blend = resolve_blend(d, workdir)
         self.datasets = [IndexedDataset(p, self.blend.key) for p in self.blend.prefixes]
-        from jaxllm.data.prepare import read_meta
-
         self.metas = [read_meta(p) for p in self.blend.prefixes]
         self.tokenizer = _tokenizer(d, self.metas, self.blend.prefixes)
         self.vocab_size = int(self.tokenizer.vocab_size)
@@ -360,7 +358,7 @@ class Batches:
       data: the run's Data.
       rows: the rows of the global batch this process reads (a slice).
       check_vocab: raise DataError on a token id outside the tokenizer's vocabulary (a model
-        cannot embed it); ``jaxllm.data.inspect`` shows such data instead.
+        cannot embed it); ``jaxllm.inspect_data`` shows such data instead.
     """
 
     def __init__(self, data: Data, rows: slice = slice(None), check_vocab: bool = True):

@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from jaxllm.data.tokenizers import DataError
+from jaxllm.errors import DataError
 
 SPLITS = ("train", "valid", "test")
 # Megatron-LM's BlendedMegatronDatasetConfig.mid_level_dataset_surplus default.

@@ -23,6 +23,8 @@ import re
 
 import numpy as np
 
+from jaxllm.errors import DataError
+
 GPT2_FILES = ("encoder.json", "vocab.bpe")
 # GPT-2's files as jaxllm ships them (package data; OpenAI's licence in the LICENSE file beside them).
 PACKAGED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2")
@@ -30,10 +32,6 @@ GPT2_VOCAB_SIZE, GPT2_EOT_ID = 50257, 50256  # GPT-2's BPE: 50,257 tokens, <|end
 # The vocabulary of the tokenizers whose size is known without reading data.
 KNOWN_VOCAB_SIZES = {"byte": 256, "gpt2": GPT2_VOCAB_SIZE}
 REPLACEMENT = "\ufffd"
-
-
-class DataError(ValueError):
-    """Bad data input. The message names the file or config key, the problem and the fix."""
 
 
 def gpt2_dir_or_packaged(gpt2_dir: str = "") -> str:
@@ -350,7 +348,7 @@ def make_tokenizer(spec: str, gpt2_dir: str = ""):
 
 
 def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
-    """Rebuilds the tokenizer that a ``PREFIX.meta.json`` records (:mod:`jaxllm.data.prepare`).
+    """Rebuilds the tokenizer that a ``PREFIX.meta.json`` records (:mod:`jaxllm.data.text`).
 
     Args:
       meta: the parsed metadata.

@@ -9,13 +9,13 @@ named below) while the model's own operations stay the plain ones every backend 
   (docs/performance.md, "Row-major gradient matmuls and written-out layers on CPUs").
 * :class:`BatchSlices` around attention on a one-device mesh: XLA:CPU runs a batched matmul on one
   thread, independent ones side by side (docs/performance.md, "Attention in slices of the batch").
-* :func:`layer_loop`: ``model.layer_loop="auto"`` writes the layers out on CPUs without remat
-  (XLA:CPU zero-fills a scan's stacked activations and copies them every step), a scan elsewhere.
+* ``model.layer_loop="auto"`` writes the layers out on CPUs without remat (XLA:CPU zero-fills a
+  scan's stacked activations and copies them every step), a scan elsewhere: decided with the
+  config's other ``auto`` values, by :func:`jaxllm.resolve.layer_loop`.
 * The host allocator (:mod:`jaxllm.platform.host_memory`, set at process start-up by the tools,
   before JAX allocates): glibc keeps freed memory, so XLA:CPU's buffers stop page-faulting.
 
-:func:`ops` applies the first two to a run's operations (:class:`jaxllm.runtime.run.Run`);
-:func:`jaxllm.resolve.resolve_model` calls :func:`layer_loop`.
+:func:`ops` applies the first two to a run's operations (:class:`jaxllm.runtime.run.Run`).
 """
 
 from __future__ import annotations
@@ -31,14 +31,7 @@ from jaxllm import model
 from jaxllm.model import attention as attn
 from jaxllm.platform import hardware
 
-__all__ = ["BatchSlices", "layer_loop", "ops", "row_major_dense"]
-
-
-def layer_loop(backend: str, remat: str) -> str:
-    """``model.layer_loop="auto"`` for ``backend`` (a :func:`jaxllm.platform.hardware.backend_kind`):
-    ``"unrolled"`` on CPUs without remat, else ``"scan"`` (with remat a scan's loop bounds what is
-    live, and XLA:CPU would keep every unrolled layer's recomputed activations)."""
-    return "unrolled" if backend == "cpu" and remat == "none" else "scan"
+__all__ = ["BatchSlices", "ops", "row_major_dense"]
 
 
 def ops(base: model.Ops, mesh_size: int) -> model.Ops:

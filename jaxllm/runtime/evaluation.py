@@ -59,7 +59,7 @@ def mean_loss(program, params, eval_batch, num_batches: int, sharding, max_bytes
         replicated output.
       params: the parameters, as ``program`` expects them.
       eval_batch: ``i -> (inputs, targets[, docs])``, this process's rows of batch ``i``, int32 ``[rows, seq]``
-        (``docs``: a dict of such arrays, :meth:`jaxllm.data.Batches.eval_batch`).
+        (``docs``: a dict of such arrays, :meth:`jaxllm.data.loader.Batches.eval_batch`).
       num_batches: ``train.eval_iters``.
       sharding: of a stack ``[chunk, batch, seq]`` (chunk unsplit).
       progress: called after each program's losses are read (e.g. :meth:`jaxllm.runtime.watchdog.Watchdog.alive`).

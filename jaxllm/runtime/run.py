@@ -101,7 +101,7 @@ class Run:
     def global_batch(self, inputs: np.ndarray, targets: np.ndarray, docs: dict | None = None) -> list:
         """This process's rows ``[rows, seq]`` -> global arrays ``[microbatches, rows/microbatches, seq]``:
         ``[inputs, targets]``, and with the data options ``docs`` (a dict of such arrays, the names
-        :attr:`documents`; :meth:`jaxllm.data.Batches.train_batch` gives them) laid out alike.
+        :attr:`documents`; :meth:`jaxllm.data.loader.Batches.train_batch` gives them) laid out alike.
 
         Row ``r`` goes to micro batch ``r % microbatches``, so each process's contiguous
         rows stay contiguous within every micro batch.

@@ -1,6 +1,6 @@
 """The batches a run trains (or evaluates) on, as a file: what the model sees, token for token.
 
-    python -m jaxllm.data.inspect [--config=FILE] [--config.KEY=VALUE ...] --workdir=DIR \\
+    python -m jaxllm.inspect_data [--config=FILE] [--config.KEY=VALUE ...] --workdir=DIR \\
         --steps=A:B [--split=train|valid] --output=FILE.npy
 
 takes the same config flags as ``python -m jaxllm.train`` and writes the global batches of
@@ -21,9 +21,9 @@ import uuid
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import cli, config
+from jaxllm import cli
 from jaxllm.data.loader import Batches, Data
-from jaxllm.data.tokenizers import DataError
+from jaxllm.errors import DataError
 from jaxllm.resolve import resolve
 
 
@@ -67,7 +67,7 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
     F = flags.FLAGS
-    try:
+    with cli.usage_errors():
         steps = parse_steps(F.steps)
         if not F.output.endswith(".npy"):
             raise DataError(f"--output={F.output!r}: give a FILE.npy")
@@ -75,10 +75,6 @@ def main(argv):
         resolve(cfg, num_devices=None)  # the data do not depend on the devices: the mesh as written
         data = Data(cfg, F.workdir, splits=(F.split,))
         out = write_batches(data, F.split, steps, F.output)
-    except config.ConfigError as e:
-        cli.fail(e)
-    except DataError as e:
-        cli.fail(f"data error: {e}")
     print(data.describe())
     print(f"wrote {F.output}: int32 {list(out.shape)} = steps {steps[0]}..{steps[1] - 1} of the {F.split} split, "
           f"global batch {data.global_batch_size}, seq_length {data.seq_length} + 1")

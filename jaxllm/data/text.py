@@ -1,7 +1,7 @@
 """Text -> a Megatron indexed dataset: ``PREFIX.bin`` + ``PREFIX.idx`` (+ ``PREFIX.meta.json``).
 
-    python -m jaxllm.data.prepare --input PATH [PATH ...] --tokenizer {char,byte,gpt2,TOKENIZER.json,DIR} \\
-        --output-prefix PREFIX [--gpt2-dir DIR] [--json-key text] [--document-marker MARKER] [--workers N]
+What :mod:`jaxllm.prepare` (the command line) and :class:`jaxllm.data.loader.Data` (``data.input`` of
+text, prepared once into the run's cache by :func:`ensure_prepared`) call.
 
 The output is what Megatron-LM's ``tools/preprocess_data.py --append-eod`` writes (the format:
 :mod:`jaxllm.data.indexed`), so Megatron reads it too; unlike Megatron's tool, the files are
@@ -32,8 +32,8 @@ first), so PREFIX is at every moment the old complete dataset, absent, or the ne
 
 from __future__ import annotations
 
-import argparse
 import collections
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -51,12 +51,12 @@ from jaxllm.data.tokenizers import (
     GPT2_FILES,
     TOKENIZER_NAMES,
     CharTokenizer,
-    DataError,
     gpt2_dir_or_packaged,
     make_tokenizer,
     sha256_file,
     tokenizer_from_meta,
 )
+from jaxllm.errors import DataError
 
 FORMAT_VERSION = 2
 META_SUFFIX = ".meta.json"
@@ -90,11 +90,11 @@ def read_meta(prefix: str) -> dict | None:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except (ValueError, OSError) as e:
-        raise DataError(f"{path}: unreadable ({e}); prepare the data again (python -m jaxllm.data.prepare)") from None
+        raise DataError(f"{path}: unreadable ({e}); prepare the data again (python -m jaxllm.prepare)") from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise DataError(f"{path}: format_version {version!r}, this version reads {FORMAT_VERSION}; prepare the data "
-                        f"again (python -m jaxllm.data.prepare)")
+                        f"again (python -m jaxllm.prepare)")
     return meta
 
 
@@ -303,17 +303,84 @@ def _replaceable(prefix: str) -> bool:
     return os.path.isfile(meta_path(prefix)) or not indexed.exists(prefix)
 
 
+def _checked_tokenizer(files, tokenizer: str, prefix: str, gpt2_dir: str, json_key: str, document_marker: str,
+                       workers: int):
+    """The tokenizer for ``files`` (char: fitted to them) once ``prefix`` may be written and ``workers`` is
+    valid; DataError otherwise."""
+    if not _replaceable(prefix):
+        raise DataError(f"--output-prefix {prefix}: {prefix}.bin/.idx exist and were not written by "
+                        f"jaxllm.prepare (no {META_SUFFIX}); choose another prefix or remove them")
+    if workers < 1:
+        raise DataError(f"--workers={workers}: must be >= 1")
+    return _fit_char(files, json_key, document_marker) if tokenizer == "char" else make_tokenizer(tokenizer, gpt2_dir)
+
+
+@contextlib.contextmanager
+def _encoded(batches, tok, tok_meta: dict, workers: int):
+    """``(batch, token ids per text)`` for each of ``batches``, in order: encoded in this process (1 worker)
+    or by ``workers`` spawned processes (terminated at the exit of the ``with``)."""
+    if workers == 1:
+        yield ((b, _encode([t for t, _ in b], tok)) for b in batches)
+        return
+    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_meta,))
+    pairs = collections.deque()  # the batches in flight, in order
+
+    def texts_of(batch):
+        pairs.append(batch)
+        return [t for t, _ in batch]
+
+    try:
+        yield ((pairs.popleft(), ids) for ids in pool.imap(_encode, (texts_of(b) for b in batches)))
+    finally:
+        pool.terminate()
+
+
+def _write_documents(encoded, writer, tok, tokenizer: str, bar) -> tuple[int, int]:
+    """Adds each non-empty document of ``encoded`` (:func:`_encoded`) to ``writer``; returns the tokens and
+    UTF-8 bytes of text written.  DataError on an id outside ``tok``'s vocabulary."""
+    num_tokens = text_bytes = 0
+    for batch, ids_list in encoded:
+        for (text, _), ids in zip(batch, ids_list):
+            if not text:
+                continue  # an empty document (Megatron's tool writes no sequence for one either)
+            if len(ids) and int(ids.max()) >= tok.vocab_size:
+                raise DataError(f"tokenizer {tokenizer}: produced id {int(ids.max())} >= its vocabulary size "
+                                f"{tok.vocab_size}; the tokenizer files are inconsistent")
+            writer.add_document(ids)
+            num_tokens += len(ids)
+            text_bytes += len(text.encode("utf-8"))
+        bar.update(sum(c for _, c in batch))
+    return num_tokens, text_bytes
+
+
+def _commit(names: dict[str, str], prefix: str) -> None:
+    """Writes the temporary files ``names`` (suffix -> path, fsynced) over ``prefix``'s, ``PREFIX.idx``
+    the last to appear (IndexedDataset needs both halves)."""
+    try:
+        os.unlink(indexed.idx_path(prefix))
+    except FileNotFoundError:
+        pass
+    os.replace(names[".bin"], indexed.bin_path(prefix))
+    os.replace(names[META_SUFFIX], meta_path(prefix))
+    os.replace(names[".idx"], indexed.idx_path(prefix))
+    cache.fsync_dir(os.path.dirname(prefix))
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "", json_key: str = "text",
              document_marker: str = "", workers: int = 1, progress: bool = True, inputs_of=None,
              max_undecodable: float = 1.0) -> dict:
+    """:func:`prepare` of the files ``files`` (``inputs_of``: file -> the input that named it)."""
     t0 = time.perf_counter()
     prefix = os.path.abspath(prefix)
-    if not _replaceable(prefix):
-        raise DataError(f"--output-prefix {prefix}: {prefix}.bin/.idx exist and were not written by "
-                        f"jaxllm.data.prepare (no {META_SUFFIX}); choose another prefix or remove them")
-    if workers < 1:
-        raise DataError(f"--workers={workers}: must be >= 1")
-    tok = _fit_char(files, json_key, document_marker) if tokenizer == "char" else make_tokenizer(tokenizer, gpt2_dir)
+    tok = _checked_tokenizer(files, tokenizer, prefix, gpt2_dir, json_key, document_marker, workers)
     dtype = indexed.token_dtype(tok.vocab_size)
     tok_meta = {"tokenizer": tok.name, **tok.meta_fields()}
     parent = os.path.dirname(prefix)
@@ -326,34 +393,10 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
     total = sum(os.path.getsize(f) for f in files if os.path.isfile(f))  # an unreadable one fails when read
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress else True,
                file=sys.stderr)
-    pool = None
     try:
-        num_tokens = text_bytes = 0
         batches = _batches(files, json_key, document_marker, inputs_of, max_undecodable)
-        if workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_meta,))
-            pairs = collections.deque()  # the batches in flight, in order
-
-            def texts_of(batch):
-                pairs.append(batch)
-                return [t for t, _ in batch]
-
-            encoded = pool.imap(_encode, (texts_of(b) for b in batches))
-        else:
-            pairs = None
-            encoded = ((b, _encode([t for t, _ in b], tok)) for b in batches)
-        for item in encoded:
-            batch, ids_list = (pairs.popleft(), item) if workers > 1 else item
-            for (text, _), ids in zip(batch, ids_list):
-                if not text:
-                    continue  # an empty document (Megatron's tool writes no sequence for one either)
-                if len(ids) and int(ids.max()) >= tok.vocab_size:
-                    raise DataError(f"tokenizer {tokenizer}: produced id {int(ids.max())} >= its vocabulary size "
-                                    f"{tok.vocab_size}; the tokenizer files are inconsistent")
-                writer.add_document(ids)
-                num_tokens += len(ids)
-                text_bytes += len(text.encode("utf-8"))
-            bar.update(sum(c for _, c in batch))
+        with _encoded(batches, tok, tok_meta, workers) as encoded:
+            num_tokens, text_bytes = _write_documents(encoded, writer, tok, tokenizer, bar)
         bar.close()
         if not writer.lengths:
             raise DataError(f"data input: the {len(files)} file(s) hold no non-empty document; nothing to write")
@@ -371,20 +414,8 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
             "document_marker": document_marker,
             "sources": [{"path": f, "bytes": os.path.getsize(f), "sha256": sha256_file(f)} for f in files],
         }
-        with open(names[META_SUFFIX], "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        # The commit: PREFIX.idx is the last to appear (IndexedDataset needs both halves).
-        try:
-            os.unlink(indexed.idx_path(prefix))
-        except FileNotFoundError:
-            pass
-        os.replace(names[".bin"], indexed.bin_path(prefix))
-        os.replace(names[META_SUFFIX], meta_path(prefix))
-        os.replace(names[".idx"], indexed.idx_path(prefix))
-        cache.fsync_dir(parent)
+        _write_json(names[META_SUFFIX], meta)
+        _commit(names, prefix)
     except BaseException:
         writer.abort()
         bar.close()
@@ -394,9 +425,6 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
             except FileNotFoundError:
                 pass
         raise
-    finally:
-        if pool is not None:
-            pool.terminate()
     dt = time.perf_counter() - t0
     mb = text_bytes / 1e6
     print(f"prepare: {meta['num_documents']:,} documents, {num_tokens:,} {tok.name} tokens from {len(files):,} files "
@@ -483,34 +511,3 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
         print(f"prepare: reusing {prefix} ({meta['num_tokens']:,} {meta['tokenizer']} tokens, "
               f"{meta['num_documents']:,} documents)", file=sys.stderr, flush=True)
     return prefix
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.data.prepare", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="text, JSON Lines or Parquet files and/or directories")
-    p.add_argument("--tokenizer", required=True, metavar="{char,byte,gpt2,PATH}",
-                   help="char, byte, gpt2, or a Hugging Face tokenizer.json / directory holding one")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, .meta.json")
-    p.add_argument("--gpt2-dir", default="", metavar="DIR",
-                   help="directory with GPT-2's encoder.json and vocab.bpe (default: the files shipped with jaxllm)")
-    p.add_argument("--json-key", default="text", help="key (JSON Lines) or column (Parquet) holding the text")
-    p.add_argument("--document-marker", default="", metavar="MARKER",
-                   help="in text files, a line starting with MARKER begins a new document (and is dropped)")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--max-undecodable", type=float, default=MAX_UNDECODABLE, metavar="FRACTION",
-                   help="the largest fraction of an input's characters that may fail to decode as UTF-8 (binary "
-                        "files); 1 keeps anything")
-    args = p.parse_args(argv)
-    try:
-        prepare(args.input, args.tokenizer, args.output_prefix, gpt2_dir=args.gpt2_dir, json_key=args.json_key,
-                document_marker=args.document_marker, workers=args.workers, max_undecodable=args.max_undecodable)
-    except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
