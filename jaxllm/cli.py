@@ -53,15 +53,16 @@ def usage_errors(more: dict | None = None, *, now: bool = False, report=None):
     """Inside: a :class:`ConfigError` (its message names the key), :class:`DataError` (``"data error: "``
     before it) or an exception of a type in ``more`` (type -> the words before its message) becomes one
     line on stderr and exit status :data:`EXIT_USAGE`, through :func:`fail` (``now``: :func:`exit_now`)
-    or ``report(line)``.  The most derived type of the exception's that has an entry decides."""
+    or ``report(line)`` (which exits).  The most derived of the exception's types that has an entry decides
+    (a DataError is a ValueError: ``{ValueError: "error: "}`` leaves it ``"data error: "``)."""
     table = {**USAGE_ERRORS, **(more or {})}
     try:
         yield
     except tuple(table) as e:
         line = next(table[c] for c in type(e).__mro__ if c in table) + str(e)
-        if report is None:
-            fail(line, now=now)
-        report(line)
+        if report is not None:
+            report(line)
+        fail(line, now=now)
 
 
 def devices_from_argv(argv, default: int = 0, flag: str = "devices") -> int:
@@ -114,7 +115,7 @@ def _check_config_args(argv) -> None:
             key, _, value = arg[len("--config."):].partition("=")
             try:
                 config.check_key(key, value)
-            except config.ConfigError as e:
+            except ConfigError as e:
                 fail(e)
     path = config_arg(argv)
     if path is not None and not os.path.isfile(path.split(":", 1)[0]):
@@ -217,7 +218,7 @@ def _megatron_args(argv: list[str], known) -> tuple[list[str], list[tuple[str, s
             value = "True"  # Megatron's store_true switches: --sequence-parallel
         try:
             config.override(config.get_config(), key, value)
-        except config.ConfigError as e:
+        except ConfigError as e:
             fail(f"error: {typed} is Megatron's flag for --config.{key}, whose value {e.fix}; pass "
                  f"--config.{key}=VALUE")
         options = config.choices(key)
@@ -271,7 +272,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         if text.startswith("flag --config."):  # an override that does not parse as its key's type
             key, _, rest = text[len("flag --config."):].partition("=")
             value = rest.split(":", 1)[0]
-            fail(config.ConfigError(key, value, f"must be {config.type_name(key)}"))
+            fail(ConfigError(key, value, f"must be {config.type_name(key)}"))
         if path is not None and text.startswith("flag --config="):
             fail(f"config error: --config={path}: {_file_error(e.__cause__ or e)}")
         fail(f"error: {text}")

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from jaxllm import cli
+from jaxllm.errors import ConfigError, DataError
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 JSON_SOURCES = Path(sysconfig.get_paths()["stdlib"]) / "json"  # six files, about 50k bytes
@@ -137,3 +140,18 @@ def test_plot_says_above_for_a_loss_above_the_unigram_entropy(tmp_path):
     assert ("validation loss 5.5000 nats/token, unigram entropy of the validation split 4.4100: 1.0900 nats above "
             "it (not yet better than predicting tokens by their frequency alone)") in r.stdout
     assert "-1.09" not in r.stdout
+
+
+@pytest.mark.parametrize("error,more,line", [
+    (ConfigError("train.lr", -1, "give > 0"), {ValueError: "error: "}, "config error: train.lr=-1: give > 0"),
+    (DataError("x.bin: missing"), {ValueError: "error: "}, "data error: x.bin: missing"),
+    (DataError("x.bin: missing"), {DataError: "error: "}, "error: x.bin: missing"),  # jaxllm.convert's
+    (ValueError("--mfu=2: a fraction"), {ValueError: ""}, "--mfu=2: a fraction"),  # jaxllm.plan's
+])
+def test_usage_errors_one_line_and_exit_2(error, more, line, capsys):
+    """Each tool's table on top of the common one: the most derived type with an entry decides the words."""
+    with pytest.raises(SystemExit) as e, cli.usage_errors(more):
+        raise error
+    assert e.value.code == 2 and capsys.readouterr().err == line + "\n"
+    with pytest.raises(KeyError), cli.usage_errors(more):  # not ours: through, with its traceback
+        raise KeyError("k")
