@@ -39,7 +39,7 @@ from jaxllm.model import attention
 from jaxllm.parallel import sharding
 from jaxllm.parallel.sharding import RULES, rules
 from jaxllm.resolve import resolve
-from jaxllm.runtime import checkpoint, optim
+from jaxllm.runtime import checkpoint, checkpoint_tiers, optim
 from jaxllm.runtime.sampling import Sampler
 
 __all__ = ["RULES", "TrainedModel", "load", "make_mesh", "optimizer_shardings", "rules", "shardings"]
@@ -216,7 +216,7 @@ class TrainedModel:
 def _steps(workdir: str) -> list[int]:
     """The finalized checkpoint steps of ``workdir``, ascending (``checkpoints/`` must exist: Orbax's
     manager would create it)."""
-    manager = checkpoint._manager(workdir)
+    manager = checkpoint_tiers.shared_manager(workdir)
     try:
         return sorted(manager.all_steps())
     finally:

@@ -138,33 +138,14 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
     t = cfg.train
     run = Run(cfg, devices=devices)
     state = run.initial_state()
-    rows = run.process_rows()
-    if data is not None:
-        loader = Batches(data, rows=rows)
-        next_batch = lambda i: run.global_batch(*loader.train_batch(i))  # noqa: E731
-    else:
-        rng = np.random.default_rng(t.seed)
-        fixed = []
-        for _ in range(2):
-            tok = rng.integers(0, cfg.model.vocab_size, (t.global_batch_size, t.seq_length + 1), dtype=np.int32)
-            fixed.append(run.global_batch(tok[rows, :-1], tok[rows, 1:]))
-        next_batch = lambda i: fixed[i % 2]  # noqa: E731
-
+    next_batch = _batches(cfg, run, data)
     batch = next_batch(0)
     t0 = time.perf_counter()
     compiled = run.train_step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - t0
     memory = plan.memory_report(compiled)
     peak, peak_source = hardware.peak_flops_per_device(devices[0], cfg.model.dtype)
-
-    times, loss = [], float("nan")
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, m = compiled(state, *batch)
-        batch = next_batch(i + 1)  # prepared while the step runs, as in the training loop
-        loss = float(m["loss"])  # the step's end: its metrics are back on the host
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    state, batch, times, loss = _timed(compiled, state, batch, next_batch, warmup, steps)
 
     profiled = {}
     if profile_dir:
@@ -177,11 +158,6 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         profiled = _profile(one_step, profile_steps, profile_dir, float(np.median(times)), compiled, cfg,
                             devices[0], peak)
     schedule = schedules.schedule_stats(cfg)
-    stats = devices[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        peak_mem, mem_source = int(stats["peak_bytes_in_use"]), "memory_stats peak_bytes_in_use"
-    else:
-        peak_mem, mem_source = memory["total"], "compiled memory_analysis"
     return {
         "name": name,
         "date": datetime.date.today().isoformat(),
@@ -200,16 +176,59 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "warmup": warmup, "steps": steps, "compile_s": compile_s,
         **flops.step_figures(times, cfg, num_devices=n, peak_flops=peak),
         "peak_flops_per_device": peak, "peak_flops_source": peak_source,
-        "peak_memory_bytes": peak_mem, "peak_memory_source": mem_source,
+        **_peak_memory(devices[0], memory),
         "compiled_memory_bytes": memory["total"], "compiled_temp_bytes": memory["temp"],
         "final_loss": loss, "step_times_s": times,
         "fp8": cfg.model.fp8,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # jaxllm's GPU settings and the user's
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-        "platform_version": jax.extend.backend.get_backend().platform_version,  # CUDA / ROCm versions on GPUs
+        **_software(),
         "config": cfg.to_dict(),
         **profiled,
     }
+
+
+def _batches(cfg, run, data):
+    """``i -> (inputs, targets)`` of step ``i`` as the train step takes them: ``data``'s batches, or two
+    fixed random ones in turn (seeded by ``train.seed``) without data."""
+    t, rows = cfg.train, run.process_rows()
+    if data is not None:
+        loader = Batches(data, rows=rows)
+        return lambda i: run.global_batch(*loader.train_batch(i))
+    rng = np.random.default_rng(t.seed)
+    fixed = []
+    for _ in range(2):
+        tok = rng.integers(0, cfg.model.vocab_size, (t.global_batch_size, t.seq_length + 1), dtype=np.int32)
+        fixed.append(run.global_batch(tok[rows, :-1], tok[rows, 1:]))
+    return lambda i: fixed[i % 2]
+
+
+def _timed(compiled, state, batch, next_batch, warmup: int, steps: int):
+    """Runs ``warmup + steps`` steps; returns ``(state, next batch, seconds of each timed step, last loss)``."""
+    times, loss = [], float("nan")
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, m = compiled(state, *batch)
+        batch = next_batch(i + 1)  # prepared while the step runs, as in the training loop
+        loss = float(m["loss"])  # the step's end: its metrics are back on the host
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return state, batch, times, loss
+
+
+def _peak_memory(device, memory: dict) -> dict:
+    """The record's peak bytes per device: the backend's process-lifetime maximum where it reports one, else
+    the compiled program's total (``memory``: :func:`jaxllm.plan.memory_report`)."""
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return {"peak_memory_bytes": int(stats["peak_bytes_in_use"]),
+                "peak_memory_source": "memory_stats peak_bytes_in_use"}
+    return {"peak_memory_bytes": memory["total"], "peak_memory_source": "compiled memory_analysis"}
+
+
+def _software() -> dict:
+    """The record's XLA flags and versions."""
+    return {"xla_flags": os.environ.get("XLA_FLAGS", ""),  # jaxllm's GPU settings and the user's
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "platform_version": jax.extend.backend.get_backend().platform_version}  # CUDA / ROCm versions on GPUs
 
 
 def _profile(step, steps: int, logdir: str, step_time_s: float, compiled, cfg, device, peak_flops: float) -> dict:

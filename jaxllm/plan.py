@@ -117,16 +117,14 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     """
     cfg = resolved(spec, num_devices, "cuda" if gpu else backend)
     dtype = cfg.model.dtype
-    if gpu is not None:
-        run, compiled, compile_s = gpu_compile(cfg, num_devices, gpu)
-    else:
-        run, compiled, compile_s = cpu_compile(cfg, num_devices, backend)
+    run, compiled, compile_s = (gpu_compile(cfg, num_devices, gpu) if gpu is not None else
+                                cpu_compile(cfg, num_devices, backend))
     hlo = compiled.as_text()
     mem = memory_report(compiled)
     state = run.abstract_state
     grads = sharding.stored(run.logical_state["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
     stage, host = cfg.parallel.zero_stage, mem["host"] if gpu else offloaded_bytes(cfg, run)
-    workspace = xla_gpu.cudnn_workspace(hlo) if gpu else 0
+    on_gpu = _gpu_figures(hlo, gpu)
     split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
                           if run.mesh.shape[a] > 1}
     return {
@@ -139,7 +137,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         "temp": mem["temp"],
         "total": mem["total"],
         "host": host,
-        "device": mem["total"] + workspace - (0 if gpu else host or 0),
+        "device": mem["total"] + on_gpu["cudnn_workspace"] - (0 if gpu else host or 0),
         "model_flops": flops.flops_per_step(cfg),
         "compile_s": compile_s,
         "dtype": dtype if dtype == run.cfg.model.dtype
@@ -152,11 +150,16 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         "compute_dtype": dtype,
         "seq_tokens": cfg.train.global_batch_size * cfg.train.seq_length,
         "collectives": comms.collectives(hlo, dict(run.mesh.shape)) if collectives else None,
-        "gpu": gpu,
-        "kernels": xla_gpu.kernels(hlo) if gpu else None,
-        "cudnn_workspace": workspace,
-        "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0,
+        **on_gpu,
     }
+
+
+def _gpu_figures(hlo: str, gpu: str | None) -> dict:
+    """:func:`plan`'s ``gpu``, ``kernels``, ``cudnn_workspace`` (bytes) and ``gemm_workspace`` (bytes) of the
+    optimized program ``hlo`` compiled for ``gpu`` (None: not for a GPU, and no kernels or workspaces)."""
+    return {"gpu": gpu, "kernels": xla_gpu.kernels(hlo) if gpu else None,
+            "cudnn_workspace": xla_gpu.cudnn_workspace(hlo) if gpu else 0,
+            "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0}
 
 
 def cpu_compile(cfg, num_devices: int, backend: str | None):

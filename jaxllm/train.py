@@ -40,6 +40,7 @@ from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
 from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers
+from jaxllm.runtime.preemption import Preemption
 from jaxllm.runtime.run import Run
 from jaxllm.runtime.sampling import Sampler
 from jaxllm.runtime.watchdog import Watchdog
@@ -209,11 +210,23 @@ def startup_line(times: dict, cache_dir: str | None) -> str:
 
 
 def _train(cfg, workdir: str, started: float) -> dict:
+    cfg, data, run, checkpointer, state, start, startup = _restore(cfg, workdir)
+    if start >= cfg.train.train_iters:  # nothing is compiled for a finished run
+        checkpointer.close()
+        if jax.process_index() == 0:
+            print(f"jaxllm: the run in {workdir} is finished: its checkpoint is at step {start} of "
+                  f"train.train_iters={cfg.train.train_iters}; to train on, raise --config.train.train_iters")
+        return {}
+    return _Loop(cfg, workdir, data, run, checkpointer, state, start, startup, started).train()
+
+
+def _restore(cfg, workdir: str):
+    """Checks config and data (:func:`setup`), then restores the newest checkpoint or initializes; returns
+    ``(resolved config, Data, Run, Checkpointer, state, completed steps, startup times in seconds)``."""
     tick = time.perf_counter()
     cfg, data = setup(cfg, workdir)
     startup = {"startup_data_s": time.perf_counter() - tick, "startup_index_s": data.index_seconds,
                "startup_index_built": None if data.sampling == "uniform" else bool(data.index_built)}
-    t = cfg.train
     checkpointer = checkpoint.Checkpointer(workdir, cfg, tokenizer=data.tokenizer)
     run = Run(cfg)
     tick = time.perf_counter()
@@ -222,141 +235,178 @@ def _train(cfg, workdir: str, started: float) -> dict:
     startup["startup_restore_s" if start else "startup_init_s"] = time.perf_counter() - tick
     if start:
         startup["resumed_at"] = start
-    if start >= t.train_iters:  # nothing is compiled for a finished run
-        checkpointer.close()
-        if jax.process_index() == 0:
-            print(f"jaxllm: the run in {workdir} is finished: its checkpoint is at step {start} of "
-                  f"train.train_iters={t.train_iters}; to train on, raise --config.train.train_iters")
-        return {}
-    loader = Batches(data, rows=run.process_rows())
+    return cfg, data, run, checkpointer, state, start, startup
+
+
+def _announce(cfg, run, data, state, start: int, unigram: float) -> None:
+    """Process 0's first lines: parameters, devices, batch, data, vocabulary, evaluation; the layout."""
     n_params = model.num_params(run.logical_state["params"])
-    primary = jax.process_index() == 0
-    # logged with every evaluation: the loss of the best context-free model of the validation batches
-    unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
-                               data.vocab_size) if t.eval_interval else float("nan"))
-    if primary:
-        active = model.active_params(cfg.model, run.logical_state["params"])
-        print(f"jaxllm: {n_params / 1e6:.2f}M parameters"
-              + (f" ({active / 1e6:.2f}M active per token)" if active != n_params else "")
-              + f", {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, {data.describe()}, model vocabulary "
-              f"{cfg.model.vocab_size} (tables padded to {cfg.model.padded_vocab_size}); "
-              + (f"unigram entropy of the validation batches {unigram:.3f} nats/token" if t.eval_interval else
-                 "no evaluation (train.eval_interval=0)")
-              + (f", resuming at step {start}" if start else ""))
-        print(run.describe(state["params"]))
+    active = model.active_params(cfg.model, run.logical_state["params"])
+    print(f"jaxllm: {n_params / 1e6:.2f}M parameters"
+          + (f" ({active / 1e6:.2f}M active per token)" if active != n_params else "")
+          + f", {jax.device_count()} {jax.devices()[0].platform} device(s), "
+          f"{cfg.microbatches} microbatch(es)/step{pipeline_note(cfg)}, {data.describe()}, model vocabulary "
+          f"{cfg.model.vocab_size} (tables padded to {cfg.model.padded_vocab_size}); "
+          + (f"unigram entropy of the validation batches {unigram:.3f} nats/token" if cfg.train.eval_interval else
+             "no evaluation (train.eval_interval=0)")
+          + (f", resuming at step {start}" if start else ""))
+    print(run.describe(state["params"]))
 
-    # the W&B run starts (or resumes) before the compilation: a login problem stops the run at once
-    wandb_run = metrics.start_wandb(cfg, workdir) if primary and cfg.log.wandb else None
-    t0 = time.perf_counter()
-    with compile_cache.Hits() as hits:
-        train_step = run.train_step.lower(state, *run.global_batch(*loader.train_batch(start))).compile()
-    compile_s = time.perf_counter() - t0
-    startup.update(startup_compile_s=compile_s, compile_cache=hits.state)
-    flops_per_step = flops.flops_per_step(cfg)
-    peak, peak_source = hardware.peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
-    if primary:
-        print(f"compiled the train step in {compile_s:.1f} s (compilation cache {hits.state}); "
-              f"{flops_per_step / 1e12:.4f} TFLOP/step; "
-              f"peak {peak / 1e12:.2f} TFLOP/s/device ({peak_source})")
 
-    bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
-    logger = metrics.MetricsLogger(workdir, enabled=primary, tensorboard=cfg.log.tensorboard,
-                                   progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start,
-                                   wandb=wandb_run)
-    exit_code = 1  # what the W&B run records: 1 unless the loop ends or is preempted
-    last, last_eval = {}, {}
-    bubble = schedules.schedule_bubble(cfg)
-    tick, steps_since = time.perf_counter(), 0
-    batch = run.global_batch(*loader.train_batch(start))
-    pending_startup = {}
-    nonfinite = NonFiniteStop(t.max_nonfinite_steps)
-    watchdog = Watchdog(t.stall_timeout_s)
-    step_times = stragglers.StepTimes(t.straggler_threshold)
-    slow_down = debug_slow_down(os.environ.get("JAXLLM_DEBUG_SLOW_PROCESS", ""))
-    # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
-    preemption = checkpoint.Preemption().install()
-    try:
-        for s in range(start, t.train_iters):
-            done = s + 1
-            with watchdog.waiting(f"train step {done}"):
+class _Loop:
+    """The training loop of a restored run: compiles the train step, then runs the steps from ``start`` to
+    ``train.train_iters`` with logging, evaluation and checkpoints (:meth:`train`)."""
+
+    def __init__(self, cfg, workdir: str, data, run, checkpointer, state, start: int, startup: dict, started: float):
+        self.cfg, self.t, self.workdir, self.data, self.run = cfg, cfg.train, workdir, data, run
+        self.checkpointer, self.state, self.start, self.startup, self.started = (checkpointer, state, start, startup,
+                                                                                 started)
+        self.loader = Batches(data, rows=run.process_rows())
+        self.primary = jax.process_index() == 0
+        t = self.t
+        # logged with every evaluation: the loss of the best context-free model of the validation batches
+        self.unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
+                                        data.vocab_size) if t.eval_interval else float("nan"))
+        if self.primary:
+            _announce(cfg, run, data, state, start, self.unigram)
+        # the W&B run starts (or resumes) before the compilation: a login problem stops the run at once
+        wandb_run = metrics.start_wandb(cfg, workdir) if self.primary and cfg.log.wandb else None
+        self._compile()
+        self.bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
+        self.logger = metrics.MetricsLogger(workdir, enabled=self.primary, tensorboard=cfg.log.tensorboard,
+                                            progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start,
+                                            wandb=wandb_run)
+        self.exit_code = 1  # what the W&B run records: 1 unless the loop ends or is preempted
+        self.last, self.last_eval = {}, {}
+        self.bubble = schedules.schedule_bubble(cfg)
+        self.tick, self.steps_since = time.perf_counter(), 0
+        self.batch = run.global_batch(*self.loader.train_batch(start))
+        self.pending_startup = {}
+        self.nonfinite = NonFiniteStop(t.max_nonfinite_steps)
+        self.watchdog = Watchdog(t.stall_timeout_s)
+        self.step_times = stragglers.StepTimes(t.straggler_threshold)
+        self.slow_down = debug_slow_down(os.environ.get("JAXLLM_DEBUG_SLOW_PROCESS", ""))
+
+    def _compile(self) -> None:
+        t0 = time.perf_counter()
+        with compile_cache.Hits() as self.hits:
+            self.train_step = self.run.train_step.lower(
+                self.state, *self.run.global_batch(*self.loader.train_batch(self.start))).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.startup.update(startup_compile_s=self.compile_s, compile_cache=self.hits.state)
+        flops_per_step = flops.flops_per_step(self.cfg)
+        self.peak, peak_source = hardware.peak_flops_per_device(jax.devices()[0], self.cfg.model.dtype)
+        if self.primary:
+            print(f"compiled the train step in {self.compile_s:.1f} s (compilation cache {self.hits.state}); "
+                  f"{flops_per_step / 1e12:.4f} TFLOP/step; "
+                  f"peak {self.peak / 1e12:.2f} TFLOP/s/device ({peak_source})")
+
+    def train(self) -> dict:
+        """Runs the steps; returns the last train and eval metrics, the compile time and the startup times.
+
+        Raises:
+          Preempted: after the checkpoint of the step at which a preemption signal was seen.
+          NonFiniteError: ``train.max_nonfinite_steps`` skipped (non-finite) steps in a row.
+        """
+        # Installed only now: a signal before the first step loses nothing since the checkpoint just restored.
+        preemption = Preemption().install()
+        try:
+            for s in range(self.start, self.t.train_iters):
+                self._step(s, preemption)
+            self.exit_code = 0
+        finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
+            with self.watchdog.waiting("the last checkpoint's save"):
+                self.checkpointer.close()
+            preemption.uninstall()
+            self.logger.close(self.exit_code, preempted=self.exit_code == EXIT_PREEMPTED)
+
+        if self.primary and self.cfg.log.samples:
+            split = "valid" if self.t.eval_interval else "train"
+            print_samples(self.run, self.state, self.data.tokenizer, Batches(self.data).batch(split, 0)[0, :8],
+                          self.workdir)
+        return {**self.last, **self.last_eval, "compile_s": self.compile_s, **self.startup}
+
+    def _step(self, s: int, preemption: Preemption) -> None:
+        """Step ``s + 1``, then what is due after it: the log line, evaluation, a checkpoint, the stops."""
+        t, watchdog, step_times, done = self.t, self.watchdog, self.step_times, s + 1
+        with watchdog.waiting(f"train step {done}"):
+            with step_times.waiting():
+                self.state, m = self.train_step(self.state, *self.batch)
+            if done < t.train_iters:  # prepared while the step runs
+                self.batch = self.run.global_batch(*self.loader.train_batch(done))
+            if s == self.start:  # the time to the first step: waits for it once
                 with step_times.waiting():
-                    state, m = train_step(state, *batch)
-                if done < t.train_iters:  # prepared while the step runs
-                    batch = run.global_batch(*loader.train_batch(done))
-                if s == start:  # the time to the first step: waits for it once
-                    with step_times.waiting():
-                        jax.block_until_ready(m)
-                    now = time.perf_counter()
-                    startup.update(startup_first_step_s=now - tick, startup_s=now - started)
-                    if primary:
-                        print(f"jaxllm: {startup_line(startup, hits.directory)}", flush=True)
-                    pending_startup = {k: v for k, v in startup.items() if k.startswith(("startup_", "compile_"))}
-            if slow_down:
-                time.sleep(slow_down)
-            steps_since += 1
-            logger.advance(1)
-            log = done % t.log_interval == 0 or done == t.train_iters
-            evaluate = t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters)
-            with watchdog.waiting(f"the checkpoint at step {done}"):
-                stop = preemption.reached(done)
-            save = stop or done == t.train_iters or checkpointer.due(done)
-            # The host reads the device only where it must: the non-finite stop from steps a few back
-            # (all pending ones before logging, evaluation and saving), the metrics at log steps.
-            settle = log or evaluate or save
-            with watchdog.waiting(f"train step {done if settle else max(done - nonfinite.lag, start + 1)}"):
-                with step_times.waiting():
-                    diverged = nonfinite.add(done, m, settle=settle)
-            if log or diverged:
-                step, m = diverged or (done, m)
-                with step_times.waiting():
-                    m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
+                    jax.block_until_ready(m)
                 now = time.perf_counter()
-                elapsed, tick = now - tick, now  # the next interval holds the wait for the others just below
-                m.update(flops.throughput(elapsed / steps_since, cfg, num_devices=jax.device_count(), peak_flops=peak))
-                spread, straggler = step_times.report(elapsed, steps_since)  # every process: a collective
-                m.update(spread)
-                if straggler and primary:
-                    print(straggler, flush=True)
-                if bubble:  # the schedule's theoretical idle fraction, next to the MFU it costs
-                    m["pipeline_bubble"] = bubble
-                stats = jax.local_devices()[0].memory_stats() or {}
-                if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
-                    m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
-                if pending_startup:  # the first record after a start says where the time to it went
-                    m.update(pending_startup)
-                    pending_startup = {}
-                logger.log(step, m)
-                last, steps_since = m, 0
-            if diverged:
-                raise NonFiniteError(f"the loss or gradient norm was NaN/inf for {t.max_nonfinite_steps} steps in a "
-                                     f"row (steps {step - t.max_nonfinite_steps + 1}-{step}, updates skipped); "
-                                     "lower train.lr, raise train.warmup_iters or check the data, then resume")
-            if evaluate:
-                t_eval = time.perf_counter()
-                with watchdog.waiting(f"the evaluation at step {done}"):
-                    loss = run.evaluate(state["params"], loader, progress=watchdog.alive)
-                last_eval = {"eval_loss": loss, "unigram_entropy": unigram}
-                if bpb_scale:
-                    last_eval["eval_bpb"] = loss * bpb_scale
-                logger.log(done, last_eval, kind="eval")
-                tick += time.perf_counter() - t_eval  # throughput counts training steps only
-            with watchdog.waiting(f"the checkpoint at step {done}"), step_times.waiting():
-                checkpointer.maybe_save(done, state, force=done == t.train_iters or stop)
-            if stop:
-                exit_code = EXIT_PREEMPTED
-                raise Preempted(done)
-        exit_code = 0
-    finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
-        with watchdog.waiting("the last checkpoint's save"):
-            checkpointer.close()
-        preemption.uninstall()
-        logger.close(exit_code, preempted=exit_code == EXIT_PREEMPTED)
+                self.startup.update(startup_first_step_s=now - self.tick, startup_s=now - self.started)
+                if self.primary:
+                    print(f"jaxllm: {startup_line(self.startup, self.hits.directory)}", flush=True)
+                self.pending_startup = {k: v for k, v in self.startup.items()
+                                        if k.startswith(("startup_", "compile_"))}
+        if self.slow_down:
+            time.sleep(self.slow_down)
+        self.steps_since += 1
+        self.logger.advance(1)
+        log = done % t.log_interval == 0 or done == t.train_iters
+        evaluate = t.eval_interval and (done % t.eval_interval == 0 or done == t.train_iters)
+        with watchdog.waiting(f"the checkpoint at step {done}"):
+            stop = preemption.reached(done)
+        save = stop or done == t.train_iters or self.checkpointer.due(done)
+        # The host reads the device only where it must: the non-finite stop from steps a few back
+        # (all pending ones before logging, evaluation and saving), the metrics at log steps.
+        settle = log or evaluate or save
+        with watchdog.waiting(f"train step {done if settle else max(done - self.nonfinite.lag, self.start + 1)}"):
+            with step_times.waiting():
+                diverged = self.nonfinite.add(done, m, settle=settle)
+        if log or diverged:
+            self._log(*(diverged or (done, m)))
+        if diverged:
+            step = diverged[0]
+            raise NonFiniteError(f"the loss or gradient norm was NaN/inf for {t.max_nonfinite_steps} steps in a "
+                                 f"row (steps {step - t.max_nonfinite_steps + 1}-{step}, updates skipped); "
+                                 "lower train.lr, raise train.warmup_iters or check the data, then resume")
+        if evaluate:
+            self._evaluate(done)
+        with watchdog.waiting(f"the checkpoint at step {done}"), step_times.waiting():
+            self.checkpointer.maybe_save(done, self.state, force=done == t.train_iters or stop)
+        if stop:
+            self.exit_code = EXIT_PREEMPTED
+            raise Preempted(done)
 
-    if primary and cfg.log.samples:
-        split = "valid" if t.eval_interval else "train"
-        print_samples(run, state, data.tokenizer, Batches(data).batch(split, 0)[0, :8], workdir)
-    return {**last, **last_eval, "compile_s": compile_s, **startup}
+    def _log(self, step: int, m: dict) -> None:
+        """The metrics line of ``step`` (``m``: its metrics, device arrays) with throughput, MFU, the processes'
+        spread, the bubble, peak memory and, first after a start, the startup times."""
+        with self.step_times.waiting():
+            m = {k: np.asarray(v).item() for k, v in jax.device_get(m).items()}
+        now = time.perf_counter()
+        elapsed, self.tick = now - self.tick, now  # the next interval holds the wait for the others just below
+        m.update(flops.throughput(elapsed / self.steps_since, self.cfg, num_devices=jax.device_count(),
+                                  peak_flops=self.peak))
+        spread, straggler = self.step_times.report(elapsed, self.steps_since)  # every process: a collective
+        m.update(spread)
+        if straggler and self.primary:
+            print(straggler, flush=True)
+        if self.bubble:  # the schedule's theoretical idle fraction, next to the MFU it costs
+            m["pipeline_bubble"] = self.bubble
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:  # GPUs report it; the CPU backend does not
+            m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
+        if self.pending_startup:  # the first record after a start says where the time to it went
+            m.update(self.pending_startup)
+            self.pending_startup = {}
+        self.logger.log(step, m)
+        self.last, self.steps_since = m, 0
+
+    def _evaluate(self, done: int) -> None:
+        """The validation loss after ``done`` steps, logged (not counted in the training throughput)."""
+        t_eval = time.perf_counter()
+        with self.watchdog.waiting(f"the evaluation at step {done}"):
+            loss = self.run.evaluate(self.state["params"], self.loader, progress=self.watchdog.alive)
+        self.last_eval = {"eval_loss": loss, "unigram_entropy": self.unigram}
+        if self.bpb_scale:
+            self.last_eval["eval_bpb"] = loss * self.bpb_scale
+        self.logger.log(done, self.last_eval, kind="eval")
+        self.tick += time.perf_counter() - t_eval  # throughput counts training steps only
 
 
 def debug_slow_down(value: str) -> float:

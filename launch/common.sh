@@ -350,7 +350,7 @@ jaxllm_end_time() {
 }
 
 # jaxllm_newest_step DIR: the newest complete checkpoint step in DIR, or nothing.  Orbax writes a step into
-# STEP.orbax-checkpoint-tmp-* and renames it STEP when complete (jaxllm/runtime/checkpoint.py).
+# STEP.orbax-checkpoint-tmp-* and renames it STEP when complete (jaxllm/runtime/checkpoint_tiers.py).
 jaxllm_newest_step() {
   local d step="" n
   for d in "$1"/*/; do

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -188,8 +189,7 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
         return _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout_keys)
 
     def fwd(params, inputs, targets, positions, dropout_keys):
-        loss, stats, grads = _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions,
-                                                   dropout_keys)
+        loss, stats, grads = _Fused(cfg, layout, spec, params, inputs, targets, positions, dropout_keys).run()
         return (loss, stats), grads
 
     def bwd(grads, ct):
@@ -274,149 +274,205 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
 # ----- the 1F1B family: one loop of forwards and backwards ------------------------------------
 
 
-def _fused_loss_and_grads(cfg, layout, spec, params, inputs, targets, positions, dropout_keys):
-    """``(mean loss, routing statistics, gradients)`` of the 1F1B-family loop (see the module docstring and
-    :func:`loss`); gradients float32, shaped as ``params``."""
-    schedule, p, v = cfg.parallel.pipeline_schedule, cfg.stages, cfg.parallel.pipeline_virtual_stages
-    m, mb, seq = inputs.shape
-    n = cfg.model.num_layers // (p * v)
-    tt = schedules.timetable(schedule, p, v, m)
-    axis, constrain = layout.mesh_axes("stage"), layout.constrain
-    vmap = functools.partial(jax.vmap, spmd_axis_name=axis)
-    positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
-    layers, rest = params["layers"], {k: w for k, w in params.items() if k != "layers"}
-    gpt = nnx.merge(spec.graphdef, params)
-    dtype, hidden = jnp.dtype(cfg.model.dtype), cfg.model.hidden_size
-    scale = 1.0 / targets.size
-    logical = spec.axes
-    split = None
-    if schedule == "zb_h1":  # a copy of the layers whose matmuls go through a router
+class _Carry(NamedTuple):
+    """What the 1F1B-family loop carries from one iteration to the next (leading axis: the ``p`` stages)."""
+
+    forward: jax.Array  # [p, mb, seq, hidden], model dtype: the activation each stage receives to forward
+    backward: jax.Array  # [p, mb, seq, hidden]: the gradient each stage receives to backward
+    stash: jax.Array  # [p, stash slots, mb, seq, hidden]: the inputs forwarded and not yet backwarded
+    grads: dict  # float32, the layers' in the stage layout [p, v, n, ...]
+    rest_grads: dict  # float32 [p, ...]: each stage's part of the embedding's, final norm's and head's
+    loss: jax.Array  # float32 [p]: the summed token losses (the last stage's)
+    stats: dict | None  # the routing statistics (:func:`_no_stats`); None for a dense model
+    deferred: dict | None  # zb_h1: the matmul inputs and output gradients kept for W [p, deferred slots, ...]
+
+
+class _Slot(NamedTuple):
+    """One slot's microbatch on every stage (leading axis ``p``)."""
+
+    tokens: jax.Array  # int32 [p, mb, seq]
+    targets: jax.Array | None  # int32 [p, mb, seq]; None in a forward slot
+    keys: jax.Array | None  # the rows' dropout keys [p, mb], or None (no dropout)
+    chunk: jax.Array  # int32 [p]: which of the stage's v chunks
+    stage: jax.Array  # int32 [p]: the stage's index
+    valid: jax.Array  # bool [p]: whether the stage's slot is in use (else idle: computed, masked)
+
+
+class _Fused:
+    """The 1F1B-family loop of one batch (see the module docstring and :func:`loss`): the slot kinds of
+    :func:`jaxllm.parallel.schedules.timetable` (forward, backward, zb_h1's weight gradient) as methods over
+    every stage at once (a ``vmap`` over the stage axis), scanned phase by phase by :meth:`run`.
+
+    Args: those of :func:`loss` (``cfg.parallel.pipeline_schedule`` one of :data:`FUSED`).
+    """
+
+    def __init__(self, cfg, layout, spec, params, inputs, targets, positions, dropout_keys):
+        self.cfg, self.spec, self.p, self.v = cfg, spec, cfg.stages, cfg.parallel.pipeline_virtual_stages
+        m, mb, seq = inputs.shape
+        self.n = cfg.model.num_layers // (self.p * self.v)
+        self.tt = schedules.timetable(cfg.parallel.pipeline_schedule, self.p, self.v, m)
+        self.axis, self.constrain = layout.mesh_axes("stage"), layout.constrain
+        self.inputs, self.targets, self.dropout_keys = inputs, targets, dropout_keys
+        self.positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
+        self.layers, self.rest = params["layers"], {k: w for k, w in params.items() if k != "layers"}
+        self.gpt = nnx.merge(spec.graphdef, params)
+        self.scale = 1.0 / targets.size
+        self.split = self._split_backward(params) if cfg.parallel.pipeline_schedule == "zb_h1" else None
+        self.stage = jnp.arange(self.p)
+        self.stage_params = jax.tree.map(
+            lambda w, axes: self.constrain(_stage_layout(w, self.p, self.v), _stage_axes(axes)),
+            self.layers, spec.axes["layers"])
+        self.rest_axes = {k: spec.axes[k] for k in self.rest}
+
+    def _split_backward(self, params) -> zero_bubble.SplitBackward:
+        """zb_h1's backward in two (B, W): a copy of the layers whose matmuls go through a router."""
         router = zero_bubble.Router()
         layer_graphdef = nnx.graphdef(nnx.merge(
-            model.describe(cfg.model, dataclasses.replace(gpt.ops, dense=router)).graphdef, params).layers)
-        one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
-        layer_axes = jax.tree.map(lambda axes: axes[1:], logical["layers"], is_leaf=lambda a: isinstance(a, tuple))
-        split = zero_bubble.SplitBackward(layer_graphdef, router, one_layer,
-                                          jax.ShapeDtypeStruct((mb, seq, hidden), dtype), positions, cfg.model.remat,
-                                          layer_axes)
+            model.describe(self.cfg.model, dataclasses.replace(self.gpt.ops, dense=router)).graphdef, params).layers)
+        one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.layers)
+        layer_axes = jax.tree.map(lambda axes: axes[1:], self.spec.axes["layers"],
+                                  is_leaf=lambda a: isinstance(a, tuple))
+        x = jax.ShapeDtypeStruct((*self.positions.shape, self.cfg.model.hidden_size), jnp.dtype(self.cfg.model.dtype))
+        return zero_bubble.SplitBackward(layer_graphdef, router, one_layer, x, self.positions, self.cfg.model.remat,
+                                         layer_axes)
 
-    def embed(rest, tokens, key):  # -> [mb, seq, embed], dropout keys of every layer [layers, mb] or None
-        return nnx.merge(spec.graphdef, {**rest, "layers": layers}).embed(tokens, positions, key, positions)
+    def _zeros(self, shape, dtype, axes):
+        return self.constrain(jnp.zeros(shape, dtype), axes)
 
-    def head_loss(rest, h, y):  # summed token losses of one microbatch (the model's fused output loss)
-        return nnx.merge(spec.graphdef, {**rest, "layers": layers}).output_loss(h, y)
+    def initial(self) -> _Carry:
+        """The carry before the first iteration: zeros."""
+        p, tt, dtype, logical = self.p, self.tt, jnp.dtype(self.cfg.model.dtype), self.spec.axes
+        act = (p, *self.positions.shape, self.cfg.model.hidden_size)
+        return _Carry(
+            forward=self._zeros(act, dtype, ACTIVATION), backward=self._zeros(act, dtype, ACTIVATION),
+            stash=self._zeros((p, tt.stash, *act[1:]), dtype, STASH),
+            grads=jax.tree.map(lambda w, axes: self._zeros(w.shape, jnp.float32, _stage_axes(axes)),
+                               self.stage_params, logical["layers"]),
+            rest_grads=jax.tree.map(lambda w, axes: self._zeros((p, *w.shape), jnp.float32, ("stage",) + axes),
+                                    self.rest, self.rest_axes),
+            loss=jnp.zeros((p,), jnp.float32), stats=_no_stats(self.cfg, self.inputs.shape[0]),
+            deferred=None if self.split is None else jax.tree.map(
+                lambda s, axes: self._zeros((p, tt.deferred, *s.shape), s.dtype, ("stage", None, *axes)),
+                self.split.record_shapes(self.n), self.split.record_axes,
+                is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct)))
 
-    def chunk_of(w, keys, chunk, stage):  # one stage's parameters [v, n, ...] -> virtual stage chunk p + stage
+    def _embed(self, rest, tokens, key):
+        """-> ``[mb, seq, embed]``, the dropout keys of every layer ``[layers, mb]`` or None."""
+        return nnx.merge(self.spec.graphdef, {**rest, "layers": self.layers}).embed(tokens, self.positions, key,
+                                                                                    self.positions)
+
+    def _head_loss(self, rest, h, y):
+        """The summed token losses of one microbatch (the model's fused output loss)."""
+        return nnx.merge(self.spec.graphdef, {**rest, "layers": self.layers}).output_loss(h, y)
+
+    def _chunk_of(self, w, keys, chunk, stage):
+        """One stage's parameters ``[v, n, ...]`` and layer keys -> those of virtual stage ``chunk p + stage``."""
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False), w)
-        return w, None if keys is None else jax.lax.dynamic_slice_in_dim(keys, (chunk * p + stage) * n, n)
+        return w, None if keys is None else jax.lax.dynamic_slice_in_dim(keys, (chunk * self.p + stage) * self.n,
+                                                                          self.n)
 
-    def run_chunk(w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
-        return gpt.run_layers(h, positions, w, keys, order=positions)[0]
+    def _run_chunk(self, w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
+        return self.gpt.run_layers(h, self.positions, w, keys, order=self.positions)
 
-    def take(a, index, axes):  # per stage a[index[s]]: [p, ...]
-        return constrain(jnp.take(a, index, axis=0), ("stage", *axes))
+    def _take(self, a, index):
+        """Per stage ``a[index[s]]``: ``[p, mb, seq]``."""
+        return self.constrain(jnp.take(a, index, axis=0), ("stage", "batch", "length"))
 
-    stage = jnp.arange(p)
-    stage_params = jax.tree.map(lambda w, axes: constrain(_stage_layout(w, p, v), _stage_axes(axes)),
-                                layers, logical["layers"])
-    rest_axes = {k: logical[k] for k in rest}
-    zeros = lambda shape, dt, axes: constrain(jnp.zeros(shape, dt), axes)  # noqa: E731
-    carry = {
-        "forward": zeros((p, mb, seq, hidden), dtype, ACTIVATION),  # what each stage receives to forward
-        "backward": zeros((p, mb, seq, hidden), dtype, ACTIVATION),  # ... and the gradient it receives
-        "stash": zeros((p, tt.stash, mb, seq, hidden), dtype, STASH),  # inputs forwarded, not yet backwarded
-        "grads": jax.tree.map(lambda w, axes: zeros(w.shape, jnp.float32, _stage_axes(axes)), stage_params,
-                              logical["layers"]),
-        "rest_grads": jax.tree.map(lambda w, axes: zeros((p, *w.shape), jnp.float32, ("stage",) + axes), rest,
-                                   rest_axes),
-        "loss": jnp.zeros((p,), jnp.float32),
-        "stats": _no_stats(cfg, m),
-    }
-    if split:
-        carry["deferred"] = jax.tree.map(
-            lambda s, axes: zeros((p, tt.deferred, *s.shape), s.dtype, ("stage", None, *axes)),
-            split.record_shapes(n), split.record_axes, is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct))
+    def _slot(self, micro, chunk, *, targets: bool) -> _Slot:
+        """The work of a slot: microbatch ``micro`` int32 ``[p]`` (-1: idle), chunk ``chunk`` int32 ``[p]``."""
+        valid, i = micro >= 0, jnp.maximum(micro, 0)
+        keys = None if self.dropout_keys is None else self.dropout_keys[i]
+        return _Slot(self._take(self.inputs, i), self._take(self.targets, i) if targets else None, keys, chunk,
+                     self.stage, valid)
 
-    def forward_slot(carry, row):
-        f, chunk = row["forward"], row["forward_chunk"]
-        keys = None if dropout_keys is None else dropout_keys[jnp.maximum(f, 0)]
+    def forward(self, carry: _Carry, row) -> tuple[_Carry, jax.Array]:
+        """The forward slot: each stage runs its chunk on what it received (stage 0, chunk 0: the embedding),
+        stashes that input for the backward and passes its output on; also returns the output ``[p, mb, seq,
+        hidden]`` (the last virtual stage's is the head's input)."""
+        slot = self._slot(row["forward"], row["forward_chunk"], targets=False)
 
-        def one(w, received, tokens, key, chunk, stage):
-            x, layer_keys = embed(rest, tokens, key)
-            h = jnp.where((stage == 0) & (chunk == 0), x, received)
-            wc, kc = chunk_of(w, layer_keys, chunk, stage)
-            return h, *gpt.run_layers(h, positions, wc, kc, order=positions)
+        def one(w, received, slot):
+            x, layer_keys = self._embed(self.rest, slot.tokens, slot.keys)
+            h = jnp.where((slot.stage == 0) & (slot.chunk == 0), x, received)
+            wc, kc = self._chunk_of(w, layer_keys, slot.chunk, slot.stage)
+            return h, *self._run_chunk(wc, h, kc)
 
-        tokens = take(inputs, jnp.maximum(f, 0), ("batch", "length"))
-        h, out, stats = vmap(one)(stage_params, carry["forward"], tokens, keys, chunk, stage)
-        carry["stats"] = _add_stats(carry["stats"], stats, jnp.maximum(f, 0), f >= 0)
-        carry["stash"] = _store(carry["stash"], row["stash_write"], h, f >= 0, axis)
-        carry["forward"] = constrain(jnp.roll(out, 1, axis=0), ACTIVATION)
-        return carry, constrain(out, ACTIVATION)
+        h, out, stats = jax.vmap(one, spmd_axis_name=self.axis)(self.stage_params, carry.forward, slot)
+        carry = carry._replace(stats=_add_stats(carry.stats, stats, jnp.maximum(row["forward"], 0), slot.valid),
+                               stash=_store(carry.stash, row["stash_write"], h, slot.valid, self.axis),
+                               forward=self.constrain(jnp.roll(out, 1, axis=0), ACTIVATION))
+        return carry, self.constrain(out, ACTIVATION)
 
-    def backward_slot(carry, row, out):
-        b, chunk = row["backward"], row["backward_chunk"]
-        valid, bi = b >= 0, jnp.maximum(b, 0)
-        keys = None if dropout_keys is None else dropout_keys[bi]
+    def _backward_stage(self, w, grads, rest_grads, received, h, slot, out):
+        """One stage's backward of ``slot`` from its stashed input ``h``: ``(grads, rest_grads, input gradient,
+        loss, zb_h1's record for W or None)``; the last virtual stage seeds it with the loss gradient of the
+        head on ``out`` (None: no forward in this slot's iteration)."""
+        valid, chunk, stage = slot.valid, slot.chunk, slot.stage
+        first, last = valid & (stage == 0) & (chunk == 0), valid & (stage == self.p - 1) & (chunk == self.v - 1)
+        masked = lambda cond, t: jax.tree.map(lambda a: jnp.where(cond, a, 0), t)  # noqa: E731
+        g, loss = received, jnp.zeros((), jnp.float32)
+        if out is not None:  # the last virtual stage's loss gradient seeds the backward (head in lockstep)
+            loss, head_vjp = jax.vjp(lambda r, o: self._head_loss(r, o, slot.targets), self.rest, out)
+            d_rest, d_out = head_vjp(jnp.asarray(self.scale, loss.dtype))
+            g = jnp.where(last, d_out, received)
+            rest_grads = jax.tree.map(jnp.add, rest_grads, masked(last, d_rest))
+        _, embed_vjp, layer_keys = jax.vjp(lambda r: self._embed(r, slot.tokens, slot.keys), self.rest, has_aux=True)
+        wc, kc = self._chunk_of(w, layer_keys, chunk, stage)
+        if self.split is None:
+            dw, dh = jax.vjp(lambda w, h: self._run_chunk(w, h, kc)[0], wc, h)[1](g)
+            record = None
+        else:
+            dw, dh, record = self.split.input_grad(wc, h, g, kc)
+        rest_grads = jax.tree.map(jnp.add, rest_grads, masked(first, embed_vjp(dh)[0]))
+        grads = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(
+            a, a[chunk] + jnp.where(valid, d, 0).astype(jnp.float32), chunk, 0), grads, dw)
+        return grads, rest_grads, dh, jnp.where(last, loss, 0), record
 
-        def one(w, grads, rest_grads, received, h, tokens, y, key, chunk, stage, valid, out):
-            first, last = valid & (stage == 0) & (chunk == 0), valid & (stage == p - 1) & (chunk == v - 1)
-            masked = lambda cond, t: jax.tree.map(lambda a: jnp.where(cond, a, 0), t)  # noqa: E731
-            g, loss = received, jnp.zeros((), jnp.float32)
-            if out is not None:  # the last virtual stage's loss gradient seeds the backward (head in lockstep)
-                loss, head_vjp = jax.vjp(lambda r, o: head_loss(r, o, y), rest, out)
-                d_rest, d_out = head_vjp(jnp.asarray(scale, loss.dtype))
-                g = jnp.where(last, d_out, received)
-                rest_grads = jax.tree.map(jnp.add, rest_grads, masked(last, d_rest))
-            _, embed_vjp, layer_keys = jax.vjp(lambda r: embed(r, tokens, key), rest, has_aux=True)
-            wc, kc = chunk_of(w, layer_keys, chunk, stage)
-            if split is None:
-                dw, dh = jax.vjp(lambda w, h: run_chunk(w, h, kc), wc, h)[1](g)
-                record = None
-            else:
-                dw, dh, record = split.input_grad(wc, h, g, kc)
-            rest_grads = jax.tree.map(jnp.add, rest_grads, masked(first, embed_vjp(dh)[0]))
-            grads = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(
-                a, a[chunk] + jnp.where(valid, d, 0).astype(jnp.float32), chunk, 0), grads, dw)
-            return grads, rest_grads, dh, jnp.where(last, loss, 0), record
-
-        h = _select(carry["stash"], row["stash_read"], axis)
-        tokens, y = take(inputs, bi, ("batch", "length")), take(targets, bi, ("batch", "length"))
-        grads, rest_grads, dh, loss, record = vmap(one, in_axes=(0,) * 11 + (None if out is None else 0,))(
-            stage_params, carry["grads"], carry["rest_grads"], carry["backward"], h, tokens, y, keys, chunk, stage,
-            valid, out)
-        carry.update(grads=grads, rest_grads=rest_grads, loss=carry["loss"] + loss,
-                     backward=constrain(jnp.roll(dh, -1, axis=0), ACTIVATION))
-        if split:
-            carry["deferred"] = _store(carry["deferred"], row["deferred_write"], record, valid, axis)
+    def backward(self, carry: _Carry, row, out: jax.Array | None) -> _Carry:
+        """The backward slot (input and weight gradients; zb_h1: input gradient, W's operands kept): each
+        stage backwards its chunk from the stashed input and passes the input gradient back."""
+        h = _select(carry.stash, row["stash_read"], self.axis)
+        slot = self._slot(row["backward"], row["backward_chunk"], targets=True)
+        grads, rest_grads, dh, loss, record = jax.vmap(self._backward_stage, spmd_axis_name=self.axis)(
+            self.stage_params, carry.grads, carry.rest_grads, carry.backward, h, slot, out)
+        carry = carry._replace(grads=grads, rest_grads=rest_grads, loss=carry.loss + loss,
+                               backward=self.constrain(jnp.roll(dh, -1, axis=0), ACTIVATION))
+        if self.split:
+            carry = carry._replace(deferred=_store(carry.deferred, row["deferred_write"], record, slot.valid,
+                                                   self.axis))
         return carry
 
-    def weight_slot(carry, row):
-        record = _select(carry["deferred"], row["deferred_read"], axis)
+    def weight(self, carry: _Carry, row) -> _Carry:
+        """zb_h1's W slot: the weight gradients of a deferred backward from its kept matmul operands."""
+        record = _select(carry.deferred, row["deferred_read"], self.axis)
 
         def one(w, grads, record, valid):
-            dw = split.weight_grad(jax.tree.map(lambda a: a[0], w), record)
+            dw = self.split.weight_grad(jax.tree.map(lambda a: a[0], w), record)
             return jax.tree.map(lambda a, d: a.at[0].add(jnp.where(valid, d, 0)), grads, dw)
 
-        carry["grads"] = vmap(one)(stage_params, carry["grads"], record, row["weight"] >= 0)
-        return carry
+        grads = jax.vmap(one, spmd_axis_name=self.axis)(self.stage_params, carry.grads, record, row["weight"] >= 0)
+        return carry._replace(grads=grads)
 
-    def body(used, carry, row):
+    def _iteration(self, used, carry: _Carry, row):
         forward, backward, weight = used
         out = None
         if forward:
-            carry, out = forward_slot(carry, row)
+            carry, out = self.forward(carry, row)
         if backward:
-            carry = backward_slot(carry, row, out)
+            carry = self.backward(carry, row, out)
         if weight:
-            carry = weight_slot(carry, row)
+            carry = self.weight(carry, row)
         return carry, None
 
-    rows = tt.rows()
-    for start, stop, used in tt.phases:
-        xs = {k: jnp.asarray(a[start:stop]) for k, a in rows.items()}
-        carry, _ = jax.lax.scan(functools.partial(body, used), carry, xs)
-    grads = {"layers": jax.tree.map(lambda g, axes: constrain(_layer_order(g), axes), carry["grads"],
-                                    logical["layers"]),
-             **jax.tree.map(lambda g, axes: constrain(g.sum(0), axes), carry["rest_grads"], rest_axes)}
-    return carry["loss"].sum() * scale, _stats_metrics(cfg, carry["stats"]), grads
+    def run(self):
+        """``(mean loss, routing statistics, gradients)``: float32 scalar, :func:`_stats_metrics`, and float32
+        gradients shaped as the parameters; one ``scan`` per phase of the timetable, each iteration holding
+        only the slot kinds some stage uses in it."""
+        carry, rows = self.initial(), self.tt.rows()
+        for start, stop, used in self.tt.phases:
+            xs = {k: jnp.asarray(a[start:stop]) for k, a in rows.items()}
+            carry, _ = jax.lax.scan(functools.partial(self._iteration, used), carry, xs)
+        grads = {"layers": jax.tree.map(lambda g, axes: self.constrain(_layer_order(g), axes), carry.grads,
+                                        self.spec.axes["layers"]),
+                 **jax.tree.map(lambda g, axes: self.constrain(g.sum(0), axes), carry.rest_grads, self.rest_axes)}
+        return carry.loss.sum() * self.scale, _stats_metrics(self.cfg, carry.stats), grads
