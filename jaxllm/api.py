@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxllm import model
 from jaxllm.config import MESH_AXES, Config, Resolved
@@ -316,8 +315,8 @@ def _check_layout(config, mesh) -> None:
 def shardings(config: Resolved, mesh: jax.sharding.Mesh) -> dict:
     """Where each parameter lives in a run of ``config`` on ``mesh``: what the training loop uses.
 
-    The rules table (:func:`rules`; ZeRO's from ``parallel.zero_stage`` 3) applied to the model's
-    logical axes: e.g. with ``mesh.tensor`` > 1 the attention's ``wq`` ``[layers, embed, heads,
+    The rules table (:func:`rules`; ZeRO's from stage 3, :func:`jaxllm.parallel.sharding.zero_tables`) applied
+    to the model's logical axes: e.g. with ``mesh.tensor`` > 1 the attention's ``wq`` ``[layers, embed, heads,
     head_dim]`` is ``PartitionSpec("pipeline", "fsdp", "tensor", None)`` (column-parallel) and the
     embedding ``wte`` ``[padded_vocab, embed]`` ``PartitionSpec("tensor", "fsdp")`` (vocabulary-parallel).
 
@@ -333,14 +332,13 @@ def shardings(config: Resolved, mesh: jax.sharding.Mesh) -> dict:
       TypeError: ``config`` is not resolved.  ValueError: ``mesh`` is not the config's mesh.
     """
     _check_layout(config, mesh)
-    table = rules(config, zero=config.parallel.zero_stage >= 3)
-    specs = sharding.param_specs(model.describe(config.model).axes, table)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    return sharding.param_shardings(config, model.describe(config.model).axes, mesh)
 
 
 def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=None):
     """Where the optimizer state lives in a run of ``config`` on ``mesh``: its moments as the parameters,
-    split further over ``data`` and ``sequence`` from ``parallel.zero_stage`` 1 (ZeRO), its counters replicated.
+    split further over ``data`` and ``sequence`` from ZeRO stage 1 (:func:`jaxllm.parallel.sharding.zero_tables`),
+    its counters replicated.
 
     Args:
       config, mesh: as :func:`shardings`.

@@ -123,12 +123,11 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     mem = memory_report(compiled)
     state = run.abstract_state
     grads = sharding.stored(run.logical_state["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
-    stage, host = cfg.parallel.zero_stage, mem["host"] if gpu else offloaded_bytes(cfg, run)
+    tables, host = sharding.zero_tables(cfg), mem["host"] if gpu else offloaded_bytes(cfg, run)
     on_gpu = _gpu_figures(hlo, gpu)
-    split = lambda zero: {a: run.mesh.shape[a] for a in sharding.rules(cfg, zero=zero)["embed"]  # noqa: E731
-                          if run.mesh.shape[a] > 1}
+    split = lambda table: {a: run.mesh.shape[a] for a in table["embed"] if run.mesh.shape[a] > 1}  # noqa: E731
     return {
-        "split": {"params": split(stage >= 3), "grads": split(stage >= 2), "opt_state": split(stage >= 1)},
+        "split": {"params": split(tables.params), "grads": split(tables.grads), "opt_state": split(tables.opt_state)},
         "params": sharding.per_device_bytes(state["params"]),
         "grads": sharding.per_device_bytes(grads),
         "opt_state": sharding.per_device_bytes(state["opt_state"]),

@@ -330,11 +330,12 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
                                   backend=backend)
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters
     t.optimizer = config.OPTIMIZER_ALIASES.get(t.optimizer, t.optimizer)
-    data_parallel = shape["data"] * shape["fsdp"] * shape["expert"]
+    batch_axes = sharding.RULES["batch"]  # the data-parallel axes: those the rules table splits the batch over
+    data_parallel = math.prod(shape[a] for a in batch_axes)
     if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise ConfigError(
             "train.global_batch_size", t.global_batch_size,
-            f"must be divisible by train.micro_batch_size x data-parallel size (mesh data x fsdp x expert) "
+            f"must be divisible by train.micro_batch_size x data-parallel size (mesh {' x '.join(batch_axes)}) "
             f"= {t.micro_batch_size} x {data_parallel} = {t.micro_batch_size * data_parallel}")
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
     microbatches = t.global_batch_size // (t.micro_batch_size * data_parallel)

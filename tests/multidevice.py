@@ -126,7 +126,7 @@ def run_layout(layout, batches, doc_batches):
         state, m = run.train_step(state, *run.global_batch(x[rows], y[rows], *documents(cfg, x[rows])))
         losses.append(float(m["loss"]))
         moe.append({k: float(v) for k, v in m.items() if k.startswith("moe_")})
-    declared = sharding.param_specs(run.spec.axes, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3))
+    declared = sharding.param_specs(run.spec.axes, sharding.zero_tables(cfg).params)
     mismatched = [
         jax.tree_util.keystr(path)
         for (path, leaf), spec in zip(

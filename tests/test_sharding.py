@@ -123,3 +123,16 @@ def test_plan_config_error_exits_2():
                         "--config.mesh.tensor=8", "--config.model.num_attention_heads=12"], capture_output=True,
                        text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 2 and r.stderr.startswith("config error: model.num_attention_heads=12"), r.stderr
+
+
+def test_zero_tables_split_the_stages_parts():
+    """ZeRO-1 splits the optimizer state over the data-parallel axes, ZeRO-2 also the gradients, ZeRO-3 also
+    the parameters (DeepSpeed's stages); the fsdp axis splits all three at every stage."""
+    cfg = config.get_config()
+    plain, zero = ("fsdp",), ("fsdp", "data", "expert", "sequence")
+    for stage, want in enumerate([(plain, plain, plain), (plain, plain, zero), (plain, zero, zero),
+                                  (zero, zero, zero)]):
+        cfg.parallel.zero_stage = stage
+        tables = sharding.zero_tables(cfg)
+        assert (tables.params["embed"], tables.grads["embed"], tables.opt_state["embed"]) == want, stage
+        assert tables.opt_state["expert_embed"] == (("fsdp", "data", "sequence") if stage else ("fsdp",))

@@ -88,9 +88,10 @@ def rules(cfg, *, zero: bool = False, replica: bool = False) -> dict[str, tuple[
 
     Args:
       cfg: the run config (``parallel.megatron_sp`` adds ``tensor`` to ``residual``).
-      zero: the table for ZeRO-partitioned arrays: ``embed`` also over ``data``, ``expert`` and ``sequence``
-        (every axis whose devices hold replicas of the same weights, pipeline and tensor excepted), an
-        expert's ``expert_embed`` over ``data`` and ``sequence`` (its replicas).
+      zero: the table for ZeRO-partitioned arrays: ``embed`` also over every axis whose devices hold
+        replicas of the same weights (``batch``'s and ``length``'s: data, expert, sequence; pipeline and
+        tensor hold other weights), an expert's ``expert_embed`` over those but ``experts``' own (data,
+        sequence).  Which parts of the training state use it: :func:`zero_tables`.
       replica: the table of one data-parallel replica's computation, inside the train step's ``vmap`` over
         the replicas (``spmd_axis_name="data"``, :func:`jaxllm.runtime.step.reduces_once`): ``batch``
         without ``data``, which the ``vmap`` adds.
@@ -99,11 +100,48 @@ def rules(cfg, *, zero: bool = False, replica: bool = False) -> dict[str, tuple[
     if cfg.parallel.megatron_sp:
         table["residual"] = ("sequence", "tensor")
     if zero:
-        table["embed"] = ("fsdp", "data", "expert", "sequence")
-        table["expert_embed"] = ("fsdp", "data", "sequence")
+        replicas = RULES["batch"] + RULES["length"]
+        for name, taken in (("embed", ()), ("expert_embed", RULES["experts"])):
+            table[name] = RULES[name] + tuple(a for a in replicas if a not in RULES[name] + taken)
     if replica:
         table["batch"] = tuple(a for a in table["batch"] if a != "data")
     return table
+
+
+# What each ZeRO stage splits over the data-parallel axes, as DeepSpeed and Megatron-LM define the stages
+# (Rajbhandari et al. 2020): stage 1 the optimizer state (Megatron-LM's distributed optimizer), stage 2
+# also the gradients, stage 3 also the parameters.  The ``fsdp`` axis splits all three at every stage.
+ZERO_STAGES: dict[int, tuple[str, ...]] = {0: (), 1: ("opt_state",), 2: ("opt_state", "grads"),
+                                           3: ("opt_state", "grads", "params")}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTables:
+    """The rules tables of the training state's parts (:func:`zero_tables`).
+
+    Attributes:
+      params, grads, opt_state: each a rules table (logical axis -> mesh axes), :func:`rules`' ZeRO one
+        for the parts ZeRO splits, else the plain one.
+      sharded: the parts ZeRO splits over the data-parallel axes (:data:`ZERO_STAGES`).
+    """
+
+    params: Mapping[str, tuple[str, ...]]
+    grads: Mapping[str, tuple[str, ...]]
+    opt_state: Mapping[str, tuple[str, ...]]
+    sharded: tuple[str, ...]
+
+
+def zero_tables(cfg) -> StateTables:
+    """The parameter, gradient and optimizer-state rules tables of ``cfg``'s ZeRO stage
+    (``parallel.zero_stage``, read here alone below :func:`jaxllm.resolve.resolve`).
+
+    The tables do not depend on the mesh: ``NamedSharding(mesh, logical_to_spec(axes, table))`` places
+    an array (:func:`param_shardings`, :func:`grad_shardings`, :func:`state_shardings`).
+    """
+    sharded = ZERO_STAGES[cfg.parallel.zero_stage]
+    plain, zero = rules(cfg), rules(cfg, zero=True)
+    return StateTables(**{part: zero if part in sharded else plain for part in ("params", "grads", "opt_state")},
+                       sharded=sharded)
 
 
 def logical_to_spec(axes, table) -> PartitionSpec:
@@ -161,7 +199,8 @@ def check(cfg, sizes: Mapping[str, tuple[int, str]]) -> None:
     Raises:
       ConfigError: the first dimension that does not divide, with its key.
     """
-    tables = [rules(cfg)] + ([rules(cfg, zero=True)] if cfg.parallel.zero_stage >= 1 else [])
+    state = zero_tables(cfg)
+    tables = [rules(cfg)] + ([state.opt_state] if state.sharded else [])  # ZeRO's table, where a part uses it
     for table in tables:
         for name, (size, key) in sizes.items():
             axes = () if name in STORED else table.get(name, ())
@@ -223,17 +262,16 @@ def param_specs(logical, table):
 def state_shardings(cfg, abstract_state, logical, mesh):
     """NamedShardings of the training state ``{"step", "params", "opt_state", ...}``, whatever the optimizer.
 
-    Parameters follow :func:`rules` (ZeRO table from stage 3).  Each array of the optimizer state
-    that belongs to a parameter (its path in the state ends with the parameter's path) follows the
-    ZeRO table from stage 1 (:func:`optimizer_spec`): a moment of the parameter's shape is laid out as
+    Parameters follow :func:`param_shardings`.  Each array of the optimizer state that belongs to a
+    parameter (its path in the state ends with the parameter's path) follows the optimizer-state table of
+    :func:`zero_tables` (:func:`optimizer_spec`): a moment of the parameter's shape is laid out as
     the parameter; one with a dimension fewer (Adafactor's factored row and column statistics) as the
     parameter without that dimension.  Everything else (counters, Adafactor's placeholders, Muon's
     coefficients) is replicated, as are ``step`` and the other top-level counters.  The shardings are
     of the stored arrays (:func:`stored`): a :data:`STORED` dimension the mesh does not divide is padded.
     """
-    stage = cfg.parallel.zero_stage
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    table = rules(cfg, zero=stage >= 1)
+    table = zero_tables(cfg).opt_state
     owners = {tuple(path): (leaf.shape, axes) for (path, leaf), axes in zip(
         jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0],
         jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)))}
@@ -246,9 +284,24 @@ def state_shardings(cfg, abstract_state, logical, mesh):
         return named(PartitionSpec())
 
     opt = jax.tree_util.tree_map_with_path(opt_sharding, abstract_state["opt_state"])
-    params = jax.tree.map(named, param_specs(logical, rules(cfg, zero=stage >= 3)))
     scalars = {k: named(PartitionSpec()) for k in abstract_state if k not in ("params", "opt_state")}
-    return {**scalars, "params": params, "opt_state": opt}
+    return {**scalars, "params": param_shardings(cfg, logical, mesh), "opt_state": opt}
+
+
+def param_shardings(cfg, logical, mesh):
+    """NamedShardings of the parameters (logical axes ``logical``, as :class:`jaxllm.model.Spec` holds
+    them) on ``mesh``: split over the data-parallel axes from ZeRO stage 3 (:func:`zero_tables`)."""
+    return _shardings(logical, zero_tables(cfg).params, mesh)
+
+
+def grad_shardings(cfg, logical, mesh):
+    """Where gradients live after the data-parallel reduction: reduce-scattered over the data-parallel
+    axes from ZeRO stage 2 (:func:`zero_tables`), else laid out like the parameters."""
+    return _shardings(logical, zero_tables(cfg).grads, mesh)
+
+
+def _shardings(logical, table, mesh):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(logical, table))
 
 
 def optimizer_spec(shape, param_shape, axes, table) -> PartitionSpec:
@@ -293,13 +346,6 @@ def unpad(tree, like):
     GSPMD keeps sharded, outside it works on host (NumPy) arrays too."""
     return jax.tree.map(lambda x, a: x if x.shape == a.shape else x[tuple(slice(0, n) for n in a.shape)],
                         tree, like)
-
-
-def grad_shardings(cfg, logical, mesh):
-    """Where gradients live after the data-parallel reduction: reduce-scattered over the
-    data axes for ZeRO stage >= 2, else laid out like the parameters."""
-    stage = cfg.parallel.zero_stage
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(logical, rules(cfg, zero=stage >= 2)))
 
 
 def per_device_bytes(tree) -> int:

@@ -143,8 +143,7 @@ def _ops(cfg, layout: sharding.Layout) -> model.Ops:
                     attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
                                                          cfg.parallel.ulysses_degree),
                     embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
-                    param=sharding.Layout(layout.mesh, sharding.rules(cfg, zero=cfg.parallel.zero_stage >= 3)
-                                          ).constrain,
+                    param=sharding.Layout(layout.mesh, sharding.zero_tables(cfg).params).constrain,
                     experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
     if cfg.model.fp8:
         ops = dataclasses.replace(ops, dense=fp8.dense)

@@ -14,12 +14,16 @@ shape holding only what the options set on need (:data:`jaxllm.data.loader.DOCUM
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxllm import model
-from jaxllm.parallel import context_parallel, pipeline
+from jaxllm.config import Resolved
+from jaxllm.parallel import context_parallel, pipeline, sharding
 from jaxllm.runtime import optim
 
 
@@ -57,15 +61,165 @@ def reduces_once(cfg) -> bool:
     """Whether the train step sums the data-parallel gradients once per step rather than once per micro batch.
 
     It does where every micro batch would otherwise all-reduce its gradients over ``data`` inside its
-    backward: more than one micro batch and data-parallel device, with or without a pipeline, ZeRO stage < 2
-    (stage 2 reduce-scatters each micro batch's gradients to keep only a shard of them, as DeepSpeed's
-    does).  Not with a mixture of experts or FP8, whose routing losses and scaling factors are statistics
-    of a whole micro batch that one replica's rows would change.  With one micro batch the per-layer
-    reductions stay: they overlap the backward.  Megatron-LM's data-parallel gradient buffer likewise
-    reduces once, in the last micro batch (``DistributedDataParallel``'s ``no_sync``).
+    backward: more than one micro batch and data-parallel device, with or without a pipeline, gradients
+    not split by ZeRO (stage 2 reduce-scatters each micro batch's gradients to keep only a shard of them,
+    as DeepSpeed's does).  Not with a mixture of experts or FP8, whose routing losses and scaling factors
+    are statistics of a whole micro batch that one replica's rows would change.  With one micro batch the
+    per-layer reductions stay: they overlap the backward.  Megatron-LM's data-parallel gradient buffer
+    likewise reduces once, in the last micro batch (``DistributedDataParallel``'s ``no_sync``).
     """
-    return (cfg.microbatches > 1 and cfg.mesh_shape["data"] > 1 and cfg.parallel.zero_stage < 2
+    return (cfg.microbatches > 1 and cfg.mesh_shape["data"] > 1 and "grads" not in sharding.zero_tables(cfg).sharded
             and not cfg.model.num_experts and not cfg.model.fp8)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """What the gradient strategies (:func:`accumulated`, :func:`pipelined`, :func:`replicated`) share.
+
+    Attributes:
+      cfg: the resolved config.
+      spec: the model (:func:`jaxllm.model.describe`, with the mesh's ops).
+      layout: the mesh and rules table (None: one device).
+      grad_sharding: NamedShardings of the gradients (a tree shaped as the parameters), or None: where
+        the gradient accumulator is pinned, which is where ZeRO-2 turns the all-reduce into a reduce-scatter.
+      replica_layout, replica_spec: for :func:`replicated`, ``layout`` with ``batch`` not split over
+        ``data`` and the model on it; else None.
+    """
+
+    cfg: Resolved
+    spec: Any
+    layout: sharding.Layout | None = None
+    grad_sharding: Any = None
+    replica_layout: sharding.Layout | None = None
+    replica_spec: Any = None
+
+    def pin(self, grads):
+        """``grads`` constrained to :attr:`grad_sharding` (unchanged without one)."""
+        return grads if self.grad_sharding is None else jax.lax.with_sharding_constraint(grads, self.grad_sharding)
+
+
+def _micro_loss(graphdef, params, inputs, targets, order, docs, key, count):
+    """One micro batch's summed token losses divided by the global batch's token ``count``, and its
+    routing statistics."""
+    loss, stats = model.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
+                             dropout_key=key, with_stats=True)
+    return loss / count, stats
+
+
+_micro_grads = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
+
+
+def accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
+    """Loss, gradients and routing statistics of a step whose micro batches run one after another.
+
+    Args:
+      setup: the step's pieces.
+      params: float32 parameters.
+      inputs, targets: int32 ``[microbatches, rows, seq]``; order, docs, keys (or None): laid out alike,
+        ``keys`` the dropout keys ``[microbatches, rows]`` (:func:`row_keys`; None without dropout).
+    Returns:
+      ``(loss, grads, stats)``: the float32 mean loss of the global batch, its gradients (float32 sums of
+      the micro batches', pinned by :meth:`StepSetup.pin`), and the mean of the micro batches' routing
+      statistics (:data:`jaxllm.model.MOE_STATS` with experts, else ``{}``).
+    """
+    cfg = setup.cfg
+    count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
+    held = model.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
+    add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731 - float32 sums of the cast copies' gradients
+
+    def micro_step(acc, xs):
+        (loss, stats), grads = _micro_grads(setup.spec.graphdef, held, *xs, count)
+        stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
+        return jax.tree.map(add, acc, (loss, setup.pin(grads), stats)), None
+
+    stats = {k: jnp.zeros((), jnp.float32) for k in (model.MOE_STATS if cfg.model.num_experts else ())}
+    zeros = (jnp.zeros((), jnp.float32), setup.pin(jax.tree.map(jnp.zeros_like, params)), stats)
+    return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
+
+
+def pipelined(setup: StepSetup, params, inputs, targets, order, docs, keys):
+    """As :func:`accumulated`, the micro batches through the pipeline stages (:func:`jaxllm.parallel.pipeline.loss`;
+    no ``docs``: :func:`jaxllm.resolve.resolve` refuses the document options with a pipeline)."""
+    (loss, stats), grads = jax.value_and_grad(lambda p: pipeline.loss(
+        setup.cfg, setup.layout, setup.spec, p, inputs, targets, order, keys), has_aux=True)(params)
+    return loss, setup.pin(grads), stats
+
+
+def replicated(setup: StepSetup, params, inputs, targets, order, docs, keys):
+    """As :func:`accumulated` (no routing statistics: :func:`reduces_once` excludes a mixture of experts),
+    each data-parallel replica's gradients computed and accumulated apart (a ``vmap`` over the replicas,
+    ``spmd_axis_name="data"``) and the replicas' sums added once, after the last micro batch: one
+    all-reduce per step instead of one per micro batch."""
+    per_replica = _replicas_pipelined if setup.cfg.stages > 1 else _replicas_accumulated
+    losses, grads = per_replica(setup, params, inputs, targets, order, docs, keys)
+    return jnp.sum(losses), setup.pin(jax.tree.map(lambda g: jnp.sum(g, 0), grads)), {}
+
+
+def _by_replica(a, n):
+    """``[microbatches, rows, ...]`` -> ``[microbatches, n, rows / n, ...]``: the rows split data-major."""
+    return None if a is None else a.reshape(a.shape[0], n, a.shape[1] // n, *a.shape[2:])
+
+
+def _spread(setup: StepSetup, grads):
+    """``[data, ...]`` gradients, one per replica, each on its replica's devices."""
+    return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, jax.sharding.NamedSharding(
+        setup.layout.mesh, jax.sharding.PartitionSpec("data", *s.spec))), grads, setup.grad_sharding)
+
+
+def _replicas_pipelined(setup: StepSetup, params, inputs, targets, order, docs, keys):
+    """Each replica's rows through the pipeline: per replica its mean loss, 1/n of the batch's, and gradients."""
+    n = setup.cfg.mesh_shape["data"]
+
+    def replica(x, y, o, k):
+        return jax.value_and_grad(lambda p: pipeline.loss(
+            setup.cfg, setup.replica_layout, setup.replica_spec, p, x, y, o, k)[0] / n)(params)
+
+    losses, grads = jax.vmap(replica, in_axes=1, spmd_axis_name="data")(
+        *(_by_replica(a, n) for a in (inputs, targets, order, keys)))
+    return losses, _spread(setup, grads)
+
+
+def _replicas_accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
+    """Each replica's micro batches one after another: per replica its summed losses and gradients."""
+    n, count = setup.cfg.mesh_shape["data"], token_count(targets, docs)
+    replica = jax.vmap(_micro_grads, in_axes=(None, None, 0, 0, 0, 0, 0, None), spmd_axis_name="data")
+
+    def micro_step(acc, xs):
+        (loss, _), grads = replica(setup.replica_spec.graphdef, params, *xs, count)
+        return jax.tree.map(jnp.add, acc, (loss, _spread(setup, grads))), None
+
+    zeros = (jnp.zeros((n,), jnp.float32),
+             _spread(setup, jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), params)))
+    xs = jax.tree.map(lambda a: _by_replica(a, n), (inputs, targets, order, docs, keys))
+    return jax.lax.scan(micro_step, zeros, xs)[0]
+
+
+def apply_gradients(optimizer, schedule, state, loss, grads, moe_stats):
+    """The optimizer's update of ``state`` by ``grads``, guarded against a non-finite step.
+
+    Returns:
+      ``(new_state, metrics)`` as :func:`make_train_step`'s ``train_step`` (``schedule``: the learning
+      rate per update, :func:`jaxllm.runtime.optim.lr_schedule`).
+    """
+    params = state["params"]
+    with jax.named_scope("optimizer"):  # the profile's category (jaxllm.runtime.profile)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A select rather than lax.cond: XLA fuses it into the update, and both sides are computed anyway.
+        keep_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_params = jax.tree.map(keep_if_bad, optax.apply_updates(params, updates), params)
+        opt_state = jax.tree.map(keep_if_bad, opt_state, state["opt_state"])
+    skipped = (~finite).astype(jnp.int32)
+    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
+                 "nonfinite_steps": state["nonfinite_steps"] + skipped,
+                 "nonfinite_in_a_row": (state["nonfinite_in_a_row"] + 1) * skipped}
+    # the learning rate this step applies: optax's count, the updates applied so far (skipped steps not counted)
+    lr = schedule(state["step"] - state["nonfinite_steps"])
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "nonfinite_steps": new_state["nonfinite_steps"],
+               "nonfinite_in_a_row": new_state["nonfinite_in_a_row"], **moe_stats}
+    return new_state, metrics
 
 
 def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, replica_layout=None, replica_spec=None):
@@ -84,112 +238,28 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
     norm before clipping), ``lr`` (the learning rate this step applies, see
     :func:`jaxllm.runtime.optim.lr_schedule`), and the int32 counters ``nonfinite_steps`` (total
     skipped steps of the run) and ``nonfinite_in_a_row`` (consecutive ones, ending at
-    this step).  ``spec`` is the model (:func:`jaxllm.model.describe`, with the mesh's
-    ops); ``layout`` the mesh and rules table (None: one device); ``grad_sharding``
-    (optional) pins the gradient accumulator, which is where ZeRO-2 turns the all-reduce
-    into a reduce-scatter.  ``replica_layout``, ``replica_spec`` (where :func:`reduces_once`): ``layout``
-    with ``batch`` not split over ``data``, and the model on it; each data-parallel replica's gradients
-    are then computed (a ``vmap`` over the replicas, ``spmd_axis_name="data"``) and accumulated apart,
-    and the replicas' sums are added once, after the last micro batch: one all-reduce per step instead
-    of one per micro batch.
+    this step).  ``spec``, ``layout``, ``grad_sharding``, ``replica_layout``, ``replica_spec``: as
+    :class:`StepSetup` holds them.  The gradients come from one strategy: :func:`replicated` where given
+    ``replica_spec`` (:func:`reduces_once`), else :func:`pipelined` with pipeline stages, else
+    :func:`accumulated`.
 
     Non-finite guard: when the loss or the gradient norm is NaN or inf, the step keeps
     ``params`` and ``opt_state`` unchanged (so the optimizer's own count, and with it the
     learning-rate schedule, does not advance either, as Megatron-LM's skipped iterations)
     but still increments ``step``, so the next step sees the next batch.
     """
-    pin = (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)) if grad_sharding else (lambda g: g)
-    dropout = cfg.model.dropout > 0
+    setup = StepSetup(cfg, spec, layout, grad_sharding, replica_layout, replica_spec)
+    loss_and_grads = replicated if replica_spec is not None else pipelined if cfg.stages > 1 else accumulated
     ring = context_parallel.ring_devices(layout, cfg.parallel)
     base_key = jax.random.key(cfg.train.seed)
     schedule = optim.lr_schedule(cfg.train)
 
-    def loss_fn(graphdef, params, inputs, targets, order, docs, key, count):
-        loss, stats = model.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
-                                 dropout_key=key, with_stats=True)
-        return loss / count, stats
-
-    grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
-
-    def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
-        count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
-        held = model.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
-        add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731 - float32 sums of the cast copies' gradients
-
-        def micro_step(acc, xs):
-            x, y, pos, d, key = xs
-            (loss, stats), grads = grad_fn(spec.graphdef, held, x, y, pos, d, key if dropout else None, count)
-            stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
-            return jax.tree.map(add, acc, (loss, pin(grads), stats)), None
-
-        stats = {k: jnp.zeros((), jnp.float32) for k in (model.MOE_STATS if cfg.model.num_experts else ())}
-        zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)), stats)
-        return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
-
-    def pipelined(params, inputs, targets, order, docs, keys):  # micro batches through the pipeline stages
-        (loss, stats), grads = jax.value_and_grad(lambda p: pipeline.loss(  # no docs: config.resolve refuses them
-            cfg, layout, spec, p, inputs, targets, order, keys if dropout else None), has_aux=True)(params)
-        return loss, pin(grads), stats
-
-    n = cfg.mesh_shape["data"]
-
-    def by_replica(a):  # [microbatches, rows, ...] -> [microbatches, data, rows / data, ...]: rows split data-major
-        return None if a is None else a.reshape(a.shape[0], n, a.shape[1] // n, *a.shape[2:])
-
-    def spread(grads):  # [data, ...] gradients, one per replica, each on its replica's devices
-        return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, jax.sharding.NamedSharding(
-            layout.mesh, jax.sharding.PartitionSpec("data", *s.spec))), grads, grad_sharding)
-
-    def replicated(params, inputs, targets, order, docs, keys):  # gradients per data-parallel replica, summed once
-        keys = keys if dropout else None
-        if cfg.stages > 1:  # each replica's rows through the pipeline: its mean loss, 1/n of the batch's
-            def replica(x, y, o, k):
-                return jax.value_and_grad(lambda p: pipeline.loss(
-                    cfg, replica_layout, replica_spec, p, x, y, o, k)[0] / n)(params)
-
-            losses, grads = jax.vmap(replica, in_axes=1, spmd_axis_name="data")(
-                *map(by_replica, (inputs, targets, order, keys)))
-            grads = spread(grads)
-        else:  # each replica's micro batches one after another
-            count = token_count(targets, docs)
-            replica = jax.vmap(grad_fn, in_axes=(None, None, 0, 0, 0, 0, 0, None), spmd_axis_name="data")
-
-            def micro_step(acc, xs):  # no routing statistics: reduces_once excludes a mixture of experts
-                (loss, _), grads = replica(replica_spec.graphdef, params, *xs, count)
-                return jax.tree.map(jnp.add, acc, (loss, spread(grads))), None
-
-            zeros = (jnp.zeros((n,), jnp.float32), spread(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype),
-                                                                       params)))
-            xs = (by_replica(inputs), by_replica(targets), by_replica(order),
-                  {k: by_replica(a) for k, a in docs.items()}, by_replica(keys))
-            losses, grads = jax.lax.scan(micro_step, zeros, xs)[0]
-        return jnp.sum(losses), pin(jax.tree.map(lambda g: jnp.sum(g, 0), grads)), {}
-
-    loss_and_grads = replicated if replica_spec is not None else pipelined if cfg.stages > 1 else accumulated
-
     def train_step(state, inputs, targets, docs=None):
-        params = state["params"]
-        keys = row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
+        keys = (row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
+                if cfg.model.dropout > 0 else None)
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
-        loss, grads, moe_stats = loss_and_grads(params, inputs, targets, order, docs, keys)
-        with jax.named_scope("optimizer"):  # the profile's category (jaxllm.runtime.profile)
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            # A select rather than lax.cond: XLA fuses it into the update, and both sides are computed anyway.
-            keep_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            new_params = jax.tree.map(keep_if_bad, optax.apply_updates(params, updates), params)
-            opt_state = jax.tree.map(keep_if_bad, opt_state, state["opt_state"])
-        skipped = (~finite).astype(jnp.int32)
-        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
-                     "nonfinite_steps": state["nonfinite_steps"] + skipped,
-                     "nonfinite_in_a_row": (state["nonfinite_in_a_row"] + 1) * skipped}
-        # the learning rate this step applies: optax's count, the updates applied so far (skipped steps not counted)
-        lr = schedule(state["step"] - state["nonfinite_steps"])
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
-                   "nonfinite_steps": new_state["nonfinite_steps"],
-                   "nonfinite_in_a_row": new_state["nonfinite_in_a_row"], **moe_stats}
-        return new_state, metrics
+        loss, grads, moe_stats = loss_and_grads(setup, state["params"], inputs, targets, order, docs, keys)
+        return apply_gradients(optimizer, schedule, state, loss, grads, moe_stats)
 
     return train_step
 
