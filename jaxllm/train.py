@@ -32,9 +32,10 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import cli, config, model
+from jaxllm import cli, config
 from jaxllm.data import Batches, Data, DataError, samples, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
+from jaxllm.model import gpt
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
@@ -228,13 +229,13 @@ def _train(cfg, workdir: str, started: float) -> dict:
                   f"train.train_iters={t.train_iters}; to train on, raise --config.train.train_iters")
         return {}
     loader = Batches(data, rows=run.process_rows())
-    n_params = model.num_params(run.logical_state["params"])
+    n_params = gpt.num_params(run.logical_state["params"])
     primary = jax.process_index() == 0
     # logged with every evaluation: the loss of the best context-free model of the validation batches
     unigram = (unigram_entropy(np.stack([Batches(data).eval_batch(i)[1] for i in range(t.eval_iters)]),
                                data.vocab_size) if t.eval_interval else float("nan"))
     if primary:
-        active = model.active_params(cfg.model, run.logical_state["params"])
+        active = gpt.active_params(cfg.model, run.logical_state["params"])
         print(f"jaxllm: {n_params / 1e6:.2f}M parameters"
               + (f" ({active / 1e6:.2f}M active per token)" if active != n_params else "")
               + f", {jax.device_count()} {jax.devices()[0].platform} device(s), "
@@ -383,7 +384,7 @@ def print_samples(run, state, tokenizer, default_prompt, workdir):
         return
     cfg, log = run.cfg, run.cfg.log
     tokens = tokenizer.encode(log.sample_prompt) if log.sample_prompt else default_prompt
-    sampler = Sampler(cfg.model, model.describe(cfg.model).graphdef, run.params(state), cfg.train.seq_length)
+    sampler = Sampler(cfg.model, gpt.describe(cfg.model).graphdef, run.params(state), cfg.train.seq_length)
     rows = sampler(np.tile(np.asarray(tokens)[None], (log.samples, 1)), log.sample_tokens,
                    temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
     for row in rows:

@@ -67,8 +67,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxllm import config, model
+from jaxllm import config
 from jaxllm.errors import ConfigError
+from jaxllm.model import gpt
 from jaxllm.runtime import optim
 
 # Library detail (full Orbax/TensorStore errors): a log file, not the console (see jaxllm.platform.console).
@@ -690,7 +691,7 @@ def restore_params(model_cfg: config.Model, workdir: str, step: int | None = Non
     run's resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`)."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
-                            model.describe(model_cfg).params)
+                            gpt.describe(model_cfg).params)
     manager = _manager(workdir)
     try:
         step = manager.latest_step() if step is None else step

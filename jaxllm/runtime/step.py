@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import model
+from jaxllm.model import gpt, layers
 from jaxllm.parallel import context_parallel, pipeline
 from jaxllm.runtime import optim
 
@@ -42,7 +42,7 @@ def row_keys(key, shape):
     with ``r`` the row's index in the global batch, whose row ``r`` is in micro batch
     ``r % microbatches`` (:meth:`jaxllm.runtime.run.Run.global_batch`)."""
     m, rows = shape
-    return model.row_keys(key, jnp.arange(m * rows).reshape(rows, m).T)
+    return layers.row_keys(key, jnp.arange(m * rows).reshape(rows, m).T)
 
 
 def init_state(params, optimizer) -> dict:
@@ -84,7 +84,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
     norm before clipping), ``lr`` (the learning rate this step applies, see
     :func:`jaxllm.runtime.optim.lr_schedule`), and the int32 counters ``nonfinite_steps`` (total
     skipped steps of the run) and ``nonfinite_in_a_row`` (consecutive ones, ending at
-    this step).  ``spec`` is the model (:func:`jaxllm.model.describe`, with the mesh's
+    this step).  ``spec`` is the model (:func:`jaxllm.model.gpt.describe`, with the mesh's
     ops); ``layout`` the mesh and rules table (None: one device); ``grad_sharding``
     (optional) pins the gradient accumulator, which is where ZeRO-2 turns the all-reduce
     into a reduce-scatter.  ``replica_layout``, ``replica_spec`` (where :func:`reduces_once`): ``layout``
@@ -105,7 +105,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
     schedule = optim.lr_schedule(cfg.train)
 
     def loss_fn(graphdef, params, inputs, targets, order, docs, key, count):
-        loss, stats = model.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
+        loss, stats = gpt.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
                                  dropout_key=key, with_stats=True)
         return loss / count, stats
 
@@ -113,7 +113,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
 
     def accumulated(params, inputs, targets, order, docs, keys):  # micro batches one after another
         count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
-        held = model.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
+        held = gpt.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
         add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731 - float32 sums of the cast copies' gradients
 
         def micro_step(acc, xs):
@@ -122,7 +122,7 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
             stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
             return jax.tree.map(add, acc, (loss, pin(grads), stats)), None
 
-        stats = {k: jnp.zeros((), jnp.float32) for k in (model.MOE_STATS if cfg.model.num_experts else ())}
+        stats = {k: jnp.zeros((), jnp.float32) for k in (gpt.MOE_STATS if cfg.model.num_experts else ())}
         zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)), stats)
         return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
 
@@ -207,7 +207,7 @@ def make_eval_step(cfg, spec, layout=None):
     def eval_step(params, inputs, targets, docs=None):
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
         if cfg.stages == 1:
-            loss = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
+            loss = gpt.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
             return loss / token_count(targets, docs)
         split = lambda a: None if a is None else a.reshape(-1, m, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
         return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(order), None)[0]
