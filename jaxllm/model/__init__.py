@@ -8,3 +8,5 @@ mesh axis: :class:`~jaxllm.model.gpt.Ops` is all it knows of a layout.
 The package imports none of its modules (so none of them imports it back half-initialised): import the
 module, ``from jaxllm.model import gpt`` (``gpt.describe``, ``gpt.forward``, ...).
 """
+
+__all__ = ["attention", "fp8", "fused_loss", "gpt", "hf", "layers", "moe", "remat"]
