@@ -12,7 +12,7 @@ The batch (``train.micro_batch_size`` sequences of ``train.seq_length`` tokens p
 ``train.global_batch_size / micro_batch_size`` micro batches accumulated per step), ``model.dtype`` and
 the optimizer's hyperparameters come from that resolved config.
 
-The model (:class:`GPT`) has exactly jaxllm's parameters (:func:`jaxllm.model.num_params`; GPT1_5B:
+The model (:class:`GPT`) has exactly jaxllm's parameters (:func:`jaxllm.model.gpt.num_params`; GPT1_5B:
 1,440,328,704): a token table of ``model.padded_vocab_size`` rows (the padding rows zero; the output
 layer is the same table, ``model.tie_embeddings``), a learned position table of
 ``model.max_position_embeddings`` rows, and per layer pre-norm LayerNorms (``model.norm_eps``, with
@@ -215,7 +215,7 @@ def load_jaxllm_params(model: GPT, params: dict) -> None:
 
     Args:
       model: a :class:`GPT` of the same ``model`` config.
-      params: :func:`jaxllm.model.init`'s nested dict (arrays of any kind numpy can read): ``wte``
+      params: :func:`jaxllm.model.gpt.init`'s nested dict (arrays of any kind numpy can read): ``wte``
         ``[padded_vocab, hidden]``, ``wpe`` ``[positions, hidden]``, ``ln_f/{scale,bias}``, optional
         ``lm_head`` ``[hidden, padded_vocab]``, and ``layers/...`` stacked on a leading ``[layers]``
         axis: ``attn/wq, wk, wv`` ``[hidden, heads, head_dim]``, ``attn/bq, bk, bv`` ``[heads, head_dim]``,

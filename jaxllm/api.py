@@ -28,13 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import model
 from jaxllm.config import MESH_AXES, Config, Resolved
 from jaxllm.data import blend
 from jaxllm.data.loader import Data
 from jaxllm.data.tokenizers import make_tokenizer
 from jaxllm.errors import DataError
-from jaxllm.model import attention
+from jaxllm.model import attention, gpt
 from jaxllm.parallel import sharding
 from jaxllm.parallel.sharding import RULES, rules
 from jaxllm.resolve import resolve
@@ -54,10 +53,10 @@ class TrainedModel:
         (``config.mesh_shape``), its model as it runs here (``config.model``: ``vocab_size`` real
         tokens, tables of ``padded_vocab_size`` rows).
       params: the parameters, a plain nested dict of float32 ``jax.Array`` on the default device,
-        shaped as ``jaxllm.model.describe(config.model).params``.
+        shaped as ``jaxllm.model.gpt.describe(config.model).params``.
       tokenizer: the run's tokenizer (``encode(str) -> int32 [n]``, ``decode(ids) -> str``,
         ``vocab_size``; :mod:`jaxllm.data.tokenizers`).
-      graphdef: the model's Flax NNX graph definition: ``jaxllm.model.forward(graphdef, params,
+      graphdef: the model's Flax NNX graph definition: ``jaxllm.model.gpt.forward(graphdef, params,
         tokens)`` is the model (its logits span the padded rows, masked to -1e30).
     """
 
@@ -71,7 +70,7 @@ class TrainedModel:
     def __repr__(self) -> str:
         m = self.config.model
         return (f"TrainedModel(workdir={self.workdir!r}, step={self.step}, "
-                f"{model.num_params(self.params) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
+                f"{gpt.num_params(self.params) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
                 f"{m.hidden_size}, vocab_size {m.vocab_size}, tokenizer {self.tokenizer.name})")
 
     @property
@@ -105,14 +104,14 @@ class TrainedModel:
     @functools.cached_property
     def _forward(self):
         graphdef, vocab = self.graphdef, self.vocab_size
-        return jax.jit(lambda params, tokens: model.forward(graphdef, params, tokens)[..., :vocab])
+        return jax.jit(lambda params, tokens: gpt.forward(graphdef, params, tokens)[..., :vocab])
 
     @functools.cached_property
     def _log_likelihoods(self):
         graphdef = self.graphdef
 
         def log_likelihoods(params, tokens):  # tokens [batch, n] -> [batch, n - 1]
-            logp = jax.nn.log_softmax(model.forward(graphdef, params, tokens[:, :-1]), axis=-1)
+            logp = jax.nn.log_softmax(gpt.forward(graphdef, params, tokens[:, :-1]), axis=-1)
             return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
         return jax.jit(log_likelihoods)
@@ -282,7 +281,7 @@ def load(workdir: str, step: int | None = None) -> TrainedModel:
         saved.model.attention_impl = "auto"
     cfg = resolve(saved, num_devices=None, vocab_size=tokenizer.vocab_size, data_files=False)
     params = jax.device_put(checkpoint.restore_params(cfg.model, workdir, step), jax.devices()[0])
-    return TrainedModel(workdir, step, cfg, params, tokenizer, model.describe(cfg.model).graphdef)
+    return TrainedModel(workdir, step, cfg, params, tokenizer, gpt.describe(cfg.model).graphdef)
 
 
 def make_mesh(config: Resolved, devices=None) -> jax.sharding.Mesh:
@@ -332,7 +331,7 @@ def shardings(config: Resolved, mesh: jax.sharding.Mesh) -> dict:
       TypeError: ``config`` is not resolved.  ValueError: ``mesh`` is not the config's mesh.
     """
     _check_layout(config, mesh)
-    return sharding.param_shardings(config, model.describe(config.model).axes, mesh)
+    return sharding.param_shardings(config, gpt.describe(config.model).axes, mesh)
 
 
 def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=None):
@@ -351,7 +350,7 @@ def optimizer_shardings(config: Resolved, mesh: jax.sharding.Mesh, optimizer=Non
       as :func:`shardings`.
     """
     _check_layout(config, mesh)
-    spec = model.describe(config.model)
+    spec = gpt.describe(config.model)
     optimizer = optimizer if optimizer is not None else optim.make_optimizer(config.train, spec.decay, spec.axes)
     abstract = {"params": spec.params, "opt_state": jax.eval_shape(optimizer.init, spec.params)}
     return sharding.state_shardings(config, abstract, spec.axes, mesh)["opt_state"]

@@ -54,9 +54,10 @@ import jax.extend  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm import cli, config, model, plan  # noqa: E402
+from jaxllm import cli, config, plan  # noqa: E402
 from jaxllm.data.loader import Batches, Data  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
+from jaxllm.model import gpt  # noqa: E402
 from jaxllm.parallel import schedules  # noqa: E402
 from jaxllm.platform import hardware  # noqa: E402
 from jaxllm.resolve import resolve  # noqa: E402
@@ -163,8 +164,8 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
         "date": datetime.date.today().isoformat(),
         "platform": devices[0].platform, "device_kind": devices[0].device_kind, "devices": n,
         "mesh": dict(run.mesh.shape),
-        "num_params": model.num_params(run.logical_state["params"]),
-        "active_params": model.active_params(cfg.model, run.logical_state["params"]),
+        "num_params": gpt.num_params(run.logical_state["params"]),
+        "active_params": gpt.active_params(cfg.model, run.logical_state["params"]),
         "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
         "microbatches": cfg.microbatches, "seq_length": t.seq_length,
         "tokens_per_step": t.global_batch_size * t.seq_length,

@@ -104,7 +104,7 @@ class Model(Section):
     tie_embeddings: bool = True
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")
-    # what each layer keeps for the backward pass (jaxllm.model.gpt.REMAT_POLICIES, MaxText's names): none (all),
+    # what each layer keeps for the backward pass (jaxllm.model.remat.POLICIES, MaxText's names): none (all),
     # minimal_with_context, minimal (every layer matmul's output), save_dots, save_dots_except_mlp, save_qkv_proj,
     # full (only the layer's input: the layer is recomputed); *_offloaded: those outputs kept in host memory
     # instead; offload: full with the layer's input in host memory (backends with host memory: GPUs, CPUs)

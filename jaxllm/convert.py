@@ -49,7 +49,7 @@ import warnings
 
 import jax
 
-from jaxllm import cli, config, model
+from jaxllm import cli, config
 from jaxllm.data.tokenizers import (
     GPT2_EOT_ID,
     GPT2_FILES,
@@ -60,6 +60,7 @@ from jaxllm.data.tokenizers import (
     gpt2_dir_or_packaged,
 )
 from jaxllm.errors import DataError
+from jaxllm.model import gpt
 from jaxllm.model.hf import (
     SAFETENSORS,
     ConvertError,
@@ -170,7 +171,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
     # The checkpoint's arrays are as its layout stored them (vocabulary rows padded for its tensor size,
     # dimensions for ZeRO/FSDP; zeros at the end): cut to the model's shapes, whose real rows to_hf writes.
     # A smaller array (another model's) stays smaller, and to_hf names it.
-    params = sharding.unpad(checkpoint.restore_params(m, workdir, step), model.describe(m).params)
+    params = sharding.unpad(checkpoint.restore_params(m, workdir, step), gpt.describe(m).params)
     return save_hf(m, params, out, data=cfg.data)
 
 
@@ -217,7 +218,7 @@ def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[co
     Returns:
       ``(cfg, params)``: the resolved config (``model.vocab_size`` = HF's ``vocab_size``;
       ``model.max_position_embeddings`` = ``train.seq_length`` = its positions unless
-      shortened), and float32 numpy parameters shaped as ``model.describe(cfg.model).params``
+      shortened), and float32 numpy parameters shaped as ``gpt.describe(cfg.model).params``
       (padding rows zero; see :func:`jaxllm.model.hf.to_hf` for the layouts).
     Raises:
       ConvertError: missing or pickle-only files, an unsupported config.json (``keys`` names the
@@ -295,7 +296,7 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
         if overrides.get("data.gpt2_dir") == tok_dir:
             shutil.rmtree(tok_dir, ignore_errors=True)
         raise
-    spec = model.describe(cfg.model)
+    spec = gpt.describe(cfg.model)
     optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
     with jax.default_device(jax.devices("cpu")[0]):  # host memory, whatever accelerator is present
         state = step.init_state(jax.device_put(params), optimizer)

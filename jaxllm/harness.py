@@ -29,9 +29,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from jaxllm import model
 from jaxllm.api import load
 from jaxllm.data.tokenizers import HFTokenizer
+from jaxllm.model import gpt
 
 __all__ = ["JaxLLM"]
 
@@ -77,7 +77,7 @@ class JaxLLM(TemplateLM):
         graphdef, vocab = self.run.graphdef, self.run.vocab_size
 
         def score(params, tokens):  # int32 [batch, n + 1] -> ln p(tokens[:, i + 1] | ...), argmax == it: [batch, n]
-            logits = model.forward(graphdef, params, tokens[:, :-1])[..., :vocab].astype(jnp.float32)
+            logits = gpt.forward(graphdef, params, tokens[:, :-1])[..., :vocab].astype(jnp.float32)
             targets = tokens[:, 1:]
             logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
             return logp, jnp.argmax(logits, axis=-1) == targets

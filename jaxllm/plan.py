@@ -32,9 +32,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxllm import cli, config, model  # noqa: E402
+from jaxllm import cli, config  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
-from jaxllm.model import attention  # noqa: E402
+from jaxllm.model import (  # noqa: E402
+    attention,  # noqa: E402
+    gpt,
+    layers,
+)
 from jaxllm.parallel import collectives as comms  # noqa: E402
 from jaxllm.parallel import schedules, sharding  # noqa: E402
 from jaxllm.platform import xla_gpu  # noqa: E402
@@ -141,8 +145,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         "compile_s": compile_s,
         "dtype": dtype if dtype == run.cfg.model.dtype
         else f"{dtype} (compiled as {run.cfg.model.dtype}, the same bytes)",
-        "num_params": model.num_params(run.logical_state["params"]),
-        "active_params": model.active_params(cfg.model, run.logical_state["params"]),
+        "num_params": gpt.num_params(run.logical_state["params"]),
+        "active_params": gpt.active_params(cfg.model, run.logical_state["params"]),
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
         "bubble": schedules.schedule_bubble(cfg) if cfg.stages > 1 else 0.0,
@@ -209,7 +213,7 @@ def gpu_compile(cfg, num_devices: int, gpu: str):
 def offloaded_bytes(cfg, run: Run) -> int | None:
     """Bytes per device that ``model.remat=offload`` keeps in host memory: every layer's input, ``[rows,
     seq, embed]`` of one micro batch in the compute dtype, split as the residual stream
-    (:data:`jaxllm.model.RESIDUAL`); 0 for the other policies (the ``*_offloaded`` ones' host bytes are
+    (:data:`jaxllm.model.layers.RESIDUAL`); 0 for the other policies (the ``*_offloaded`` ones' host bytes are
     counted on the device: an overestimate); None with pipeline stages, whose schedules keep several
     micro batches' inputs at once (not computed: counted on the device)."""
     if cfg.model.remat != "offload":
@@ -217,7 +221,7 @@ def offloaded_bytes(cfg, run: Run) -> int | None:
     if cfg.stages > 1:
         return None
     shape = (cfg.batch_shape[1], cfg.train.seq_length, cfg.model.hidden_size)
-    local = run.layout.sharding(model.RESIDUAL).shard_shape(shape)
+    local = run.layout.sharding(layers.RESIDUAL).shard_shape(shape)
     return cfg.model.num_layers * math.prod(local) * jnp.dtype(cfg.model.dtype).itemsize
 
 

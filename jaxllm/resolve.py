@@ -210,8 +210,8 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
       m: the section; seq_length: ``train.seq_length`` (the learned position table's default size).
       vocab_size: the tokenizer's vocabulary (needed when ``m.vocab_size`` is 0; None: not known yet).
       tensor: devices along the tensor axis (the tables are padded to a multiple of it).
-      backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`) and ``layer_loop="auto"``;
-        None: the default backend.
+      backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`), ``layer_loop="auto"`` and
+        ``attention_impl="auto"`` (:func:`jaxllm.model.attention.resolve_impl`); None: the default backend.
     Raises:
       ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary.
     """
@@ -222,6 +222,8 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     m.dtype = resolve_dtype(m.dtype, backend)
     if m.layer_loop == "auto":
         m.layer_loop = layer_loop(hardware.backend_kind(backend), m.remat)
+    if m.attention_impl == "auto":  # decided here once: the model binds the concrete one (attention.implementation)
+        m.attention_impl = attention.resolve_impl("auto", backend)
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,
@@ -305,7 +307,8 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
       vocab_size: the tokenizer's vocabulary; needed when ``model.vocab_size`` is 0. None when not
         known yet (a check before the data is read): ``model.padded_vocab_size`` is then 0.
       backend: the JAX backend (kind) the run is for: the attention implementation must run on it, and
-        ``model.dtype="auto"`` and ``model.layer_loop="auto"`` resolve for it; None: the default.
+        ``model.dtype``, ``model.layer_loop`` and ``model.attention_impl`` ``"auto"`` resolve for it; None: the
+        default.
       data_files: check that the data section names input and tokenizer files that exist; False for
         tools that read no data (planning, benchmarks on synthetic batches).
     Raises:

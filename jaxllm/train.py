@@ -32,10 +32,11 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from jaxllm import cli, config, model
+from jaxllm import cli, config
 from jaxllm.data import samples
 from jaxllm.data.loader import Batches, Data, unigram_entropy
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES
+from jaxllm.model import gpt
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
@@ -240,8 +241,8 @@ def _restore(cfg, workdir: str):
 
 def _announce(cfg, run, data, state, start: int, unigram: float) -> None:
     """Process 0's first lines: parameters, devices, batch, data, vocabulary, evaluation; the layout."""
-    n_params = model.num_params(run.logical_state["params"])
-    active = model.active_params(cfg.model, run.logical_state["params"])
+    n_params = gpt.num_params(run.logical_state["params"])
+    active = gpt.active_params(cfg.model, run.logical_state["params"])
     print(f"jaxllm: {n_params / 1e6:.2f}M parameters"
           + (f" ({active / 1e6:.2f}M active per token)" if active != n_params else "")
           + f", {jax.device_count()} {jax.devices()[0].platform} device(s), "
@@ -434,7 +435,7 @@ def print_samples(run, state, tokenizer, default_prompt, workdir):
         return
     cfg, log = run.cfg, run.cfg.log
     tokens = tokenizer.encode(log.sample_prompt) if log.sample_prompt else default_prompt
-    sampler = Sampler(cfg.model, model.describe(cfg.model).graphdef, run.params(state), cfg.train.seq_length)
+    sampler = Sampler(cfg.model, gpt.describe(cfg.model).graphdef, run.params(state), cfg.train.seq_length)
     rows = sampler(np.tile(np.asarray(tokens)[None], (log.samples, 1)), log.sample_tokens,
                    temperature=log.temperature, top_k=log.top_k, seed=cfg.train.seed)
     for row in rows:

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxllm import config  # noqa: E402
+from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import context_parallel, sharding  # noqa: E402
 
 N, SEQ, HEADS, HEAD_DIM = 4, 32, 2, 8
@@ -70,7 +71,8 @@ def main():
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, SEQ, HEADS, HEAD_DIM)), jnp.float32) for _ in range(3))
     pos = jnp.asarray(context_parallel.zigzag_order(SEQ, N), jnp.int32)[None]
-    ring = jax.shard_map(lambda q, k, v, pos: context_parallel._ring(("sequence", N, 1, "xla"), q, k, v, pos, None),
+    static = ("sequence", N, 1, attention.Implementation())  # the xla reference
+    ring = jax.shard_map(lambda q, k, v, pos: context_parallel._ring(static, q, k, v, pos, None),
                          mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
     loss = lambda q, k, v: ring(q, k, v, pos).sum()  # noqa: E731
     out = {}

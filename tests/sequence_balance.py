@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxllm import config  # noqa: E402
+from jaxllm.model import attention  # noqa: E402
 from jaxllm.parallel import context_parallel, sharding  # noqa: E402
 
 N, SEQ, HEADS, HEAD_DIM = 8, 64, 2, 8
@@ -68,13 +69,13 @@ def measure(body, positions):
 
 
 def ring(q, k, v, pos):
-    _, lse = context_parallel._ring_forward(("sequence", N, 1, "xla"), q, k, v, pos)
+    _, lse = context_parallel._ring_forward(("sequence", N, 1, attention.Implementation()), q, k, v, pos)
     return jnp.exp(lse).sum()[None], jnp.zeros((1,))
 
 
 def allgather(q, k, v, pos):
     gather = lambda x: jax.lax.all_gather(x, "sequence", axis=1, tiled=True)  # noqa: E731
-    _, lse = context_parallel.local_attention(q, gather(k), gather(v), pos, gather(pos), "xla")
+    _, lse = context_parallel.local_attention(q, gather(k), gather(v), pos, gather(pos), attention.Implementation())
     return jnp.exp(lse).sum()[None], jnp.zeros((1,))
 
 

@@ -68,8 +68,8 @@ def test_load_gives_the_run(trained, workdir):
     assert trained.config.train.seq_length == SEQ and trained.config.mesh_shape["tensor"] == 1
     assert trained.tokenizer.name == "byte" and trained.vocab_size == VOCAB and trained.max_length == SEQ
     assert trained.params["wte"].shape == (PADDED, 64) and trained.params["wte"].dtype == np.float32
-    assert jaxllm.model.num_params(trained.params) == jaxllm.model.num_params(
-        jaxllm.model.describe(m).params)
+    assert jaxllm.model.gpt.num_params(trained.params) == jaxllm.model.gpt.num_params(
+        jaxllm.model.gpt.describe(m).params)
     earlier = jaxllm.load(str(workdir), step=STEPS[0])
     assert earlier.step == STEPS[0]
     assert not np.array_equal(earlier.params["wte"], trained.params["wte"])  # another checkpoint's values
@@ -184,7 +184,7 @@ for zero in (0, 1):
     shardings = jaxllm.shardings(cfg, mesh)
     params = jax.device_put(run.params, shardings)
     wq = params["layers"]["attn"]["wq"]
-    logits = jax.jit(lambda p, t: jaxllm.model.forward(run.graphdef, p, t))(params, tokens)[..., :256]
+    logits = jax.jit(lambda p, t: jaxllm.model.gpt.forward(run.graphdef, p, t))(params, tokens)[..., :256]
     out[zero] = {"params": flat(shardings), "opt": flat(jaxllm.optimizer_shardings(cfg, mesh)),
                  "wq_shard": list(wq.sharding.shard_shape(wq.shape)),
                  "same_values": all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),

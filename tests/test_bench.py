@@ -164,7 +164,7 @@ def test_compare_on_two_devices_writes_one_json_line_per_config(tmp_path):
     assert recs[0]["command"].startswith("python -m jaxllm.bench --devices=2 --config.mesh.data=2")
     assert recs[0]["config_file"] == "jaxllm/default_config.py"
     assert all(x["fp8"] is False and x["jaxlib"] == jax.__version__ and x["date"] for x in recs)
-    assert all(x["attention_impl"] == "auto" and x["dtype"] == "float32" for x in recs)
+    assert all(x["attention_impl"] == "xla" and x["dtype"] == "float32" for x in recs)  # resolved: auto on a CPU
     # the pipelined config's schedule: 2 microbatches through 2 stages, bubble 1/3, both in flight
     assert [x["pipeline_schedule"] for x in recs] == [None, None, "1f1b"]
     assert recs[2]["pipeline_bubble"] == pytest.approx(1 / 3) and recs[2]["pipeline_in_flight"] == 2

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_python
 
-from jaxllm import config, model
+from jaxllm import config
 from jaxllm.data.tokenizers import PACKAGED_GPT2_DIR
+from jaxllm.model import gpt
 from jaxllm.resolve import resolve
 
 
@@ -67,7 +68,7 @@ def test_parameter_counts_are_the_hand_counts(key, expected):
     cfg = resolve(gpt3.get_config(key), num_devices=1, vocab_size=50257, data_files=False)
     layers, h, _ = gpt3.SIZES[key]
     assert hand_count(layers, h) == expected
-    assert model.num_params(model.describe(cfg.model).params) == expected
+    assert gpt.num_params(gpt.describe(cfg.model).params) == expected
 
 
 def test_a_fresh_clone_runs_the_configs():

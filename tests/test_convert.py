@@ -24,7 +24,8 @@ import pytest
 import torch
 import transformers
 
-from jaxllm import config, convert, model
+from jaxllm import config, convert
+from jaxllm.model import gpt
 from jaxllm.model.hf import ConvertError, to_hf
 from jaxllm.resolve import resolve
 from jaxllm.runtime import checkpoint, optim, step
@@ -85,7 +86,7 @@ def hf_logits(m, toks):
 def jax_logits(m, params, toks, **kwargs):
     """Logits of the (resolved) model section ``m`` over its real vocabulary: the padding entries,
     checked to be masked (probability 0), are cut off."""
-    out = np.asarray(model.forward(model.describe(m).graphdef, params, toks, **kwargs))
+    out = np.asarray(gpt.forward(gpt.describe(m).graphdef, params, toks, **kwargs))
     assert out.shape[-1] == m.padded_vocab_size and (out[..., m.vocab_size:] == MASKED).all()
     return out[..., :m.vocab_size]
 
@@ -209,7 +210,7 @@ def test_cli_round_trip_through_workdir(arch, tmp_path):
     state = Run(cfg).initial_state(ckpt)
     ckpt.close()
     assert int(state["step"]) == 0
-    optimizer = optim.make_optimizer(cfg.train, model.describe(cfg.model).decay)
+    optimizer = optim.make_optimizer(cfg.train, gpt.describe(cfg.model).decay)
     assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(
         jax.eval_shape(lambda: optimizer.init(state["params"])))
     np.testing.assert_allclose(jax_logits(cfg.model, state["params"], tokens()), ref, atol=TOL, rtol=0)
@@ -265,7 +266,7 @@ def test_jaxllm_model_exports(kind, tmp_path):
     """A jaxllm-initialized model (vocab 100 padded to 128, all parameters perturbed, the padding rows too)
     loads in transformers with its 100 real rows and gives jaxllm's logits over them."""
     m = small_cfg(**(LLAMA_CFG if kind == "llama" else {})).model
-    params = model.init(m, 0)
+    params = gpt.init(m, 0)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
@@ -441,7 +442,7 @@ def test_pickle_weights_are_refused_unread(tmp_path):
 def test_unsupported_combination_names_keys(changes, keys):
     m = small_cfg(**changes).model
     with pytest.raises(ConvertError) as e:
-        to_hf(m, model.init(m, 0))
+        to_hf(m, gpt.init(m, 0))
     assert e.value.keys == keys
     for k in keys:
         assert k in str(e.value)
@@ -449,9 +450,9 @@ def test_unsupported_combination_names_keys(changes, keys):
 
 def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     cfg = small_cfg(position_embedding="rotary")  # rotary + layernorm + gelu: neither GPT-2 nor Llama
-    optimizer = optim.make_optimizer(cfg.train, model.describe(cfg.model).decay)
+    optimizer = optim.make_optimizer(cfg.train, gpt.describe(cfg.model).decay)
     ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
-    ckpt.maybe_save(1, step.init_state(model.init(cfg.model, 0), optimizer), force=True)
+    ckpt.maybe_save(1, step.init_state(gpt.init(cfg.model, 0), optimizer), force=True)
     ckpt.close()
     r = cli("--to-hf", str(tmp_path), str(tmp_path / "out"))
     assert r.returncode == 2, r.stderr

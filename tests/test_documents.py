@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from harness import assert_same_training, run_layouts
 
-from jaxllm import config, model
+from jaxllm import config
 from jaxllm.data.loader import document_masks
+from jaxllm.model import gpt
 from jaxllm.resolve import resolve
 from jaxllm.runtime import optim, step
 from jaxllm.runtime.run import Run
@@ -49,20 +50,20 @@ def packed_batch(seed, rows=8, seq=24):
 
 def token_losses(graphdef, params, x, y, **kwargs):
     """Per-token cross entropy [batch, seq] from the model's full logits (plain jax.numpy)."""
-    logits = jax.jit(functools.partial(model.forward, graphdef))(params, jnp.asarray(x), **kwargs)[..., :97]
+    logits = jax.jit(functools.partial(gpt.forward, graphdef))(params, jnp.asarray(x), **kwargs)[..., :97]
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(y)[..., None], -1)[..., 0]
 
 
 @pytest.mark.parametrize("position_embedding,impl", [("learned", "xla"), ("rotary", "xla"), ("rotary", "pallas")])
 def test_each_packed_document_gets_the_logits_it_gets_alone(position_embedding, impl):
     cfg = small_cfg(position_embedding=position_embedding, attention_impl=impl, num_kv_heads=2)
-    graphdef, params = model.describe(cfg.model).graphdef, model.init(cfg.model, 0)
+    graphdef, params = gpt.describe(cfg.model).graphdef, gpt.init(cfg.model, 0)
     rng = np.random.default_rng(1)
     lengths = [5, 9, 1, 9]  # four documents, each ending in EOD; 24 tokens
     docs = [np.r_[rng.integers(1, 97, n - 1), EOD].astype(np.int32) for n in lengths]
     packed = np.concatenate(docs)[None]
     positions, segments, _ = document_masks(packed, EOD, True, True, False)
-    forward = jax.jit(functools.partial(model.forward, graphdef))
+    forward = jax.jit(functools.partial(gpt.forward, graphdef))
     got = forward(params, jnp.asarray(packed), positions=positions, segment_ids=segments)
     start = 0
     for doc in docs:
@@ -76,7 +77,7 @@ def test_each_packed_document_gets_the_logits_it_gets_alone(position_embedding, 
 
 def test_masked_loss_and_gradient_equal_the_hand_computed_token_mean():
     cfg = small_cfg(DOCS)
-    spec, params = model.describe(cfg.model), model.init(cfg.model, 0)
+    spec, params = gpt.describe(cfg.model), gpt.init(cfg.model, 0)
     tokens = packed_batch(2)
     x, y = tokens[:, :-1], tokens[:, 1:]
     positions, segments, mask = document_masks(x, EOD, True, True, True)
@@ -87,7 +88,7 @@ def test_masked_loss_and_gradient_equal_the_hand_computed_token_mean():
         return jnp.sum(token_losses(spec.graphdef, p, x, y, **kw) * mask) / mask.sum()
 
     def fused(p):  # the model's chunked output loss with its own gradient
-        return model.loss(spec.graphdef, p, x, y, **kw, loss_mask=mask) / mask.sum()
+        return gpt.loss(spec.graphdef, p, x, y, **kw, loss_mask=mask) / mask.sum()
 
     (want, want_g), (got, got_g) = (jax.jit(jax.value_and_grad(f))(params) for f in (reference, fused))
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -100,7 +101,7 @@ def test_micro_batches_give_the_global_token_mean():
     the parameters compare the gradients (Adam's first step, g / (|g| + eps), would turn a gradient near 0,
     whose float32 cancellation error of ~1e-11 the split moves, into steps that differ by lr x 1e-3)."""
     cfg = small_cfg(DOCS, train={"optimizer": "sgd", "sgd_momentum": 0.0, "lr": 1.0, "min_lr": 1.0})
-    spec = model.describe(cfg.model)
+    spec = gpt.describe(cfg.model)
     opt = optim.make_optimizer(cfg.train, spec.decay)
     train_step = jax.jit(step.make_train_step(cfg, spec, opt))
     tokens = packed_batch(3)
@@ -108,13 +109,13 @@ def test_micro_batches_give_the_global_token_mean():
     x, y = tokens[:, :-1], tokens[:, 1:]
     arrays = dict(zip(("positions", "segment_ids", "loss_mask"), document_masks(x, EOD, True, True, True)))
     split = lambda a, m: a.reshape(m, -1, a.shape[-1])  # noqa: E731
-    params = model.init(cfg.model, 0)
+    params = gpt.init(cfg.model, 0)
     losses = token_losses(spec.graphdef, params, x, y, positions=arrays["positions"],
                           segment_ids=arrays["segment_ids"])
     mask = arrays["loss_mask"]
-    one, m1 = train_step(step.init_state(model.init(cfg.model, 0), opt), x[None], y[None],
+    one, m1 = train_step(step.init_state(gpt.init(cfg.model, 0), opt), x[None], y[None],
                          {k: v[None] for k, v in arrays.items()})
-    four, m4 = train_step(step.init_state(model.init(cfg.model, 0), opt), split(x, 4), split(y, 4),
+    four, m4 = train_step(step.init_state(gpt.init(cfg.model, 0), opt), split(x, 4), split(y, 4),
                           {k: split(v, 4) for k, v in arrays.items()})
     want = float(jnp.sum(losses * mask) / mask.sum())  # by hand from the full logits
     np.testing.assert_allclose(m1["loss"], want, rtol=1e-6)

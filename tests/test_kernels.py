@@ -26,7 +26,7 @@ from jaxllm import config as jaxllm_config
 from jaxllm.model import attention as dispatch
 from jaxllm.platform import hardware
 from jaxllm_kernels import pallas_attention as pa
-from jaxllm_kernels import reference, triton_attention
+from jaxllm_kernels import pallas_flash, reference, triton_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
@@ -159,8 +159,9 @@ def test_pallas_without_lse_and_empty_rows():
 @pytest.mark.parametrize("sq,sk,bq,bk", [(128, 128, 32, 16), (64, 200, 16, 32), (200, 64, 32, 16)])
 def test_block_skipping_bounds_are_exact(causal, window, sq, sk, bq, bk):
     """The loop bounds visit every block with a visible pair and skip every fully masked one."""
-    cfg = pa._Cfg(sm_scale=1.0, causal=causal, window=window, offset=sk - sq, q_len=sq, kv_len=sk, kv_padded=False,
-                  group=1, has_seg=False, has_pos=False, exact=True, blocks=pa.BlockSizes(), interpret=True)
+    cfg = pallas_flash.Cfg(sm_scale=1.0, causal=causal, window=window, offset=sk - sq, q_len=sq, kv_len=sk,
+                           kv_padded=False, group=1, has_seg=False, has_pos=False, exact=True, blocks=pa.BlockSizes(),
+                           interpret=True)
     qp = np.arange(sq) + sk - sq
     kp = np.arange(sk)
     mask = np.ones((sq, sk), bool)
@@ -170,11 +171,11 @@ def test_block_skipping_bounds_are_exact(causal, window, sq, sk, bq, bk):
         mask &= qp[:, None] - kp[None] < window
     nq, nk = -(-sq // bq), -(-sk // bk)
     for i in range(nq):
-        lo, hi = (int(x) for x in pa._kv_range(cfg, i * bq, bq, bk, nk))
+        lo, hi = (int(x) for x in pallas_flash._kv_range(cfg, i * bq, bq, bk, nk))
         want = [j for j in range(nk) if mask[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
         assert list(range(lo, hi)) == want or (not want and lo >= hi), (i, lo, hi, want)
     for j in range(nk):
-        lo, hi = (int(x) for x in pa._q_range(cfg, j * bk, bq, bk, nq))
+        lo, hi = (int(x) for x in pallas_flash._q_range(cfg, j * bk, bq, bk, nq))
         want = [i for i in range(nq) if mask[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
         assert list(range(lo, hi)) == want or (not want and lo >= hi), (j, lo, hi, want)
 
@@ -260,7 +261,8 @@ def test_cudnn_matches_reference(case):
 
 
 def test_impls_match_config_choices():
-    assert set(dispatch.IMPLS) == set(jaxllm_config.choices("model.attention_impl"))
+    assert dispatch.CHOICES == ("auto", *dispatch.IMPLS)
+    assert set(dispatch.CHOICES) == set(jaxllm_config.choices("model.attention_impl"))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU rules")
@@ -269,7 +271,13 @@ def test_dispatch_on_cpu():
     assert dispatch.available_impls() == ["xla", "pallas"]
     assert dispatch.resolve_impl("auto") == "xla"
     (q, k, v), *_ = _inputs(Case("x", sq=32, heads=2, kv_heads=1, head_dim=16))
-    np.testing.assert_array_equal(dispatch.attention(q, k, v, impl="auto"), reference.attention(q, k, v))
+    np.testing.assert_array_equal(dispatch.attention(q, k, v, impl="xla"), reference.attention(q, k, v))
+    # the bound implementation the model calls: the same function
+    np.testing.assert_array_equal(dispatch.Implementation("pallas")(q, k, v),
+                                  dispatch.attention(q, k, v, impl="pallas"))
+    assert not dispatch.Implementation().flash and dispatch.Implementation("pallas").flash
+    with pytest.raises(ValueError, match=r"auto is decided once, by resolve_impl"):  # never below resolve()
+        dispatch.attention(q, k, v, impl="auto")
     np.testing.assert_allclose(dispatch.attention(q, k, v, impl="pallas"), reference.attention(q, k, v), atol=1e-5)
     with pytest.raises(ValueError, match=r"'cudnn' is not available on the cpu backend: cuDNN exists only on NVIDIA"
                                          r".*Available here: auto, xla, pallas"):

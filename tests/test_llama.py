@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm import model
+from jaxllm.model import gpt
 from jaxllm.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def llama():
                                             ("AuroraGPT-2B", 1.986e9)])
 def test_keys_resolve_with_the_published_sizes(key, published):
     cfg = resolve(llama().get_config(key), num_devices=1, data_files=False)
-    n = model.num_params(model.describe(cfg.model).params)  # jax.eval_shape: nothing allocated
+    n = gpt.num_params(gpt.describe(cfg.model).params)  # jax.eval_shape: nothing allocated
     assert abs(n - published) / published < 0.005, (key, n)
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxllm import model
 from jaxllm.model import fused_loss as loss
+from jaxllm.model import layers
 from jaxllm_kernels.reference import MASKED
 
 VOCAB, PADDED, EMBED = 97, 128, 32
@@ -76,8 +76,8 @@ def test_gelu_is_jax_nn_gelu_with_its_derivative(dtype, tol):
     """Values bitwise jax.nn.gelu's; the derivative within the dtype's precision of float32 autodiff
     at the same inputs (in bfloat16 4x closer than bfloat16 autodiff, which rounds each intermediate)."""
     x = jnp.linspace(-6, 6, 1001, dtype=jnp.float32).astype(dtype)
-    np.testing.assert_array_equal(model.gelu(x), jax.nn.gelu(x, approximate=True))
-    ours = jax.grad(lambda x: model.gelu(x).astype(jnp.float32).sum())(x)
+    np.testing.assert_array_equal(layers.gelu(x), jax.nn.gelu(x, approximate=True))
+    ours = jax.grad(lambda x: layers.gelu(x).astype(jnp.float32).sum())(x)
     exact = jax.grad(lambda x: jax.nn.gelu(x, approximate=True).sum())(x.astype(jnp.float32))
     assert ours.dtype == dtype
     np.testing.assert_allclose(ours.astype(jnp.float32), exact, rtol=tol, atol=tol)

@@ -13,7 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxllm import config, model
+from jaxllm import config
+from jaxllm.model import gpt, layers
 from jaxllm.parallel import context_parallel, sharding
 from jaxllm.resolve import resolve
 from jaxllm.runtime import cpu, optim, step
@@ -33,7 +34,7 @@ def small_cfg(train=None, **model_overrides):
 
 def loss_and_grads(graphdef, params, tokens):
     """Mean next-token loss of ``tokens`` [batch, seq] and its gradients."""
-    loss_fn = lambda p: model.loss(graphdef, p, tokens, jnp.roll(tokens, -1, axis=1)) / tokens.size  # noqa: E731
+    loss_fn = lambda p: gpt.loss(graphdef, p, tokens, jnp.roll(tokens, -1, axis=1)) / tokens.size  # noqa: E731
     return jax.value_and_grad(loss_fn)(params)
 
 
@@ -92,7 +93,7 @@ VARIANTS = [
 ]
 
 
-MATMULS = {"dense": model.dense, "row_major_dense": cpu.row_major_dense}
+MATMULS = {"dense": layers.dense, "row_major_dense": cpu.row_major_dense}
 
 
 @pytest.mark.parametrize("matmuls", MATMULS)
@@ -102,12 +103,12 @@ def test_loss_matches_plain_jax_reference(overrides, layer_loop, matmuls):
     """Loss and gradients of every parameter against the plain jax.numpy model, with the layers
     scanned or written out and the matmuls' gradients as autodiff's or the row-major ones (CPUs')."""
     cfg = small_cfg(layer_loop=layer_loop, **overrides)
-    graphdef = model.describe(cfg.model, model.Ops(dense=MATMULS[matmuls])).graphdef
-    params = model.init(cfg.model, 0)
+    graphdef = gpt.describe(cfg.model, gpt.Ops(dense=MATMULS[matmuls])).graphdef
+    params = gpt.init(cfg.model, 0)
     assert params["wte"].shape[0] == cfg.model.padded_vocab_size == 128  # 97 padded: the padding is masked
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
     targets = jnp.roll(tokens, -1, axis=1)
-    ours, grads = jax.value_and_grad(lambda p: model.loss(graphdef, p, tokens, targets) / targets.size)(params)
+    ours, grads = jax.value_and_grad(lambda p: gpt.loss(graphdef, p, tokens, targets) / targets.size)(params)
     ref, ref_grads = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
         reference_logits(cfg, p, tokens), targets).mean())(params)
     np.testing.assert_allclose(ours, ref, rtol=1e-5)
@@ -122,7 +123,7 @@ def test_vocabulary_padding_does_not_change_the_model(overrides):
     results = []
     for divisible_by in (1, 128, 392):
         cfg = small_cfg(make_vocab_size_divisible_by=divisible_by, **overrides)
-        graphdef, params = model.describe(cfg.model).graphdef, model.init(cfg.model, 0)
+        graphdef, params = gpt.describe(cfg.model).graphdef, gpt.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
         loss, grads = loss_and_grads(graphdef, params, tokens)
         for table, axis in (("wte", 0), ("lm_head", 1)):
@@ -141,7 +142,7 @@ def test_vocabulary_padding_does_not_change_the_model(overrides):
 
 def test_initialization_scales():
     cfg = small_cfg(num_layers=8, hidden_size=256)
-    p = model.init(cfg.model, 0)
+    p = gpt.init(cfg.model, 0)
     p["wte"] = p["wte"][:97]  # the real rows (the padding is zeros)
     np.testing.assert_allclose(np.std(p["wte"]), 0.02, rtol=0.05)
     np.testing.assert_allclose(np.std(p["layers"]["mlp"]["w1"]), 0.02, rtol=0.05)
@@ -152,9 +153,9 @@ def test_initialization_scales():
 @pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
 def test_causal_masking(overrides):
     cfg = small_cfg(**overrides)
-    graphdef = model.describe(cfg.model).graphdef
-    params = model.init(cfg.model, 0)
-    fwd = jax.jit(lambda t: model.forward(graphdef, params, t))
+    graphdef = gpt.describe(cfg.model).graphdef
+    params = gpt.init(cfg.model, 0)
+    fwd = jax.jit(lambda t: gpt.forward(graphdef, params, t))
     tokens = jax.random.randint(jax.random.key(2), (1, 32), 0, 97)
     base = fwd(tokens)
     for pos in (5, 20, 31):
@@ -166,24 +167,24 @@ def test_causal_masking(overrides):
 @pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 def test_kv_cache_decoding_matches_full_forward(layer_loop):
     cfg = small_cfg(position_embedding="rotary", num_kv_heads=2, layer_loop=layer_loop)
-    graphdef = model.describe(cfg.model).graphdef
-    params = model.init(cfg.model, 0)
+    graphdef = gpt.describe(cfg.model).graphdef
+    params = gpt.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)
-    full = model.forward(graphdef, params, tokens)
-    cache = model.init_cache(cfg.model, 2, 32)
+    full = gpt.forward(graphdef, params, tokens)
+    cache = gpt.init_cache(cfg.model, 2, 32)
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    logits, cache = model.forward(graphdef, params, tokens[:, :8], positions=pos, cache=cache)
+    logits, cache = gpt.forward(graphdef, params, tokens[:, :8], positions=pos, cache=cache)
     np.testing.assert_allclose(logits, full[:, :8], atol=1e-5)
     for i in range(8, 12):
-        logits, cache = model.forward(graphdef, params, tokens[:, i:i + 1], positions=jnp.full((2, 1), i), cache=cache)
+        logits, cache = gpt.forward(graphdef, params, tokens[:, i:i + 1], positions=jnp.full((2, 1), i), cache=cache)
         np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
 
 
 def test_overfits_one_batch():
     cfg = small_cfg(train=dict(lr=3e-3, min_lr=3e-3, weight_decay=0.0))
-    spec = model.describe(cfg.model)
+    spec = gpt.describe(cfg.model)
     opt = optim.make_optimizer(cfg.train, spec.decay)
-    state = step.init_state(model.init(cfg.model, 0), opt)
+    state = step.init_state(gpt.init(cfg.model, 0), opt)
     train_step = jax.jit(step.make_train_step(cfg, spec, opt))
     tokens = np.random.default_rng(0).integers(0, 97, (1, 4, 33)).astype(np.int32)
     for _ in range(150):
@@ -199,32 +200,32 @@ def test_gradient_accumulation_equals_one_big_batch(dropout):
     compare the gradients (Adam's first step, g / (|g| + eps), turns a gradient near 0, whose float32
     rounding the split moves, into updates that differ by percents of lr)."""
     cfg = small_cfg(train={"optimizer": "sgd", "sgd_momentum": 0.0, "lr": 1.0, "min_lr": 1.0}, dropout=dropout)
-    spec = model.describe(cfg.model)
+    spec = gpt.describe(cfg.model)
     opt = optim.make_optimizer(cfg.train, spec.decay)
     train_step = jax.jit(step.make_train_step(cfg, spec, opt))
     tokens = np.random.default_rng(0).integers(0, 97, (8, 33)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
     split = lambda a: a.reshape(2, 4, 32).swapaxes(0, 1)  # noqa: E731  (jaxllm.runtime.run.Run.global_batch)
-    one, m1 = train_step(step.init_state(model.init(cfg.model, 0), opt), x[None], y[None])
-    four, m4 = train_step(step.init_state(model.init(cfg.model, 0), opt), split(x), split(y))
+    one, m1 = train_step(step.init_state(gpt.init(cfg.model, 0), opt), x[None], y[None])
+    four, m4 = train_step(step.init_state(gpt.init(cfg.model, 0), opt), split(x), split(y))
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), one["params"], four["params"])
     if dropout:  # it dropped something: the loss is not the deterministic one
-        plain = model.loss(spec.graphdef, model.init(cfg.model, 0), x, y) / y.size
+        plain = gpt.loss(spec.graphdef, gpt.init(cfg.model, 0), x, y) / y.size
         assert abs(float(m1["loss"]) - float(plain)) > 1e-4, (m1["loss"], plain)
 
 
 def test_one_dropout_key_is_one_key_per_row_folded_in():
     """The model takes one dropout key (other programs) or one per row (the train step): the same masks."""
     cfg = small_cfg(dropout=0.1)
-    spec, params = model.describe(cfg.model), model.init(cfg.model, 0)
+    spec, params = gpt.describe(cfg.model), gpt.init(cfg.model, 0)
     tokens = np.random.default_rng(0).integers(0, 97, (3, 32)).astype(np.int32)
     key = jax.random.key(5)
     per_row = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(3))
-    one = model.loss(spec.graphdef, params, tokens, tokens, dropout_key=key)
-    np.testing.assert_array_equal(one, model.loss(spec.graphdef, params, tokens, tokens, dropout_key=per_row))
-    assert abs(float(one - model.loss(spec.graphdef, params, tokens, tokens))) > 1e-2  # it dropped something
+    one = gpt.loss(spec.graphdef, params, tokens, tokens, dropout_key=key)
+    np.testing.assert_array_equal(one, gpt.loss(spec.graphdef, params, tokens, tokens, dropout_key=per_row))
+    assert abs(float(one - gpt.loss(spec.graphdef, params, tokens, tokens))) > 1e-2  # it dropped something
 
 
 def test_row_major_dense_is_dense_with_its_gradients():
@@ -238,7 +239,7 @@ def test_row_major_dense_is_dense_with_its_gradients():
         y_shape = jnp.einsum(spec, x, w).shape
         dy = jax.random.normal(keys[3], y_shape)
         for b in (None, jax.random.normal(keys[2], y_shape[2:])):
-            ref, ref_vjp = jax.vjp(lambda x, w, b, s=spec: model.dense(x, w, b, s, jnp.float32), x, w, b)
+            ref, ref_vjp = jax.vjp(lambda x, w, b, s=spec: layers.dense(x, w, b, s, jnp.float32), x, w, b)
             out, out_vjp = jax.vjp(lambda x, w, b, s=spec: cpu.row_major_dense(x, w, b, s, jnp.float32), x, w,
                                    b)
             np.testing.assert_allclose(out, ref, rtol=1e-6)
@@ -283,7 +284,7 @@ def test_layer_loop_auto_follows_the_backend_and_remat():
 
 
 def test_weight_decay_spares_norms_and_biases():
-    mask = model.describe(small_cfg().model).decay
+    mask = gpt.describe(small_cfg().model).decay
     assert mask["wte"] and mask["wpe"] and mask["layers"]["attn"]["wq"] and mask["layers"]["mlp"]["w2"]
     assert not mask["layers"]["ln1"]["scale"] and not mask["layers"]["attn"]["bq"] and not mask["ln_f"]["bias"]
 
@@ -298,7 +299,7 @@ def _gpt3_sizes():
 @pytest.mark.parametrize("key", list(_gpt3_sizes().SIZES))
 def test_gpt3_parameter_counts(key):
     cfg = resolve(_gpt3_sizes().get_config(key), num_devices=1, vocab_size=50257)
-    n = model.num_params(model.describe(cfg.model).params)
+    n = gpt.num_params(gpt.describe(cfg.model).params)
     layers, h, _ = _gpt3_sizes().SIZES[key]
     expected = 12 * layers * h * h + cfg.model.padded_vocab_size * h
     assert abs(n - expected) / expected < 0.03, (key, n, expected)
@@ -309,8 +310,8 @@ def test_pallas_attention_gives_the_xla_loss():
     losses = []
     for impl in ("xla", "pallas"):
         cfg = small_cfg(attention_impl=impl, num_kv_heads=2)
-        graphdef = model.describe(cfg.model).graphdef
-        params = model.init(cfg.model, 0)
+        graphdef = gpt.describe(cfg.model).graphdef
+        params = gpt.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
         losses.append(loss_and_grads(graphdef, params, tokens))
     np.testing.assert_allclose(losses[1][0], losses[0][0], rtol=1e-5)
@@ -327,11 +328,11 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(layer_loop):
     checked by test_loss_matches_plain_jax_reference)."""
     tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 97)
     ref_cfg = small_cfg(layer_loop=layer_loop, **VARIANTS[1])
-    params = model.init(ref_cfg.model, 0)
-    ref_loss, ref_grads = loss_and_grads(model.describe(ref_cfg.model).graphdef, params, tokens)
+    params = gpt.init(ref_cfg.model, 0)
+    ref_loss, ref_grads = loss_and_grads(gpt.describe(ref_cfg.model).graphdef, params, tokens)
     for remat in POLICIES:
         cfg = small_cfg(layer_loop=layer_loop, remat=remat, **VARIANTS[1])
-        graphdef = model.describe(cfg.model).graphdef
+        graphdef = gpt.describe(cfg.model).graphdef
         loss, grads = jax.jit(lambda p, t, g=graphdef: loss_and_grads(g, p, t))(params, tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=remat)
         for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
@@ -355,12 +356,12 @@ def test_remat_policies_keep_their_named_activations(remat, kept):
 def saved_residuals(remat, layer_loop):
     """JAX's list of what the small model's loss keeps for its backward pass, one line per array."""
     cfg = small_cfg(remat=remat, layer_loop=layer_loop, **VARIANTS[1])
-    spec = model.describe(cfg.model)
+    spec = gpt.describe(cfg.model)
     tokens = jnp.zeros((2, 32), jnp.int32)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(lambda p: model.loss(spec.graphdef, p, tokens, tokens),
-                                                model.init(cfg.model, 0))
+        jax.ad_checkpoint.print_saved_residuals(lambda p: gpt.loss(spec.graphdef, p, tokens, tokens),
+                                                gpt.init(cfg.model, 0))
     return out.getvalue()
 
 
@@ -384,9 +385,9 @@ def test_mlp_chunks_give_the_same_loss_and_gradients_in_less_memory(remat):
     for chunks in (1, 4):
         cfg = small_cfg(remat=remat, layer_loop="scan", mlp_chunks=chunks, ffn_hidden_size=1024,
                         train={"seq_length": 256}, **VARIANTS[1])
-        graphdef = model.describe(cfg.model).graphdef
+        graphdef = gpt.describe(cfg.model).graphdef
         step = jax.jit(lambda p, t, g=graphdef: loss_and_grads(g, p, t))
-        params = model.init(cfg.model, 0)
+        params = gpt.init(cfg.model, 0)
         results[chunks] = (step(params, tokens), step.lower(params, tokens).compile().memory_analysis())
     (loss, grads), memory = results[4]
     (ref_loss, ref_grads), ref_memory = results[1]

@@ -1,6 +1,6 @@
 """Mixture of experts: the layer against a dense reference, and expert parallelism computing what one device computes.
 
-The layer (jaxllm.model.moe, jaxllm.model.gpt.MoE) is checked against every expert applied to every token in plain
+The layer (jaxllm.model.moe, jaxllm.model.layers.MoE) is checked against every expert applied to every token in plain
 jax.numpy, weighted by the softmax of the top-k logits; its losses against Megatron-LM's formulas written out.  The
 layouts run on 8 fake CPU devices, float32, three steps (tests/multidevice.py), with the load-balancing and z losses
 on: each layout's step has the single-device run's micro batches (2 per step), so the router's statistics are taken
@@ -18,9 +18,9 @@ import pytest
 from conftest import run_python
 from harness import assert_same_training, run_layouts
 
-from jaxllm import config, model, tune
+from jaxllm import config, tune
 from jaxllm.config import ConfigError
-from jaxllm.model import moe
+from jaxllm.model import gpt, layers, moe
 from jaxllm.parallel import layouts
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
@@ -63,7 +63,7 @@ def test_expert_parallel_layout_matches_single_device(results, name):
     got = results[name]
     assert_same_training(got, ref)
     for g, r in zip(got["moe"], ref["moe"], strict=True):  # the logged routing statistics of each step
-        assert g.keys() == r.keys() == set(model.MOE_STATS)
+        assert g.keys() == r.keys() == set(gpt.MOE_STATS)
         for k in r:
             np.testing.assert_allclose(g[k], r[k], rtol=1e-5, atol=1e-7, err_msg=k)
     if got["eval_loss"] is not None:
@@ -87,7 +87,7 @@ def _resolved(**extra):
 def test_layer_matches_every_expert_on_every_token(extra):
     """jax.numpy reference: each expert on every token, weighted by the softmax over the token's top-k logits."""
     cfg = _resolved(**extra)
-    p = jax.tree.map(lambda a: a[0], model.init(cfg.model, 0)["layers"]["mlp"])
+    p = jax.tree.map(lambda a: a[0], gpt.init(cfg.model, 0)["layers"]["mlp"])
     keys = jax.random.split(jax.random.key(1), 4)
     p = {k: (jax.random.normal(keys[i % 4], v.shape) * 0.5 if k.startswith("b") else v)  # nonzero biases
          for i, (k, v) in enumerate(p.items())}
@@ -95,7 +95,7 @@ def test_layer_matches_every_expert_on_every_token(extra):
     logits = x @ p["router"]
     ids, weights, _ = moe.route(logits, 2)
     y = moe.local_experts(x, ids, weights, p["w1"], p.get("wg"), p["w2"], p.get("b1"), p.get("b2"),
-                          activation=model.gelu, dtype=jnp.float32)
+                          activation=layers.gelu, dtype=jnp.float32)
     top_logits, top_ids = jax.lax.top_k(logits, 2)
     gates = jax.nn.softmax(top_logits, -1)
     ref = jnp.zeros_like(x)
@@ -166,8 +166,8 @@ def test_router_losses_reach_the_router_gradient():
 
     def router_grad(aux, z):
         cfg = _resolved(moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
-        spec, params = model.describe(cfg.model), model.init(cfg.model, 0)
-        grad = jax.jit(jax.grad(lambda p: model.loss(spec.graphdef, p, tokens, tokens)))
+        spec, params = gpt.describe(cfg.model), gpt.init(cfg.model, 0)
+        grad = jax.jit(jax.grad(lambda p: gpt.loss(spec.graphdef, p, tokens, tokens)))
         return grad(params)["layers"]["mlp"]["router"]
 
     base, aux, both = router_grad(0.0, 0.0), router_grad(0.1, 0.0), router_grad(0.2, 0.05)
@@ -220,5 +220,5 @@ def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4]
-    assert all(set(model.MOE_STATS) <= set(r) and r["moe_dropped"] == 0 and r["moe_max_load"] >= 1 for r in train)
+    assert all(set(gpt.MOE_STATS) <= set(r) and r["moe_dropped"] == 0 and r["moe_max_load"] >= 1 for r in train)
     assert any(r["kind"] == "eval" and r["step"] == 4 and np.isfinite(r["eval_loss"]) for r in records)

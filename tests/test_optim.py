@@ -16,7 +16,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxllm import config, model
+from jaxllm import config
+from jaxllm.model import gpt
 from jaxllm.resolve import resolve
 from jaxllm.runtime import optim
 
@@ -58,7 +59,7 @@ def test_lamb_and_adafactor_update_each_layer_as_its_own_matrix():
 
 def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
     cfg = tiny("muon")
-    spec = model.describe(cfg.model)
+    spec = gpt.describe(cfg.model)
     dims = optim.muon_dimensions(spec.axes)
     flat = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
         dims, is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))[0]}
@@ -173,7 +174,8 @@ ZERO_SCRIPT = textwrap.dedent('''
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, numpy as np, optax
-    from jaxllm import config, model
+    from jaxllm import config
+    from jaxllm.model import gpt
     from jaxllm.parallel import sharding
     from jaxllm.resolve import resolve
     from jaxllm.runtime import optim
@@ -189,11 +191,11 @@ ZERO_SCRIPT = textwrap.dedent('''
             c.parallel.zero_stage = 1
         return resolve(c, num_devices=devices)
 
-    spec = model.describe(cfg("adamw", 1).model)
+    spec = gpt.describe(cfg("adamw", 1).model)
     tokens = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
-    loss = lambda p: model.loss(spec.graphdef, p, tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].size
+    loss = lambda p: gpt.loss(spec.graphdef, p, tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].size
     value_and_grad = jax.jit(jax.value_and_grad(loss))  # the model on device 0, compiled once
-    params0 = model.init(cfg("adamw", 1).model, 0)
+    params0 = gpt.init(cfg("adamw", 1).model, 0)
     mesh = sharding.make_mesh(cfg("adamw", 4))
 
     def apply(opt):

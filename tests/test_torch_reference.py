@@ -16,7 +16,8 @@ import optax
 import pytest
 import torch
 
-from jaxllm import bench, config, model
+from jaxllm import bench, config
+from jaxllm.model import gpt
 from jaxllm.resolve import resolve
 from jaxllm.runtime import optim
 
@@ -37,13 +38,13 @@ gpt3 = _module("gpt3_sizes", ROOT / "configs" / "gpt3.py")
 
 
 def test_parameter_count_every_gpt3_key():
-    """The torch model, built on the meta device (nothing allocated), has jaxllm's ``model.num_params`` of
-    the shapes ``jaxllm.model.describe`` traces, for every key; GPT1_5B through the script's own config path."""
+    """The torch model, built on the meta device (nothing allocated), has jaxllm's ``gpt.num_params`` of
+    the shapes ``jaxllm.model.gpt.describe`` traces, for every key; GPT1_5B through the script's own config path."""
     for key in gpt3.SIZES:
         cfg = resolve(gpt3.get_config(key), num_devices=1, vocab_size=GPT2_VOCAB, backend="cuda", data_files=False)
         with torch.device("meta"):
             net = tr.GPT(cfg.model)
-        assert tr.num_params(net) == model.num_params(model.describe(cfg.model).params), key
+        assert tr.num_params(net) == gpt.num_params(gpt.describe(cfg.model).params), key
     cfg = tr.load_config(str(ROOT / "configs" / "gpt3.py") + ":GPT1_5B", [], device="cuda")
     assert (cfg.model.padded_vocab_size, cfg.model.dtype, cfg.microbatches) == (50304, "bfloat16", 8)
     with torch.device("meta"):
@@ -77,15 +78,15 @@ def test_same_loss_and_steps_as_jaxllm(one_thread):
     ``make_optimizer``) the same loss and the same parameters, padded vocabulary rows included."""
     grad_clip = 0.05
     cfg = tiny(grad_clip)
-    spec = model.describe(cfg.model)
-    params = initial = jax.jit(lambda: model.init(cfg.model, 0))()
+    spec = gpt.describe(cfg.model)
+    params = initial = jax.jit(lambda: gpt.init(cfg.model, 0))()
     rng = np.random.default_rng(0)
     tok = rng.integers(0, cfg.model.vocab_size, (4, 33), dtype=np.int32)
     x, y = tok[:, :-1], tok[:, 1:]
 
     @jax.jit
     def mean_loss(p):
-        return model.loss(spec.graphdef, p, x, y) / x.size
+        return gpt.loss(spec.graphdef, p, x, y) / x.size
 
     net = tr.GPT(cfg.model)
     tr.load_jaxllm_params(net, params)

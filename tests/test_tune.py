@@ -160,7 +160,7 @@ def test_gpu_plan_takes_the_offloaded_layer_inputs_off_the_device():
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxllm import model  # noqa: PLC0415
+    from jaxllm.model import attention, gpt  # noqa: PLC0415
     from jaxllm.resolve import resolve  # noqa: PLC0415
 
     plans = {}
@@ -169,11 +169,11 @@ def test_gpu_plan_takes_the_offloaded_layer_inputs_off_the_device():
         c.model.update(remat=remat, dtype="bfloat16", num_layers=4)
         plans[remat] = plan.plan(c, 1, backend="cuda")
     cfg = resolve(c, num_devices=1, backend="cuda", data_files=False)
-    spec, tokens = model.describe(cfg.model), jnp.zeros((cfg.train.micro_batch_size, cfg.train.seq_length), jnp.int32)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(lambda p: model.loss(spec.graphdef, p, tokens, tokens),
-                                                model.init(cfg.model, 0))
+    spec, tokens = gpt.describe(cfg.model), jnp.zeros((cfg.train.micro_batch_size, cfg.train.seq_length), jnp.int32)
+    out = io.StringIO()  # traced as the plan traces it: the config's attention (cuDNN) is the GPU's
+    with contextlib.redirect_stdout(out), attention.lowering_target("cuda", interpret=True):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: gpt.loss(spec.graphdef, p, tokens, tokens),
+                                                gpt.init(cfg.model, 0))
     host = sum(int(bits) // 8 * math.prod(map(int, shape.split(",")))  # e.g. bf16<host>[4,1,32,64]
                for bits, shape in re.findall(r"[a-z]+(\d+)<host>\[([\d,]+)\]", out.getvalue()))
     assert host == 4 * S * H * 2  # 4 layers' [1, seq, embed] inputs in bfloat16

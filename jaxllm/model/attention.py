@@ -1,6 +1,6 @@
 """The one attention entry point of the model, dispatched on ``model.attention_impl``.
 
-Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``):
+Implementations (keys of :data:`IMPLS`; with ``auto`` the choices of ``model.attention_impl``, :data:`CHOICES`):
 
 ``xla``
     :func:`jaxllm_kernels.reference.attention`: plain XLA, every backend.  Materialises
@@ -25,13 +25,18 @@ Implementations (keys of :data:`IMPLS`, the choices of ``model.attention_impl``)
     the Triton language, through ``jax_triton``; GPUs where ``jax_triton`` imports.
 ``auto``
     :func:`resolve_impl` picks ``cudnn`` on NVIDIA GPUs, ``pallas`` on AMD (ROCm) GPUs and
-    ``xla`` elsewhere (CPU, TPU).
+    ``xla`` elsewhere (CPU, TPU), once, when the config is resolved
+    (:func:`jaxllm.resolve.resolve_model`): below that ``model.attention_impl`` is concrete.
+
+The model, sequence parallelism and the CPU's operations call an :class:`Implementation`, the resolved
+name bound once (:func:`implementation`), never the string.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -126,16 +131,24 @@ def resolve_impl(impl, backend=None) -> str:
       ValueError: ``impl`` is unknown, or not available on this backend; the message says why
         and names the ones that are.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"model.attention_impl={impl!r} is unknown; choose one of {', '.join(IMPLS)}")
-    kind = _backend_kind(backend)
     if impl == "auto":
-        return AUTO.get(kind, "xla")
+        return AUTO.get(_backend_kind(backend), "xla")
+    _check_available(impl, backend)
+    return impl
+
+
+def _check_available(impl, backend=None) -> None:
+    """Raises ValueError: ``impl`` is unknown or does not run on ``backend`` (the message names those that do)."""
+    if impl not in CHOICES:
+        raise ValueError(f"model.attention_impl={impl!r} is unknown; choose one of {', '.join(CHOICES)}")
+    if impl == "auto":
+        raise ValueError("attention(impl='auto'): auto is decided once, by resolve_impl (as "
+                         "jaxllm.resolve.resolve_model does); pass the implementation it gives")
+    kind = _backend_kind(backend)
     why = _why_not(impl, kind)
     if why is not None:
         raise ValueError(f"model.attention_impl={impl!r} is not available on the {kind} backend: {why}. "
                          f"Available here: auto, {', '.join(available_impls(kind))}")
-    return impl
 
 
 def check_config(cfg, backend=None) -> None:
@@ -207,11 +220,8 @@ def _cudnn(q, k, v, *, causal, q_segment_ids, kv_segment_ids, window, q_position
         local_window_size=None if window is None else (int(window) - 1, 0))
 
 
-def _auto(q, k, v, **kw):
-    return IMPLS[resolve_impl("auto")](q, k, v, **kw)
-
-
-IMPLS = {"auto": _auto, "xla": _xla, "cudnn": _cudnn, "pallas": _pallas, "triton": _triton}
+IMPLS = {"xla": _xla, "cudnn": _cudnn, "pallas": _pallas, "triton": _triton}
+CHOICES = ("auto", *IMPLS)  # model.attention_impl's
 
 
 def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segment_ids=None, window=None,
@@ -220,15 +230,43 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
-      impl: a key of :data:`IMPLS` (``model.attention_impl``); ``"auto"`` picks per backend.
+      impl: a key of :data:`IMPLS` (``model.attention_impl`` resolved; not ``"auto"``).
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
       ``[batch, q_len, heads, head_dim]``, and with ``return_lse`` the float32
       log-sum-exp ``[batch, heads, q_len]`` that ring attention merges partial results with.
     Raises:
-      ValueError: ``impl`` is unknown or not available on the default backend (the message
-        names the ones that are).
+      ValueError: ``impl`` is unknown, ``"auto"``, or not available on the default backend (the
+        message names the ones that are).
     """
-    impl = resolve_impl(impl)
+    _check_available(impl)
     return IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                        window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One concrete attention implementation, chosen once: what the model's operations, sequence
+    parallelism and the CPU's operations call instead of passing ``model.attention_impl`` down.
+
+    Attributes:
+      name: a key of :data:`IMPLS` (not ``"auto"``: :func:`resolve_impl` decides that once).
+    """
+
+    name: str = "xla"
+
+    @property
+    def flash(self) -> bool:
+        """True for a flash kernel (a custom call, run whole: XLA cannot partition or chunk it); False
+        for the ``xla`` reference."""
+        return self.name != "xla"
+
+    def __call__(self, q, k, v, **kw):
+        """:func:`attention` by this implementation: same arguments but ``impl``, same result and errors."""
+        return attention(q, k, v, impl=self.name, **kw)
+
+
+def implementation(cfg) -> Implementation:
+    """The attention of the resolved ``model`` section ``cfg`` (:class:`jaxllm.config.Model`): its
+    ``attention_impl``, concrete after :func:`jaxllm.resolve.resolve_model`, bound."""
+    return Implementation(cfg.attention_impl)

@@ -1,6 +1,6 @@
 """FP8 layer matmuls: e4m3 inputs and weights forward, e5m2 output gradients backward, current scaling.
 
-:func:`dense` is the model's ``dense`` operation (:class:`jaxllm.model.Ops`) with ``model.fp8=True``
+:func:`dense` is the model's ``dense`` operation (:class:`jaxllm.model.gpt.Ops`) with ``model.fp8=True``
 (the runtime puts it there).  Each operand of a matmul is quantized with a per-tensor scale taken
 from its current absolute maximum ("current scaling": ``scale = amax / max(float8)``) and cast to
 float8 (:func:`quantize`); the matmul takes the float8 arrays themselves and the product of the two
@@ -85,7 +85,7 @@ _einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
 def dense(x, w, b, spec, dtype):
-    """:func:`jaxllm.model.dense` with the matmul in FP8: ``einsum(spec, x, w) + b``, x and w quantized
+    """:func:`jaxllm.model.layers.dense` with the matmul in FP8: ``einsum(spec, x, w) + b``, x and w quantized
     to e4m3 (the gradient of the output to e5m2 in the backward pass), accumulated in float32 and
     returned in ``dtype``; ``b`` (an array or None) is added in ``dtype``.  The gradients of ``x`` and
     ``w`` come back in their own dtypes (a float32 weight's straight from its FP8 GEMM).

@@ -4,7 +4,7 @@
 ``t`` of ``h``: the summed cross entropy (nats) of the targets ``y`` under the logits of
 the output layer ``W`` (``[vocab, embed]``; the tied embedding, or the output matrix
 transposed), where the logits of ids ``>= vocab_size`` (the padded rows) are
-:data:`~jaxllm_kernels.reference.MASKED`, as :meth:`jaxllm.model.GPT.head` gives them.
+:data:`~jaxllm_kernels.reference.MASKED`, as :meth:`jaxllm.model.gpt.GPT.head` gives them.
 It never materialises the ``[tokens, vocab]`` float32 logits or their gradient for all
 tokens at once: the tokens are processed in chunks of at most :data:`CHUNK_LOGITS`
 logits, and the forward pass also computes the gradients, ``d logits = softmax - onehot``
@@ -19,7 +19,7 @@ With ``vocab_axes`` the table is one device's vocabulary shard (rows ``vocab_sta
 Megatron-LM's vocabulary-parallel cross entropy (Shoeybi et al. 2019, section 3: each
 device holds a slice of the logits; only per-token maxima, sums and target logits
 cross the network).  :mod:`jaxllm.parallel.vocab_parallel` runs it under ``shard_map``; with no
-axes it is the single-device loss (:data:`jaxllm.model.LOCAL`).
+axes it is the single-device loss (:data:`jaxllm.model.gpt.LOCAL`).
 """
 
 from __future__ import annotations

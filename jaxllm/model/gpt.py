@@ -24,6 +24,9 @@ Parameters are handled as a plain nested dict (``params``) outside this file:
 weight-decay mask in one pass (:class:`Spec`), ``init(cfg, seed)`` the parameters,
 and ``forward(graphdef, params, tokens)`` runs the model.  ``cfg`` is the ``model``
 section of a resolved config (:class:`jaxllm.config.Model`).
+
+This module is the assembly (the GPT, its layer stack and scan, :class:`Ops`, the functions on
+``params``); the layers are in :mod:`jaxllm.model.layers`, the remat policies in :mod:`jaxllm.model.remat`.
 """
 
 from __future__ import annotations
@@ -35,10 +38,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model import attention as dispatch
-from jaxllm.model import fused_loss, moe
+from jaxllm.model import fused_loss, layers, moe, remat
 from jaxllm_kernels.reference import MASKED
 
 if TYPE_CHECKING:
@@ -49,14 +51,16 @@ def _unconstrained(x, axes):
     return x
 
 
-def dense(x, w, b, spec, dtype):
-    """``einsum(spec, x, w) + b`` with the matmul in ``dtype`` (``b``: an array or None)."""
-    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
-    return y if b is None else y + b.astype(dtype)
+@dataclasses.dataclass(frozen=True)
+class PlainAttention:
+    """The single-device ``attention`` of :class:`Ops`: causal attention by ``kernel`` (the
+    :class:`jaxllm.model.attention.Implementation` of ``model.attention_impl``); ``order`` is not
+    needed, the arrays being in sequence order."""
 
+    kernel: dispatch.Implementation
 
-def _plain_attention(q, k, v, order, segment_ids, impl):
-    return dispatch.attention(q, k, v, impl=impl, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    def __call__(self, q, k, v, order=None, segment_ids=None):
+        return self.kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
 
 
 def _plain_embed(table, ids):
@@ -70,10 +74,11 @@ class Ops:
     Attributes:
       constrain: ``(x, axes) -> x``: pins activation ``x``, whose dimensions have the
         logical names ``axes``, to its layout (identity on one device).
-      attention: ``(q, k, v, order, segment_ids, impl) -> out``: causal self-attention of q
-        ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]`` by
-        ``model.attention_impl`` ``impl``; ``order`` int32 ``[batch, len]`` is each token's index
-        in the sequence, which the causal mask follows (None: the array's order; ring attention's
+      attention: ``(q, k, v, order, segment_ids) -> out``: causal self-attention of q
+        ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]``, the implementation
+        bound (:class:`jaxllm.model.attention.Implementation`); None (the default): :class:`PlainAttention`
+        of the model's ``attention_impl``, which :class:`GPT` fills in; ``order`` int32 ``[batch, len]`` is
+        each token's index in the sequence, which the causal mask follows (None: the array's order; ring attention's
         reordered batch gives it), ``segment_ids`` int32 ``[batch, len]`` or None: a token attends
         only to tokens of its segment (its document, ``data.reset_attention_mask``); returns
         ``[batch, len, heads, head_dim]``.
@@ -88,7 +93,7 @@ class Ops:
         layout, so that a table consumed whole (the embeddings, the loss's output layer) is gathered
         after the cast, in the compute dtype (identity on one device).
       dense: ``(x, w, b, spec, dtype) -> y``: every layer matmul with a weight (q, k, v,
-        attention output, MLP), :func:`dense` by default; ``w`` and ``b`` (or None) are the very
+        attention output, MLP), :func:`jaxllm.model.layers.dense` by default; ``w`` and ``b`` (or None) are the very
         parameter values of the layer (the zb_h1 pipeline schedule takes input and weight
         gradients apart here, :mod:`jaxllm.parallel.pipeline`).
       experts: ``(x, ids, weights, w1, wg, w2, b1, b2, *, activation, dtype) -> y``: the mixture of
@@ -99,11 +104,11 @@ class Ops:
     """
 
     constrain: Callable = _unconstrained
-    attention: Callable = _plain_attention
+    attention: Callable | None = None
     embed: Callable = _plain_embed
     cross_entropy: Callable = fused_loss.cross_entropy
     param: Callable = _unconstrained
-    dense: Callable = dense
+    dense: Callable = layers.dense
     experts: Callable = moe.local_experts
     router_loss: Callable = moe.loss_scaler(1.0)
 
@@ -111,294 +116,7 @@ class Ops:
 LOCAL = Ops()
 
 
-def _param(key, shape, std, axes, pad=None):
-    """A float32 parameter: normal(0, std), or zeros (std=0), or ones (std=None); ``pad``
-    ``(axis, size)`` appends zeros along ``axis`` up to ``size`` (the padded vocabulary rows, so
-    that padding draws no random numbers: the real rows do not depend on it)."""
-    if std is None:
-        value = jnp.ones(shape, jnp.float32)
-    elif std == 0:
-        value = jnp.zeros(shape, jnp.float32)
-    else:
-        value = std * jax.random.normal(key, shape, jnp.float32)
-    if pad is not None:
-        axis, size = pad
-        value = jnp.pad(value, [(0, size - n if i == axis else 0) for i, n in enumerate(shape)])
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def _dense(ops, x, w, b, spec, dtype):
-    """``ops.dense`` of the weight ``w`` and the bias parameter ``b`` (or None)."""
-    return ops.dense(x, w, None if b is None else b[...], spec, dtype)
-
-
-def rotary(x, positions, base):
-    """Rotary position embedding (Su et al. 2021, eq. 34), GPT-NeoX / Llama half-split layout.
-
-    Args:
-      x: ``[batch, len, heads, head_dim]``.
-      positions: int ``[batch, len]``.
-    Returns:
-      ``x`` rotated, same shape and dtype.
-    """
-    half = x.shape[-1] // 2
-    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, len, half]
-    sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-_GELU_C = (2 / 3.141592653589793) ** 0.5
-
-
-@jax.custom_jvp
-def gelu(x):
-    """GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, eq. 2), as ``jax.nn.gelu(approximate=True)``.
-
-    Its derivative ``0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)`` (``t = tanh(c (x + a x^3))``,
-    ``c = sqrt(2/pi)``, ``a = 0.044715``) is computed in the forward pass from ``x``: the backward
-    pass keeps that one array instead of autodiff's five intermediates.
-    """
-    return jax.nn.gelu(x, approximate=True)
-
-
-@gelu.defjvp
-def _gelu_jvp(primals, tangents):
-    (x,), (dx,) = primals, tangents
-    x32 = x.astype(jnp.float32)
-    t = jnp.tanh(_GELU_C * (x32 + 0.044715 * x32 ** 3))
-    slope = 0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * x32 * x32)
-    return gelu(x), (slope * dx).astype(x.dtype)
-
-
-def _dropout(x, rate, keys, order=None):
-    """Inverted dropout of ``x`` ``[batch, len, ...]`` with one key per row ``keys`` ``[batch]``.
-
-    Each token's mask is drawn from ``fold_in(its row's key, its index in the sequence)``
-    (``order`` int32 ``[batch, len]``, ring attention's reordering; None: ``arange(len)``), so
-    that how the batch is split into micro batches, devices or a reordered sequence does not
-    change which activations are dropped.
-    """
-    if keys is None or rate == 0.0:
-        return x
-    index = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) if order is None else order
-    token_mask = lambda key, i: jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - rate, x.shape[2:])  # noqa: E731
-    keep = jax.vmap(jax.vmap(token_mask, in_axes=(None, 0)))(keys, index)
-    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
-
-
-def row_keys(key, rows):
-    """``fold_in(key, r)`` for every row index ``r`` of the int array ``rows`` (any shape): the
-    dropout keys ``[*rows.shape]`` of those rows."""
-    return jax.vmap(jax.random.fold_in, (None, 0))(key, rows.reshape(-1)).reshape(rows.shape)
-
-
-def _split_rows(keys, n):
-    """Per-row keys ``[batch]`` -> ``n`` of them ``[n, batch]``."""
-    return jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(keys)
-
-
-class Norm(nnx.Module):
-    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over ``embed``, in float32."""
-
-    def __init__(self, cfg):
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.scale = _param(None, (cfg.hidden_size,), None, ("embed",))
-        with_bias = cfg.norm == "layernorm" and cfg.use_bias
-        self.bias = _param(None, (cfg.hidden_size,), 0, ("embed",)) if with_bias else None
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        if self.kind == "layernorm":
-            x32 = x32 - x32.mean(-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps) * self.scale[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(x.dtype)
-
-
-class Attention(nnx.Module):
-    """Causal self-attention with ``num_kv_heads`` key/value heads (GQA when fewer than query heads)."""
-
-    def __init__(self, cfg, rngs, ops):
-        h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads
-        d = h // nh
-        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.cfg, self.ops = cfg, ops
-        self.wq = _param(rngs.params(), (h, nh, d), std, ("embed", "heads", "head_dim"))
-        self.wk = _param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
-        self.wo = _param(rngs.params(), (nh, d, h), out_std, ("heads", "head_dim", "embed"))
-        if cfg.use_bias:
-            self.bq = _param(None, (nh, d), 0, ("heads", "head_dim"))
-            self.bk = _param(None, (nkv, d), 0, ("kv_heads", "head_dim"))
-            self.bv = _param(None, (nkv, d), 0, ("kv_heads", "head_dim"))
-            self.bo = _param(None, (h,), 0, ("embed",))
-        else:
-            self.bq = self.bk = self.bv = self.bo = None
-
-    def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
-        cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
-        q = checkpoint_name(_dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt), "query_proj")
-        k = checkpoint_name(_dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt), "key_proj")
-        v = checkpoint_name(_dense(self.ops, x, self.wv[...], self.bv, "bse,ehd->bshd", dt), "value_proj")
-        q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        if cfg.position_embedding == "rotary":
-            q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
-        if cache is None:
-            out = self.ops.attention(q, k, v, order, segment_ids, cfg.attention_impl)
-        else:
-            # Decoding: write this chunk's keys/values at `positions` and attend to the whole
-            # cache; slots not yet written hold later positions and are masked as the future.
-            k_cache, v_cache = cache
-            start = positions[0, 0]
-            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
-            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
-            kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
-            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True,
-                                     q_positions=positions, kv_positions=kv_positions)
-            cache = (k_cache, v_cache)
-        out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
-        return checkpoint_name(_dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), "out_proj"), cache
-
-
-class MLP(nnx.Module):
-    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block, ``[batch, len, embed]`` to the same.
-
-    With ``model.mlp_chunks`` = m > 1 the tokens go through in m chunks, one after another, each
-    under ``jax.checkpoint``: only one chunk's ``[batch, len / m, ffn]`` intermediates are live, in the
-    forward and the backward pass, for one more forward of the MLP (the tiled MLP of Arctic Long
-    Sequence Training, Bekman et al. 2025).  Chunk j holds tokens j, j + m, ... so that every device's
-    sequence shard splits into m local chunks.  A length m does not divide runs whole.
-    """
-
-    def __init__(self, cfg, rngs, ops):
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.cfg, self.ops = cfg, ops
-        self.w1 = _param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp"))
-        self.wg = _param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if cfg.activation == "swiglu" else None
-        self.w2 = _param(rngs.params(), (f, h), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
-        self.b1 = _param(None, (f,), 0, ("mlp",)) if cfg.use_bias else None
-        self.b2 = _param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
-
-    def __call__(self, x):
-        m, (b, s, e) = self.cfg.mlp_chunks, x.shape
-        if m == 1 or s % m:  # generation's prompts and single tokens run whole: the same values
-            return self._mlp(x)
-        chunks = jnp.moveaxis(x.reshape(b, s // m, m, e), 2, 0)  # [m, batch, len / m, embed]
-        out = jax.lax.map(jax.checkpoint(self._mlp), chunks)
-        return jnp.moveaxis(out, 0, 2).reshape(b, s, e)
-
-    def _mlp(self, x):
-        dt = jnp.dtype(self.cfg.dtype)
-        y = checkpoint_name(_dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt), "mlpwi")
-        if self.wg is None:
-            y = gelu(y)
-        else:
-            gate = checkpoint_name(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt), "mlpwi_gate")
-            y = jax.nn.silu(gate) * y
-        y = self.ops.constrain(y, ("batch", "length", "mlp"))
-        return checkpoint_name(_dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt), "mlpwo")
-
-
-class MoE(nnx.Module):
-    """Mixture of experts in place of the MLP (``model.num_experts`` > 0): a float32 router picks each token's
-    ``moe_router_topk`` experts (:func:`jaxllm.model.moe.route`), each an MLP of ``moe_ffn_hidden_size`` with
-    the model's activation, combined by the router's weights; plus a shared dense MLP of
-    ``moe_shared_expert_intermediate_size`` that every token takes (Qwen-MoE, DeepSeekMoE), if set.
-
-    The router's losses (``moe_aux_loss_coeff`` x load-balancing loss + ``moe_z_loss_coeff`` x z-loss) join the
-    objective through ``ops.router_loss``; the call returns the output ``[batch, len, embed]`` and the
-    routing statistics (float32 scalars, :func:`jaxllm.model.moe.route`).
-    """
-
-    def __init__(self, cfg, rngs, ops):
-        h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
-        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.cfg, self.ops = cfg, ops
-        self.router = _param(rngs.params(), (h, e), std, ("embed", None))
-        self.w1 = _param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
-        self.wg = (_param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
-                   if cfg.activation == "swiglu" else None)
-        self.w2 = _param(rngs.params(), (e, f, h), out_std, ("experts", "expert_mlp", "expert_embed"))
-        self.b1 = _param(None, (e, f), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
-        self.b2 = _param(None, (e, h), 0, ("experts", "expert_embed")) if cfg.use_bias else None
-        shared = cfg.moe_shared_expert_intermediate_size
-        self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), rngs, ops) if shared else None
-
-    def __call__(self, x):
-        cfg, value = self.cfg, lambda p: None if p is None else p[...]  # noqa: E731
-        logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...])
-        ids, weights, stats = moe.route(logits, cfg.moe_router_topk, cfg.moe_capacity_factor)
-        y = self.ops.experts(x, ids, weights, self.w1[...], value(self.wg), self.w2[...], value(self.b1),
-                             value(self.b2), activation=gelu, dtype=jnp.dtype(cfg.dtype))
-        y = self.ops.router_loss(y, cfg.moe_aux_loss_coeff * stats["aux_loss"] + cfg.moe_z_loss_coeff * stats["z_loss"])
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y, stats
-
-
-class Block(nnx.Module):
-    """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (the MLP a
-    mixture of experts when ``model.num_experts`` > 0)."""
-
-    def __init__(self, cfg, rngs, ops):
-        self.dropout, self.ops = cfg.dropout, ops
-        self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs, ops)
-        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if cfg.num_experts else MLP(cfg, rngs, ops))
-
-    def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
-        """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of
-        experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP)."""
-        x = checkpoint_name(x, "decoder_layer_input")  # every use below reads it through the name
-        k1, k2 = _split_rows(key, 2) if key is not None else (None, None)
-        y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
-        x = self.ops.constrain(x + _dropout(y, self.dropout, k1, order), RESIDUAL)
-        y, stats = self.mlp(self.ln2(x)), None
-        if isinstance(self.mlp, MoE):
-            y, stats = y
-        x = x + _dropout(y, self.dropout, k2, order)
-        return self.ops.constrain(x, RESIDUAL), (cache if cache is not None else stats)
-
-
-RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
 MOE_STATS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")  # the logged routing statistics
-
-# The layer's named activations (``checkpoint_name``, MaxText's names): its input (``decoder_layer_input``),
-# each matmul's output and the attention output (``context``).  A remat policy saves some for the backward
-# pass and recomputes the rest.
-QKV = ("query_proj", "key_proj", "value_proj")
-MATMULS = (*QKV, "out_proj", "mlpwi", "mlpwi_gate", "mlpwo")
-_names = jax.checkpoint_policies.save_only_these_names
-
-
-def _offloaded(*names):
-    """Save ``names`` in host memory (pinned) instead of device memory; recompute the rest."""
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-        offload_src="device", offload_dst="pinned_host")
-
-
-# ``model.remat``: what each layer keeps for its backward pass (MaxText's policy names; "none": everything).
-# ``full`` keeps only the layer's input (the checkpointed function's argument); ``offload`` keeps that in
-# host memory (MaxText's ``decoder_layer_input: offload``): nothing of the layer stays on the device, so
-# device memory no longer grows with layers x tokens.  The saved sets, by size: offload < full < save_qkv_proj
-# < save_dots_except_mlp < minimal ~ save_dots (the same matmuls, whose outputs have no dot batch dimension;
-# minimal keeps them after the bias) < minimal_with_context.
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "minimal": _names(*MATMULS),
-    "minimal_with_context": _names(*MATMULS, "context"),
-    "save_qkv_proj": _names(*QKV),
-    "save_dots_except_mlp": _names(*QKV, "out_proj"),
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "minimal_offloaded": _offloaded(*MATMULS),
-    "qkv_proj_offloaded": _offloaded(*QKV),
-    "offload": _offloaded("decoder_layer_input"),
-}
 
 
 class GPT(nnx.Module):
@@ -408,25 +126,29 @@ class GPT(nnx.Module):
       cfg: the ``model`` section of a resolved config (:class:`jaxllm.config.Model`).
       rngs: ``nnx.Rngs`` for initialization: normal(0, ``init_std``), output projections
         of each layer scaled by ``1/sqrt(2 * num_layers)`` (GPT-2, Megatron-LM).
-      ops: how a parallel layout enters (:class:`Ops`); default: one device.
+      ops: how a parallel layout enters (:class:`Ops`); default: one device.  Without an attention, the
+        plain one of ``cfg.attention_impl`` (:func:`jaxllm.model.attention.implementation`) is bound here.
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: Ops = LOCAL):
+        if ops.attention is None:
+            ops = dataclasses.replace(ops, attention=PlainAttention(dispatch.implementation(cfg)))
         self.cfg, self.ops = cfg, ops
         vocab, padded = cfg.vocab_size, cfg.padded_vocab_size
-        self.wte = _param(rngs.params(), (vocab, cfg.hidden_size), cfg.init_std, ("vocab", "embed"), (0, padded))
-        self.wpe = (_param(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std,
+        self.wte = layers.param(rngs.params(), (vocab, cfg.hidden_size), cfg.init_std, ("vocab", "embed"), (0, padded))
+        self.wpe = (layers.param(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std,
                            (None, "embed")) if cfg.position_embedding == "learned" else None)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stack(rngs):
-            return Block(cfg, rngs, ops)
+            return layers.Block(cfg, rngs, ops)
 
         self.layers = stack(rngs)
-        self.ln_f = Norm(cfg)
+        self.ln_f = layers.Norm(cfg)
         self.lm_head = (None if cfg.tie_embeddings else
-                        _param(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, ("embed", "vocab"), (1, padded)))
+                        layers.param(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, ("embed", "vocab"),
+                                     (1, padded)))
 
     def __call__(self, tokens, *, positions=None, order=None, segment_ids=None, dropout_key=None, cache=None):
         """Logits of the next token.
@@ -492,10 +214,10 @@ class GPT(nnx.Module):
         keys = None
         if dropout_key is not None:
             if dropout_key.ndim == 0:
-                dropout_key = row_keys(dropout_key, jnp.arange(tokens.shape[0]))
-            keys = _split_rows(dropout_key, cfg.num_layers + 1)
-            x, keys = _dropout(x, cfg.dropout, keys[0], order), keys[1:]
-        return self.ops.constrain(x, RESIDUAL), keys
+                dropout_key = layers.row_keys(dropout_key, jnp.arange(tokens.shape[0]))
+            keys = layers.split_rows(dropout_key, cfg.num_layers + 1)
+            x, keys = layers.dropout(x, cfg.dropout, keys[0], order), keys[1:]
+        return self.ops.constrain(x, layers.RESIDUAL), keys
 
     def run_layers(self, x, positions, layer_params, keys=None, cache=None, *, order=None, segment_ids=None):
         """Applies the layers whose parameters are ``layer_params`` (a slice of ``params["layers"]``
@@ -520,7 +242,7 @@ class GPT(nnx.Module):
 
         if self.cfg.remat != "none":
             # outside a scan XLA's common-subexpression elimination would merge the recomputation back
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat],
+            layer = jax.checkpoint(layer, policy=remat.POLICIES[self.cfg.remat],
                                    prevent_cse=self.cfg.layer_loop == "unrolled")
         if self.cfg.layer_loop != "unrolled":
             return jax.lax.scan(layer, x, (layer_params, keys, cache))

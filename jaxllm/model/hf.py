@@ -340,8 +340,8 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
 
     Args:
       m: the resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`).
-      params: the nested parameters of :func:`jaxllm.model.init` (jax or numpy arrays), shaped
-        as ``model.describe(m).params``: ``wte [vocab, h]``, ``wpe [positions, h]`` (learned),
+      params: the nested parameters of :func:`jaxllm.model.gpt.init` (jax or numpy arrays), shaped
+        as ``gpt.describe(m).params``: ``wte [vocab, h]``, ``wpe [positions, h]`` (learned),
         ``layers/attn/wq [L, h, heads, d]``, ``wk``/``wv [L, h, kv_heads, d]``, ``wo [L, heads, d, h]``,
         ``layers/mlp/w1 [L, h, f]``, ``wg [L, h, f]`` (swiglu), ``w2 [L, f, h]``, norms, biases,
         ``lm_head [h, vocab]`` (untied), where ``vocab`` = ``m.padded_vocab_size``; with experts
@@ -461,7 +461,7 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
 
 
 def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
-    """jaxllm's nested float32 parameters (``model.describe(m).params``) from HF's tensors, by
+    """jaxllm's nested float32 parameters (``gpt.describe(m).params``) from HF's tensors, by
     ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's experts also fused,
     as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
     ``down_proj [E, h, f]``). Raises ConvertError."""

@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing and expert computation, as pure functions (the layer is :class:`jaxllm.model.gpt.MoE`).
+"""Mixture-of-experts routing and expert computation, as pure functions (the layer is :class:`jaxllm.model.layers.MoE`).
 
 Token-choice top-k routing (Shazeer et al. 2017; Fedus et al. 2022, Switch Transformer), as Megatron-LM's
 ``megatron/core/transformer/moe/router.py`` with its defaults: float32 logits, the top k by logit, their
@@ -163,7 +163,7 @@ def experts(x, ids, weights, w1, wg, w2, b1, b2, *, activation, dtype, first=0):
 
 def local_experts(x, ids, weights, w1, wg, w2, b1, b2, *, activation, dtype):
     """:func:`experts` of every expert on ``x`` ``[batch, len, embed]`` (ids, weights ``[batch, len, topk]``):
-    one device's experts operation (the ``experts`` of :class:`jaxllm.model.Ops`)."""
+    one device's experts operation (the ``experts`` of :class:`jaxllm.model.gpt.Ops`)."""
     b, s, e = x.shape
     flat = lambda a: a.reshape(b * s, a.shape[-1])  # noqa: E731
     y = experts(flat(x), flat(ids), flat(weights), w1, wg, w2, b1, b2, activation=activation, dtype=dtype)

@@ -168,7 +168,7 @@ def zigzag(ring: int, inputs, targets, docs=None):
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """Causal self-attention, sequence-parallel over the ``length`` axes of ``layout``
-    (the ``attention`` of the model's :class:`jaxllm.model.Ops`).
+    (the ``attention`` of the model's :class:`jaxllm.model.gpt.Ops`).
 
     ``allgather``: keys/values all-gathered (MaxText); ``ulysses``: DeepSpeed-Ulysses
     all-to-all (Jacobs et al. 2023); ``ring``: ring attention (Liu et al. 2023) in zigzag
@@ -181,13 +181,15 @@ class Attention:
       layout: the mesh and rules table.
       sequence_impl: ``"allgather"``, ``"ring"``, ``"ulysses"`` or ``"usp"`` (``parallel.sequence_impl``).
       ulysses_degree: ``usp``'s all-to-all group (``parallel.ulysses_degree``, resolved: > 0).
+      kernel: the local attention (``model.attention_impl`` bound, :func:`jaxllm.model.attention.implementation`).
     """
 
     layout: Layout
     sequence_impl: str = "allgather"
     ulysses_degree: int = 1
+    kernel: attn.Implementation = attn.Implementation()
 
-    def __call__(self, q, k, v, order=None, segment_ids=None, impl="xla"):
+    def __call__(self, q, k, v, order=None, segment_ids=None):
         """Attention of one layer.
 
         Args:
@@ -198,33 +200,30 @@ class Attention:
             expect the order of :func:`zigzag` over :func:`ring_devices`); None: the array's order.
           segment_ids: int ``[batch, len]`` (in the order of ``q``) or None: a token attends only
             within its segment (``data.reset_attention_mask``).
-          impl: ``model.attention_impl`` for the local attention.
         Returns:
           ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
         Raises:
           ValueError: unknown ``sequence_impl``; ring or usp with a ring device's length odd.
         """
-        layout = self.layout
+        layout, kernel = self.layout, self.kernel
         n = layout.size("length")
-        segments = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-        if n == 1 and attn.resolve_impl(impl) == "xla":
-            return attn.attention(q, k, v, impl=impl, causal=True, **segments)
+        if n == 1 and not kernel.flash:
+            return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
         q_spec, kv_spec = layout.spec(("batch", "length", "heads", "head_dim")), layout.spec(
             ("batch", "length", "kv_heads", "head_dim"))
         axes = layout.mesh_axes("length")
         axis = axes[0] if len(axes) == 1 else axes
         if n == 1:  # a kernel is a custom call XLA cannot partition (it would gather q, k, v): run it per shard
             def body(q, k, v, order, segment_ids=None):
-                return attn.attention(q, k, v, impl=impl, causal=True, q_segment_ids=segment_ids,
-                                      kv_segment_ids=segment_ids)
+                return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
         elif self.sequence_impl == "allgather":
-            body = functools.partial(_allgather, axis=axis, impl=impl)
+            body = functools.partial(_allgather, axis=axis, kernel=kernel)
         elif self.sequence_impl in ("ulysses", "usp"):
             degree, ring = groups(self.sequence_impl, n, self.ulysses_degree)
-            body = functools.partial(_ulysses, axis=axis, degree=degree, ring=ring, impl=impl)
+            body = functools.partial(_ulysses, axis=axis, degree=degree, ring=ring, kernel=kernel)
         elif self.sequence_impl == "ring":
             def body(q, k, v, order, segment_ids=None):
-                return _ring((axis, n, 1, impl), q, k, v, order, segment_ids)
+                return _ring((axis, n, 1, kernel), q, k, v, order, segment_ids)
         else:
             raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring, ulysses or usp")
         if order is None:
@@ -236,19 +235,20 @@ class Attention:
         return jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
-def local_attention(q, k, v, q_positions, kv_positions, impl, q_segment_ids=None, kv_segment_ids=None):
+def local_attention(q, k, v, q_positions, kv_positions, kernel, q_segment_ids=None, kv_segment_ids=None):
     """``(out, lse)`` of causal attention by true positions (and segment ids, or None) on one device's shards.
 
     The ``xla`` reference is run over query chunks of at most ``_CHUNK_SCORES / kv_len``
     rows, each under ``jax.checkpoint``, so the backward pass keeps no score matrix; kernels
-    (flash attention) are called once.  Shapes as :func:`jaxllm.model.attention.attention`.
+    (flash attention) are called once.  ``kernel``: the :class:`jaxllm.model.attention.Implementation`.
+    Shapes as :func:`jaxllm.model.attention.attention`.
     """
     def one(q, qp, qs=None):
-        return attn.attention(q, k, v, impl=impl, causal=True, q_positions=qp, kv_positions=kv_positions,
+        return kernel(q, k, v, causal=True, q_positions=qp, kv_positions=kv_positions,
                               q_segment_ids=qs, kv_segment_ids=kv_segment_ids, return_lse=True)
 
     sq, sk = q.shape[1], k.shape[1]
-    if attn.resolve_impl(impl) != "xla" or sq * sk <= _CHUNK_SCORES:
+    if kernel.flash or sq * sk <= _CHUNK_SCORES:
         return one(q, q_positions, q_segment_ids)
     chunk = max(1, _CHUNK_SCORES // sk)
     while sq % chunk:
@@ -261,12 +261,12 @@ def local_attention(q, k, v, q_positions, kv_positions, impl, q_segment_ids=None
     return out.swapaxes(0, 1).reshape(b, sq, h, d), lse.transpose(1, 2, 0, 3).reshape(b, h, sq)
 
 
-def _allgather(q, k, v, pos, seg=None, *, axis, impl):
+def _allgather(q, k, v, pos, seg=None, *, axis, kernel):
     """Local queries against all-gathered keys and values; the gather is redone in the backward pass."""
 
     def f(q, k, v, pos, seg):
         gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
-        return local_attention(q, gather(k), gather(v), pos, gather(pos), impl, seg, gather(seg))[0]
+        return local_attention(q, gather(k), gather(v), pos, gather(pos), kernel, seg, gather(seg))[0]
 
     return jax.checkpoint(f)(q, k, v, pos, seg)
 
@@ -297,7 +297,7 @@ def _group_all_to_all(x, split_axis, concat_axis, *, axis, degree, ring):
     return jnp.concatenate([got[j] for j in range(degree)], axis=concat_axis)
 
 
-def _ulysses(q, k, v, pos, seg=None, *, axis, degree, ring, impl):
+def _ulysses(q, k, v, pos, seg=None, *, axis, degree, ring, kernel):
     """All-to-all sequence-split -> head-split inside groups of ``degree`` consecutive devices, attention on
     ``1 / degree`` of the heads over the group's tokens (ring attention across the ``n / degree`` groups
     where there are several: USP), and the all-to-all back."""
@@ -313,9 +313,9 @@ def _ulysses(q, k, v, pos, seg=None, *, axis, degree, ring, impl):
         q, k, v = to_heads(q), to_heads(_repeat_kv(k, degree)), to_heads(_repeat_kv(v, degree))
         pos, seg = gather(pos), None if seg is None else gather(seg)
         if ring == 1:
-            out = local_attention(q, k, v, pos, pos, impl, seg, seg)[0]
+            out = local_attention(q, k, v, pos, pos, kernel, seg, seg)[0]
         else:
-            out = _ring((axis, ring, degree, impl), q, k, v, pos, seg)
+            out = _ring((axis, ring, degree, kernel), q, k, v, pos, seg)
         return exchange(out, split_axis=1, concat_axis=2)
 
     # Ulysses alone redoes the all-to-alls in the backward pass rather than keep q, k, v twice; under USP
@@ -332,18 +332,18 @@ def _merge(o1, l1, o2, l2):
     return o1 * w(l1) + o2 * w(l2), lse
 
 
-def _attend(q, k, v, qt, kt, impl):
+def _attend(q, k, v, qt, kt, kernel):
     """:func:`local_attention` with the tokens ``qt``, ``kt`` as ``(positions, segment ids or None)``."""
-    return local_attention(q, k, v, qt[0], kt[0], impl, qt[1], kt[1])
+    return local_attention(q, k, v, qt[0], kt[0], kernel, qt[1], kt[1])
 
 
-def _diagonal(q, k, v, qt, kt, impl):
+def _diagonal(q, k, v, qt, kt, kernel):
     """Ring step 0: the device's queries against its own keys (causal inside)."""
-    o, l = _attend(q, k, v, qt, kt, impl)
+    o, l = _attend(q, k, v, qt, kt, kernel)
     return o.astype(jnp.float32), l
 
 
-def _zigzag_step(q, k, v, qt, kt, before, impl):
+def _zigzag_step(q, k, v, qt, kt, before, kernel):
     """A ring step t > 0 in zigzag order: queries hold chunks (a, b) = (i, 2n-1-i), keys (a', b') =
     (j, 2n-1-j) with j = i - t mod n.  Visible blocks: (b, a') always; (a, a') when j < i
     (``before``), (b, b') when j > i; (a, b') never.  Two c x c blocks, every pair visible.
@@ -353,8 +353,8 @@ def _zigzag_step(q, k, v, qt, kt, before, impl):
 
     (qa, qb), (ka, kb), (va, vb), (qta, qtb), (kta, ktb) = map(half, (q, k, v, qt, kt))
     pick = lambda x, y: jax.tree.map(lambda a, b: jnp.where(before, a, b), x, y)  # noqa: E731
-    o1, l1 = _attend(qb, ka, va, qtb, kta, impl)
-    o2, l2 = _attend(pick(qa, qb), pick(ka, kb), pick(va, vb), pick(qta, qtb), pick(kta, ktb), impl)
+    o1, l1 = _attend(qb, ka, va, qtb, kta, kernel)
+    o2, l2 = _attend(pick(qa, qb), pick(ka, kb), pick(va, vb), pick(qta, qtb), pick(kta, ktb), kernel)
     o1, o2 = o1.astype(jnp.float32), o2.astype(jnp.float32)
     empty_o, empty_l = jnp.zeros_like(o2), jnp.full_like(l2, MASKED)
     oa, la = pick(o2, empty_o), pick(l2, empty_l)
@@ -370,7 +370,7 @@ def _ring_index_and_send(axis, n, stride):
 
 
 def _ring_forward(static, q, k, v, pos, seg=None):
-    axis, n, stride, impl = static
+    axis, n, stride, kernel = static
     if q.shape[1] % 2:
         raise ValueError(f"ring attention: local length {q.shape[1]} is odd; the sequence must divide by 2 x {n}")
     i, send = _ring_index_and_send(axis, n, stride)
@@ -378,11 +378,11 @@ def _ring_forward(static, q, k, v, pos, seg=None):
     # Double buffering: the block of step t + 1 is sent before step t's attention, which does not read
     # it, so the transfer can overlap the compute; the last step sends nothing.
     block = send((k, v, pos))
-    o, lse = _diagonal(q, k, v, pos, pos, impl)
+    o, lse = _diagonal(q, k, v, pos, pos, kernel)
 
     def attend(o, lse, block, t):  # merges step t's block (keys, values, their tokens) into (o, lse)
         k, v, kp = block
-        return _merge(o, lse, *_zigzag_step(q, k, v, pos, kp, t <= i, impl))
+        return _merge(o, lse, *_zigzag_step(q, k, v, pos, kp, t <= i, kernel))
 
     def body(carry, t):
         o, lse, block = carry
@@ -398,7 +398,7 @@ def _ring_forward(static, q, k, v, pos, seg=None):
 def _ring(static, q, k, v, pos, seg):
     """Ring attention on one device's zigzag shards: ``[b, 2c, h, d]`` queries, ``[b, 2c, kvh, d]`` keys,
     positions and segment ids (or None) ``[b, 2c]``.  ``static``: ``(axis, ring devices, their stride
-    on the axis, impl)``."""
+    on the axis, the local attention's Implementation)``."""
     return _ring_forward(static, q, k, v, pos, seg)[0]
 
 
@@ -413,7 +413,7 @@ def _ring_bwd(static, res, dout):
     block's gradient is the vjp of its (out, lse) (recomputed), with the cotangents the
     log-sum-exp merge gives: ``d out_b = w_b dout``, ``d lse_b = w_b (<dout, out_b> - <dout, out>)``,
     ``w_b = exp(lse_b - lse)``."""
-    axis, n, stride, impl = static
+    axis, n, stride, kernel = static
     q, k, v, pos, out, lse = res
     i, send = _ring_index_and_send(axis, n, stride)
     dout = dout.astype(jnp.float32)
@@ -431,11 +431,11 @@ def _ring_bwd(static, res, dout):
     # Double buffering as in the forward pass: step t sends the block of step t + 1 and the gradients
     # accumulated for its own block (``pending``) before its vjp, which reads neither.
     block = send((k, v, pos))
-    dq, dk, dv = block_grads(lambda q, k, v, kp: _diagonal(q, k, v, pos, kp, impl), k, v, pos)
+    dq, dk, dv = block_grads(lambda q, k, v, kp: _diagonal(q, k, v, pos, kp, kernel), k, v, pos)
     dq, pending = f32(dq), (f32(dk), f32(dv))
 
     def grads(dq, block, acc, t):  # adds step t's block's gradients: to dq and to the block's ``acc``
-        gq, gk, gv = block_grads(lambda q, k, v, kp: _zigzag_step(q, k, v, pos, kp, t <= i, impl), *block)
+        gq, gk, gv = block_grads(lambda q, k, v, kp: _zigzag_step(q, k, v, pos, kp, t <= i, kernel), *block)
         return dq + gq, (acc[0] + gk, acc[1] + gv)
 
     def body(carry, t):

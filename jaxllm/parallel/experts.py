@@ -1,6 +1,6 @@
 """Expert parallelism: a mixture of experts' tokens brought to their experts' devices and back.
 
-The ``experts`` operation of :class:`jaxllm.model.Ops` on a mesh.  It runs under ``jax.shard_map``, manual
+The ``experts`` operation of :class:`jaxllm.model.gpt.Ops` on a mesh.  It runs under ``jax.shard_map``, manual
 over every mesh axis, with specs from the rules table: each device routes its own tokens (batch over the
 data axes, length over the sequence axes) and holds the experts of its ``expert`` shard, split over
 ``tensor`` along their hidden dimension (column- then row-parallel, as the dense MLP).  Dispatch is

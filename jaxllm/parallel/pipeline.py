@@ -47,7 +47,7 @@ permute.  Five schedules (``parallel.pipeline_schedule``):
     stage waits for), at 1F1B's time, and W, the weight gradient (which nobody waits
     for), deferred by ``s`` iterations on stage ``s`` so that every stage computes W
     of microbatch ``i`` at iteration ``i + 2(p - 1)``.  Every matmul ``y = x w + b``
-    of the layers goes through the model's ``dense`` operation (:class:`jaxllm.model.Ops`),
+    of the layers goes through the model's ``dense`` operation (:class:`jaxllm.model.gpt.Ops`),
     which a copy of the layers routes here: B runs the vjp with the weights held
     constant and a zero ``tap`` added to ``y``, whose gradient is ``dy``; W is
     ``x^T dy`` and ``sum dy`` from the kept ``x`` and ``dy``.
@@ -85,7 +85,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import model
+from jaxllm.model import gpt as gpt_module  # `gpt` is the merged model in the functions below
 from jaxllm.parallel import schedules, zero_bubble
 from jaxllm.parallel.schedules import FUSED
 from jaxllm.parallel.sharding import Layout
@@ -148,13 +148,13 @@ def _add_stats(acc, stats, micro, valid):
 
 
 def _stats_metrics(cfg, acc) -> dict:
-    """The logged statistics of :meth:`jaxllm.model.GPT.moe_stats` from the accumulated ones: per microbatch
+    """The logged statistics of :meth:`jaxllm.model.gpt.GPT.moe_stats` from the accumulated ones: per microbatch
     the layers' mean (the busiest expert: their maximum), then the microbatches' mean."""
     if acc is None:
         return {}
     layers, m = cfg.model.num_layers, acc["aux_loss"].shape[1]
     per_micro = {k: a.max(0) if k == "max_load" else a.sum(0) / layers for k, a in acc.items()}
-    return {name: per_micro[k].sum() / m for name, k in zip(model.MOE_STATS, ("aux_loss", "z_loss", "max_load",
+    return {name: per_micro[k].sum() / m for name, k in zip(gpt_module.MOE_STATS, ("aux_loss", "z_loss", "max_load",
                                                                                 "dropped"))}
 
 
@@ -164,7 +164,7 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
     Args:
       cfg: the resolved run config (``cfg.stages > 1``).
       layout: the mesh and rules table (``stage`` over the pipeline axis).
-      spec, params: the model (:class:`jaxllm.model.Spec`: its graph definition and logical axes).
+      spec, params: the model (:class:`jaxllm.model.gpt.Spec`: its graph definition and logical axes).
       inputs, targets: int32 ``[microbatches, micro_batch, seq]``; ``microbatches`` must be a
         multiple of the stages (checked by :func:`check`).
       positions: int32 ``[microbatches, micro_batch, seq]``, the same in every microbatch (ring
@@ -173,8 +173,8 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
         (:func:`jaxllm.runtime.step.row_keys`), or None (no dropout).
     Returns:
       ``(loss, stats)``: float32 scalar, the mean cross entropy over every token (the model's fused
-      output loss, :meth:`jaxllm.model.GPT.output_loss`), as the same batch gives without pipeline,
-      and the routing statistics of :meth:`jaxllm.model.GPT.moe_stats`, averaged over the
+      output loss, :meth:`jaxllm.model.gpt.GPT.output_loss`), as the same batch gives without pipeline,
+      and the routing statistics of :meth:`jaxllm.model.gpt.GPT.moe_stats`, averaged over the
       microbatches (``{}`` for a dense model).  The loss's gradient (``jax.grad`` with ``has_aux``) is
       autodiff's transpose of the forward loop for gpipe / interleaved, and the fused loop's own for
       the 1F1B family (the values are then the fused loop's too); without differentiation every
@@ -213,7 +213,7 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
     stage_axis, constrain = layout.mesh_axes("stage"), layout.constrain
     gpt = nnx.merge(spec.graphdef, params)
     if cfg.model.num_experts:  # the routers' losses join the objective at the end, from the valid slots only
-        gpt = nnx.merge(model.describe(cfg.model, dataclasses.replace(gpt.ops, router_loss=_detached)).graphdef,
+        gpt = nnx.merge(gpt_module.describe(cfg.model, dataclasses.replace(gpt.ops, router_loss=_detached)).graphdef,
                         params)
     positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
 
@@ -327,8 +327,8 @@ class _Fused:
     def _split_backward(self, params) -> zero_bubble.SplitBackward:
         """zb_h1's backward in two (B, W): a copy of the layers whose matmuls go through a router."""
         router = zero_bubble.Router()
-        layer_graphdef = nnx.graphdef(nnx.merge(
-            model.describe(self.cfg.model, dataclasses.replace(self.gpt.ops, dense=router)).graphdef, params).layers)
+        routed = gpt_module.describe(self.cfg.model, dataclasses.replace(self.gpt.ops, dense=router))
+        layer_graphdef = nnx.graphdef(nnx.merge(routed.graphdef, params).layers)
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.layers)
         layer_axes = jax.tree.map(lambda axes: axes[1:], self.spec.axes["layers"],
                                   is_leaf=lambda a: isinstance(a, tuple))

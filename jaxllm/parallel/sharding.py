@@ -195,7 +195,7 @@ def check(cfg, sizes: Mapping[str, tuple[int, str]]) -> None:
 
     Args:
       cfg: a config being resolved (``mesh_shape`` filled).
-      sizes: logical axis -> (size, the config key that sets it), see :func:`jaxllm.model.logical_sizes`.
+      sizes: logical axis -> (size, the config key that sets it), see :func:`jaxllm.model.gpt.logical_sizes`.
     Raises:
       ConfigError: the first dimension that does not divide, with its key.
     """
@@ -255,7 +255,7 @@ def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
 
 def param_specs(logical, table):
     """PartitionSpecs of the parameters from their logical axes (a tree of tuples, as
-    :class:`jaxllm.model.Spec` holds them)."""
+    :class:`jaxllm.model.gpt.Spec` holds them)."""
     return jax.tree.map(lambda axes: logical_to_spec(axes, table), logical, is_leaf=lambda x: isinstance(x, tuple))
 
 

@@ -2,7 +2,7 @@
 
 Megatron-LM's vocabulary-parallel layers (Shoeybi et al. 2019, section 3), for the
 mesh axes the rules table gives the logical ``vocab`` axis (``tensor``); they are the
-``embed`` and ``cross_entropy`` operations of :class:`jaxllm.model.Ops` (model code
+``embed`` and ``cross_entropy`` operations of :class:`jaxllm.model.gpt.Ops` (model code
 names no mesh axis):
 
 :class:`Embed`

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm import model
+from jaxllm.model import layers
+from jaxllm.model.remat import POLICIES as REMAT_POLICIES  # `remat` names the policy below
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +28,11 @@ class Matmul:
 
 
 class Router:
-    """The ``dense`` operation (:class:`jaxllm.model.Ops`) of zb_h1's copy of the layers: the
-    matmul function :meth:`using` sets while a layer is traced (:func:`jaxllm.model.dense` otherwise)."""
+    """The ``dense`` operation (:class:`jaxllm.model.gpt.Ops`) of zb_h1's copy of the layers: the
+    matmul function :meth:`using` sets while a layer is traced (:func:`jaxllm.model.layers.dense` otherwise)."""
 
     def __init__(self):
-        self.fn = model.dense
+        self.fn = layers.dense
 
     def __call__(self, x, w, b, spec, dtype):
         return self.fn(x, w, b, spec, dtype)
@@ -83,7 +84,7 @@ class SplitBackward:
                     seen.append(xin)
                     j = len(seen) - 1
                     self.inputs.append(jax.ShapeDtypeStruct(xin.shape, jnp.dtype(dtype)))
-                y = model.dense(xin, w, b, spec, dtype)
+                y = layers.dense(xin, w, b, spec, dtype)
                 self.matmuls.append(Matmul(ids[id(w)], None if b is None else ids[id(b)], spec, dtype, j,
                                             jax.ShapeDtypeStruct(y.shape, y.dtype)))
                 return y
@@ -93,7 +94,7 @@ class SplitBackward:
 
         jax.eval_shape(probe, layer_params, x)
         self.layer = self._layer if remat == "none" else jax.checkpoint(
-            self._layer, policy=model.REMAT_POLICIES[remat], prevent_cse=False)
+            self._layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
         # logical axes of the kept [layers, micro_batch, seq, ...] inputs and gradients, from the einsums
         axes = jax.tree.leaves(layer_axes, is_leaf=lambda a: isinstance(a, tuple))
 
@@ -114,7 +115,7 @@ class SplitBackward:
             if not any(a is xin for a in seen):
                 seen.append(xin)
             sg = jax.lax.stop_gradient
-            return model.dense(xin, sg(w), None if b is None else sg(b), spec, dtype) + taps[next(count)]
+            return layers.dense(xin, sg(w), None if b is None else sg(b), spec, dtype) + taps[next(count)]
 
         with self.router.using(hook):
             y = nnx.merge(self.graphdef, params)(x, self.positions, key, None, self.positions)[0]
@@ -145,7 +146,7 @@ class SplitBackward:
             grads = [jnp.zeros(a.shape, jnp.float32) for a in leaves]
             for mm, dy in zip(self.matmuls, dys, strict=True):
                 bias = None if mm.bias is None else leaves[mm.bias]
-                _, vjp = jax.vjp(lambda w, b: model.dense(inputs[mm.input], w, b, mm.spec, mm.dtype),  # noqa: B023
+                _, vjp = jax.vjp(lambda w, b: layers.dense(inputs[mm.input], w, b, mm.spec, mm.dtype),  # noqa: B023
                                  leaves[mm.weight], bias)
                 gw, gb = vjp(dy)
                 grads[mm.weight] = grads[mm.weight] + gw

@@ -44,8 +44,9 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxllm import config, model
+from jaxllm import config
 from jaxllm.errors import ConfigError
+from jaxllm.model import gpt
 from jaxllm.runtime import checkpoint_tiers as tiers
 from jaxllm.runtime import optim
 from jaxllm.runtime.checksums import checksums, tokenizer_fingerprint
@@ -351,7 +352,7 @@ def restore_params(model_cfg: config.Model, workdir: str, step: int | None = Non
     run's resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`)."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
-                            model.describe(model_cfg).params)
+                            gpt.describe(model_cfg).params)
     manager = tiers.shared_manager(workdir)
     try:
         step = manager.latest_step() if step is None else step

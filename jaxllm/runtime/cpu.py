@@ -4,7 +4,7 @@ CPUs are where jaxllm is developed and tested, not where it is used for speed; t
 the CPU step as fast as an eager PyTorch one (docs/performance.md, "vs PyTorch" and the sections
 named below) while the model's own operations stay the plain ones every backend runs:
 
-* :func:`row_major_dense` for the layer matmuls (:class:`jaxllm.model.Ops`'s ``dense``): their
+* :func:`row_major_dense` for the layer matmuls (:class:`jaxllm.model.gpt.Ops`'s ``dense``): their
   gradient matmuls take ``[M, K] @ [K, N]`` operands, which XLA:CPU sends to its fast YNNPACK path
   (docs/performance.md, "Row-major gradient matmuls and written-out layers on CPUs").
 * :class:`BatchSlices` around attention on a one-device mesh: XLA:CPU runs a batched matmul on one
@@ -27,42 +27,43 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxllm import model
-from jaxllm.model import attention as attn
+from jaxllm.model import gpt
 from jaxllm.platform import hardware
 
 __all__ = ["BatchSlices", "ops", "row_major_dense"]
 
 
-def ops(base: model.Ops, mesh_size: int) -> model.Ops:
-    """``base`` (a mesh's operations) with the CPU's: :func:`row_major_dense` for the layer matmuls,
-    and on a one-device mesh attention in :class:`BatchSlices`, one per core of this process
-    (:func:`jaxllm.platform.hardware.host_threads`)."""
-    attention = BatchSlices(base.attention, hardware.host_threads()) if mesh_size == 1 else base.attention
+def ops(base: gpt.Ops, mesh_size: int) -> gpt.Ops:
+    """``base`` (a mesh's operations, its attention a :class:`jaxllm.parallel.context_parallel.Attention`) with
+    the CPU's: :func:`row_major_dense` for the layer matmuls, and on a one-device mesh the ``xla`` reference
+    attention in :class:`BatchSlices`, one per core of this process (:func:`jaxllm.platform.hardware.host_threads`;
+    a flash kernel is called whole)."""
+    attention = base.attention
+    if mesh_size == 1 and not attention.kernel.flash:
+        attention = BatchSlices(attention, hardware.host_threads())
     return dataclasses.replace(base, dense=row_major_dense, attention=attention)
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchSlices:
-    """An ``attention`` operation (:class:`jaxllm.model.Ops`) run as up to ``slices`` independent
-    slices of the batch (the largest count that divides it) when it is the ``xla`` implementation;
-    any other implementation is called whole.  Same arguments and result as ``attention``:
+    """An ``attention`` operation (:class:`jaxllm.model.gpt.Ops`) run as up to ``slices`` independent
+    slices of the batch (the largest count that divides it).  Same arguments and result as ``attention``:
     q ``[batch, len, heads, head_dim]``, k, v ``[batch, len, kv_heads, head_dim]``, order and
     segment_ids int ``[batch, len]`` or None."""
 
     attention: object
     slices: int
 
-    def __call__(self, q, k, v, order=None, segment_ids=None, impl="xla"):
+    def __call__(self, q, k, v, order=None, segment_ids=None):
         n = max(c for c in range(1, self.slices + 1) if q.shape[0] % c == 0)
-        if n == 1 or attn.resolve_impl(impl) != "xla":
-            return self.attention(q, k, v, order, segment_ids, impl)
+        if n == 1:
+            return self.attention(q, k, v, order, segment_ids)
         parts = [jnp.split(a, n) if a is not None else [None] * n for a in (q, k, v, order, segment_ids)]
-        return jnp.concatenate([self.attention(*args, impl=impl) for args in zip(*parts)])
+        return jnp.concatenate([self.attention(*args) for args in zip(*parts)])
 
 
 def row_major_dense(x, w, b, spec, dtype):
-    """:func:`jaxllm.model.dense`, the same function and forward matmul, whose gradient matmuls each take
+    """:func:`jaxllm.model.layers.dense`, the same function and forward matmul, whose gradient matmuls each take
     their operands as ``[M, K] @ [K, N]`` in memory: the smaller operand of each is transposed
     explicitly, behind an optimization barrier that keeps XLA from folding the transpose back into
     the matmul.  On CPUs XLA otherwise runs the weight gradient ``x^T dy`` (the contraction over
@@ -71,7 +72,7 @@ def row_major_dense(x, w, b, spec, dtype):
     input gradient ``dy w^T`` through YNN's slower transposed-weight path.
 
     ``spec`` is ``"<rows><in>,<in><out>-><rows><out>"`` (each part one or more letters, the rows
-    ``batch, len``), as every layer matmul of :class:`jaxllm.model.GPT`; x ``[rows..., in...]``, w
+    ``batch, len``), as every layer matmul of :class:`jaxllm.model.gpt.GPT`; x ``[rows..., in...]``, w
     ``[in..., out...]``, b ``[out...]`` or None.
     """
     return _row_major(spec, x.astype(dtype), w.astype(dtype), None if b is None else b.astype(dtype))

@@ -121,7 +121,7 @@ def _layer_forward_flops(m, s: int) -> dict[str, float]:
             "out_proj": 2 * (n * d) * h, "mlp_in": mlp_in, "mlp_out": mlp_out}
 
 
-# What each ``model.remat`` policy recomputes in the backward pass (jaxllm.model.gpt.REMAT_POLICIES): the
+# What each ``model.remat`` policy recomputes in the backward pass (jaxllm.model.remat.POLICIES): the
 # matmuls whose outputs it does not keep, plus those its backward needs the inputs of.  The attention
 # scores are never kept (their softmax is what the backward of both attention matmuls needs), so every
 # policy recomputes ``scores``; ``values`` too unless the attention output (``context``) is kept.

@@ -25,7 +25,7 @@ muon       ``optax.contrib.muon`` (Jordan 2024) for the layers' matrices, its up
 ``beta1``, ``beta2`` and ``adam_eps`` are the Adam-family hyperparameters (adafactor and lion use
 what applies to them; muon's momentum is 0.95, Keller Jordan's); ``weight_decay`` the decay of every
 optimizer.  The layers' parameters are stacked along a leading ``layers`` axis
-(:func:`jaxllm.model.describe`); lamb and adafactor, whose updates depend on a whole matrix (trust
+(:func:`jaxllm.model.gpt.describe`); lamb and adafactor, whose updates depend on a whole matrix (trust
 ratio, factored moments, block-RMS clipping), are applied to each layer's slice of the stack
 (``jax.vmap`` over that axis), as Megatron applies them to each layer's tensor; muon treats the axis
 as a batch of matrices; the element-wise optimizers need nothing.
@@ -143,7 +143,7 @@ def _is_axes(x) -> bool:
 
 
 def muon_dimensions(axes):
-    """Muon's matrix view of each parameter from its logical axes (:attr:`jaxllm.model.Spec.axes`): an
+    """Muon's matrix view of each parameter from its logical axes (:attr:`jaxllm.model.gpt.Spec.axes`): an
     ``optax.contrib.MuonDimensionNumbers`` for the layers' weight matrices (``layers`` is a batch axis;
     a matrix maps its ``embed`` dimension to the others, or the others to ``embed``), None for what
     AdamW updates (embedding, position and output tables, norms, biases)."""
@@ -175,8 +175,8 @@ def make_optimizer(t, decay_mask, axes=None) -> optax.GradientTransformation:
 
     Args:
       t: the ``train`` section (an alias of ``train.optimizer`` is taken as its optimizer).
-      decay_mask: True where weight decay applies (:attr:`jaxllm.model.Spec.decay`).
-      axes: the parameters' logical axes (:attr:`jaxllm.model.Spec.axes`); lamb, adafactor and muon need them.
+      decay_mask: True where weight decay applies (:attr:`jaxllm.model.gpt.Spec.decay`).
+      axes: the parameters' logical axes (:attr:`jaxllm.model.gpt.Spec.axes`); lamb, adafactor and muon need them.
     Raises:
       ValueError: lamb, adafactor or muon without ``axes``.
     """

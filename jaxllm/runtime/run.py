@@ -2,7 +2,7 @@
 
 From a resolved config (:func:`jaxllm.resolve.resolve`) it builds, once: the mesh and
 rules table (:class:`jaxllm.parallel.sharding.Layout`), the model's description with the
-mesh's operations (:func:`jaxllm.model.describe`: graph definition, shapes, logical
+mesh's operations (:func:`jaxllm.model.gpt.describe`: graph definition, shapes, logical
 axes, weight-decay mask), the optimizer, the shardings of the training state, batch
 and gradients, and the jitted train and eval steps (:mod:`jaxllm.runtime.step`).  The
 training CLI, ``plan``, ``bench`` and ``tune`` all use it.
@@ -15,10 +15,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxllm import model
 from jaxllm.config import Resolved
 from jaxllm.data.loader import document_arrays
-from jaxllm.model import fp8, moe
+from jaxllm.model import attention, fp8, gpt, moe
 from jaxllm.parallel import context_parallel, experts, sharding, vocab_parallel
 from jaxllm.runtime import cpu, evaluation, optim, step
 
@@ -30,7 +29,7 @@ class Run:
       cfg: a resolved config.
       devices: the devices of the mesh (default: all).
     Attributes:
-      cfg, layout (mesh + rules table), mesh, spec (:class:`jaxllm.model.Spec`), optimizer,
+      cfg, layout (mesh + rules table), mesh, spec (:class:`jaxllm.model.gpt.Spec`), optimizer,
       logical_state (the state's ``jax.ShapeDtypeStruct`` leaves), state_sharding, abstract_state (the state
       as stored: ``jax.ShapeDtypeStruct`` leaves with shardings, :data:`jaxllm.parallel.sharding.STORED`
       dimensions padded to their devices, :func:`jaxllm.parallel.sharding.stored`),
@@ -44,7 +43,7 @@ class Run:
         self.cfg = cfg
         self.layout = layout = sharding.Layout(sharding.make_mesh(cfg, devices), sharding.rules(cfg))
         self.mesh = layout.mesh
-        self.spec = spec = model.describe(cfg.model, _ops(cfg, layout))
+        self.spec = spec = gpt.describe(cfg.model, _ops(cfg, layout))
         self.optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
         self.logical_state = logical = jax.eval_shape(lambda p: step.init_state(p, self.optimizer), spec.params)
         self.state_sharding = sharding.state_shardings(cfg, logical, spec.axes, self.mesh)
@@ -56,7 +55,7 @@ class Run:
         replica_layout = replica_spec = None
         if step.reduces_once(cfg):  # the model inside the vmap over data-parallel replicas
             replica_layout = sharding.Layout(self.mesh, sharding.rules(cfg, replica=True))
-            replica_spec = model.describe(cfg.model, _ops(cfg, replica_layout))
+            replica_spec = gpt.describe(cfg.model, _ops(cfg, replica_layout))
         train_fn = step.make_train_step(cfg, spec, self.optimizer, layout, sharding.grad_shardings(
             cfg, spec.axes, self.mesh), replica_layout, replica_spec)
 
@@ -82,7 +81,7 @@ class Run:
         state = checkpointer.restore(self.abstract_state) if checkpointer else None
         if state is None:
             cfg = self.cfg
-            init = jax.jit(lambda: sharding.pad(step.init_state(model.init(cfg.model, cfg.train.seed), self.optimizer),
+            init = jax.jit(lambda: sharding.pad(step.init_state(gpt.init(cfg.model, cfg.train.seed), self.optimizer),
                                                 self.abstract_state), out_shardings=self.state_sharding)
             state = init()
         return state
@@ -137,11 +136,12 @@ class Run:
         return "\n".join(lines)
 
 
-def _ops(cfg, layout: sharding.Layout) -> model.Ops:
-    """The model's operations on ``layout`` (:class:`jaxllm.model.Ops`)."""
-    ops = model.Ops(constrain=layout.constrain,
+def _ops(cfg, layout: sharding.Layout) -> gpt.Ops:
+    """The model's operations on ``layout`` (:class:`jaxllm.model.gpt.Ops`)."""
+    ops = gpt.Ops(constrain=layout.constrain,
                     attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
-                                                         cfg.parallel.ulysses_degree),
+                                                         cfg.parallel.ulysses_degree,
+                                                         attention.implementation(cfg.model)),
                     embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
                     param=sharding.Layout(layout.mesh, sharding.zero_tables(cfg).params).constrain,
                     experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))

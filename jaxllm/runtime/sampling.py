@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import model
+from jaxllm.model import gpt
 
 
 class Sampler:
@@ -28,7 +28,7 @@ class Sampler:
         self.model_cfg, self.params, self.max_length = model_cfg, params, max_length
 
         def run(params, tokens, positions, cache):
-            logits, cache = model.forward(graphdef, params, tokens, positions=positions, cache=cache)
+            logits, cache = gpt.forward(graphdef, params, tokens, positions=positions, cache=cache)
             return logits[:, -1], cache
 
         self._run = jax.jit(run)
@@ -67,7 +67,7 @@ class Sampler:
             if cache is None or pos == self.max_length:
                 keep = max(1, self.max_length // 2) if cache is not None else self.max_length
                 context = tokens[:, -keep:]
-                cache = model.init_cache(self.model_cfg, batch, self.max_length)
+                cache = gpt.init_cache(self.model_cfg, batch, self.max_length)
                 logits, cache = self._prefill(context, cache)
                 pos = context.shape[1]
             key, sub = jax.random.split(key)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxllm import model
 from jaxllm.config import Resolved
+from jaxllm.model import gpt, layers
 from jaxllm.parallel import context_parallel, pipeline, sharding
 from jaxllm.runtime import optim
 
@@ -46,7 +46,7 @@ def row_keys(key, shape):
     with ``r`` the row's index in the global batch, whose row ``r`` is in micro batch
     ``r % microbatches`` (:meth:`jaxllm.runtime.run.Run.global_batch`)."""
     m, rows = shape
-    return model.row_keys(key, jnp.arange(m * rows).reshape(rows, m).T)
+    return layers.row_keys(key, jnp.arange(m * rows).reshape(rows, m).T)
 
 
 def init_state(params, optimizer) -> dict:
@@ -101,7 +101,7 @@ class StepSetup:
 def _micro_loss(graphdef, params, inputs, targets, order, docs, key, count):
     """One micro batch's summed token losses divided by the global batch's token ``count``, and its
     routing statistics."""
-    loss, stats = model.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
+    loss, stats = gpt.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
                              dropout_key=key, with_stats=True)
     return loss / count, stats
 
@@ -120,11 +120,11 @@ def accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
     Returns:
       ``(loss, grads, stats)``: the float32 mean loss of the global batch, its gradients (float32 sums of
       the micro batches', pinned by :meth:`StepSetup.pin`), and the mean of the micro batches' routing
-      statistics (:data:`jaxllm.model.MOE_STATS` with experts, else ``{}``).
+      statistics (:data:`jaxllm.model.gpt.MOE_STATS` with experts, else ``{}``).
     """
     cfg = setup.cfg
     count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
-    held = model.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
+    held = gpt.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
     add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731 - float32 sums of the cast copies' gradients
 
     def micro_step(acc, xs):
@@ -132,7 +132,7 @@ def accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
         stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
         return jax.tree.map(add, acc, (loss, setup.pin(grads), stats)), None
 
-    stats = {k: jnp.zeros((), jnp.float32) for k in (model.MOE_STATS if cfg.model.num_experts else ())}
+    stats = {k: jnp.zeros((), jnp.float32) for k in (gpt.MOE_STATS if cfg.model.num_experts else ())}
     zeros = (jnp.zeros((), jnp.float32), setup.pin(jax.tree.map(jnp.zeros_like, params)), stats)
     return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
 
@@ -277,7 +277,7 @@ def make_eval_step(cfg, spec, layout=None):
     def eval_step(params, inputs, targets, docs=None):
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
         if cfg.stages == 1:
-            loss = model.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
+            loss = gpt.loss(spec.graphdef, params, inputs, targets, **_model_kwargs(docs, order))
             return loss / token_count(targets, docs)
         split = lambda a: None if a is None else a.reshape(-1, m, a.shape[-1]).swapaxes(0, 1)  # noqa: E731
         return pipeline.loss(cfg, layout, spec, params, split(inputs), split(targets), split(order), None)[0]
