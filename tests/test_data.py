@@ -5,6 +5,7 @@ reader, blends, Megatron-order and uniform batches, masks, the index cache, insp
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -456,20 +457,31 @@ def test_masks_of_a_run_and_options_needing_an_eod(shakespeare_gpt2, stdlib_byte
 
 
 def test_index_cache_is_keyed_and_built_once_across_processes(stdlib_byte, tmp_path):
-    cache = tmp_path / "cache"
-    cfg = run_cfg(f"0.5 {stdlib_byte} 0.5 {stdlib_byte}", cache_dir=cache, iters=20)
+    """Three processes start while the index's lock is held (as by a builder still at work): each says it
+    waits; once the lock is gone, one builds and two read the same index."""
+    cache, blend = tmp_path / "cache", f"0.5 {stdlib_byte} 0.5 {stdlib_byte}"
+    cfg = run_cfg(blend, cache_dir=cache, iters=20)
+    Data(run_cfg(blend, cache_dir=tmp_path / "probe", iters=20), str(tmp_path))  # the key: not the cache's path
+    (key,) = os.listdir(tmp_path / "probe")
+    cache.mkdir()
+    lock = cache / f"{key}.lock"
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}\n")
     code = ("import sys, numpy as np; sys.path.insert(0, 'tests')\n"
             "from test_data import run_cfg; from jaxllm.data.loader import Data, Batches\n"
-            f"d = Data(run_cfg({f'0.5 {stdlib_byte} 0.5 {stdlib_byte}'!r}, cache_dir={str(cache)!r}, iters=20), "
-            f"{str(tmp_path)!r})\n"
+            f"d = Data(run_cfg({blend!r}, cache_dir={str(cache)!r}, iters=20), {str(tmp_path)!r})\n"
             "print('BUILT' if d.index_built else 'READ', Batches(d).batch('train', 19).sum())")
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}) for _ in range(3)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    words = sorted(o.split()[0] for o, _ in outs)
-    assert words == ["BUILT", "READ", "READ"] and len({o.split()[1] for o, _ in outs}) == 1, outs
-    assert sum("waiting for another process to build" in e for _, e in outs) >= 1
+    errs = [tmp_path / f"stderr{i}" for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=e.open("w"),
+                              text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}) for e in errs]
+    deadline = time.monotonic() + 240
+    while not all("waiting for another process to build" in e.read_text() for e in errs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [e.read_text() for e in errs]
+        time.sleep(0.2)
+    lock.unlink()  # the "builder" gives up: the waiting processes race for the lock
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e.read_text() for e in errs]
+    words = sorted(o.split()[0] for o in outs)
+    assert words == ["BUILT", "READ", "READ"] and len({o.split()[1] for o in outs}) == 1, outs
     (key,) = [n for n in os.listdir(cache)]  # one directory, no lock or temporary left
     stamp = os.stat(cache / key / "train_shuffle.npy").st_mtime_ns
     assert not Data(cfg, str(tmp_path)).index_built and os.stat(cache / key / "train_shuffle.npy").st_mtime_ns == stamp
