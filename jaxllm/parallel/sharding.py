@@ -289,7 +289,7 @@ def state_shardings(cfg, abstract_state, logical, mesh):
 
 
 def param_shardings(cfg, logical, mesh):
-    """NamedShardings of the parameters (logical axes ``logical``, as :class:`jaxllm.model.Spec` holds
+    """NamedShardings of the parameters (logical axes ``logical``, as :class:`jaxllm.model.gpt.Spec` holds
     them) on ``mesh``: split over the data-parallel axes from ZeRO stage 3 (:func:`zero_tables`)."""
     return _shardings(logical, zero_tables(cfg).params, mesh)
 

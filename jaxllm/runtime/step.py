@@ -78,7 +78,7 @@ class StepSetup:
 
     Attributes:
       cfg: the resolved config.
-      spec: the model (:func:`jaxllm.model.describe`, with the mesh's ops).
+      spec: the model (:func:`jaxllm.model.gpt.describe`, with the mesh's ops).
       layout: the mesh and rules table (None: one device).
       grad_sharding: NamedShardings of the gradients (a tree shaped as the parameters), or None: where
         the gradient accumulator is pinned, which is where ZeRO-2 turns the all-reduce into a reduce-scatter.
