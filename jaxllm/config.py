@@ -137,11 +137,54 @@ class Model(Section):
     moe_z_loss_coeff: float = _key(0.0, ">=0")  # the router z-loss's weight (ST-MoE)
     moe_capacity_factor: float = _key(0.0, ">=0")
     moe_shared_expert_intermediate_size: int = _key(0, ">=0")  # a dense MLP every token also takes; 0: none
+    # which layers are mixtures of experts (Megatron-LM's --moe-layer-freq): k, every k-th layer from the first
+    # (1: all); or one 0/1 per layer, "[0,0,1,1]" or Megatron's "([0]*3+[1]*58)" (DeepSeek-V3's 3 dense layers)
+    moe_layer_freq: str = _key("1")
     padded_vocab_size: int = _derived()  # rows of the embedding and output tables
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a mixture of experts (all False when ``num_experts`` is 0).
+
+        Raises:
+          ConfigError: ``moe_layer_freq`` is neither a positive integer nor a 0/1 list of ``num_layers`` entries.
+        """
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        pattern = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+        if pattern is None:
+            raise ConfigError("model.moe_layer_freq", self.moe_layer_freq,
+                              f"give k (every k-th layer from the first is a mixture of experts) or one 0/1 per "
+                              f"layer for the model.num_layers={self.num_layers} layers, as [0,0,1,1] or "
+                              f"([0]*1+[1]*{self.num_layers - 1})")
+        return pattern
+
+
+def moe_layer_pattern(text: str, num_layers: int) -> tuple[bool, ...] | None:
+    """Megatron-LM's ``--moe-layer-freq`` (``moe_freq_type`` in its ``arguments.py``) read without ``eval``:
+    an integer ``k`` > 0 (layer ``i`` is a mixture of experts when ``i % k == 0``), a list of 0/1 as
+    ``[0,1,0,1]``, or a sum of repeated lists as ``([0]*3+[1]*9)``.  None when ``text`` is none of these or
+    the list's length is not ``num_layers``."""
+    text = text.strip().replace(" ", "")
+    if text.isdigit():
+        k = int(text)
+        return tuple(i % k == 0 for i in range(num_layers)) if k > 0 else None
+    if text.startswith("(") and text.endswith(")"):
+        text = text[1:-1]
+    values = []
+    for term in text.split("+"):
+        body, _, times = term.partition("*")
+        if not (body.startswith("[") and body.endswith("]")) or not (times.isdigit() or not times):
+            return None
+        items = body[1:-1].split(",") if body != "[]" else []
+        if any(x not in ("0", "1") for x in items):
+            return None
+        values += [x == "1" for x in items] * (int(times) if times else 1)
+    return tuple(values) if len(values) == num_layers else None
 
 
 @dataclasses.dataclass
@@ -387,7 +430,7 @@ MEGATRON_NAMES = {
     "num_layers_per_virtual_pipeline_stage": "parallel.pipeline_virtual_stages (virtual stages per device)",
     "virtual_pipeline_model_parallel_size": "parallel.pipeline_virtual_stages",
     "expert_model_parallel_size": "mesh.expert", "moe_grouped_gemm": "nothing: the experts are always grouped "
-    "matmuls", "moe_layer_freq": "nothing: every layer is a mixture of experts when model.num_experts > 0",
+    "matmuls",
 }
 
 

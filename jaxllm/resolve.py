@@ -14,7 +14,7 @@ from jaxllm import config
 from jaxllm.config import MESH_AXES, TYPE_NAMES, Config, Data, Mesh, Model, Resolved
 from jaxllm.errors import ConfigError
 from jaxllm.model import attention, gpt
-from jaxllm.parallel import context_parallel, schedules, sharding
+from jaxllm.parallel import context_parallel, pipeline, schedules, sharding
 from jaxllm.platform import hardware
 
 __all__ = ["layer_loop", "mesh_shape", "padded_vocab", "resolve", "resolve_dtype", "resolve_model"]
@@ -69,6 +69,12 @@ def _check_values(cfg: Config) -> None:
     if m.num_experts and m.moe_router_topk > m.num_experts:
         raise ConfigError("model.moe_router_topk", m.moe_router_topk,
                           f"must be <= model.num_experts={m.num_experts} (each token takes that many distinct experts)")
+    if m.num_experts and not any(m.moe_layers):  # moe_layers: the pattern's own errors
+        raise ConfigError("model.moe_layer_freq", m.moe_layer_freq,
+                          "names no mixture-of-experts layer: name at least one, or set model.num_experts=0")
+    if not m.num_experts and m.moe_layer_freq != "1":
+        raise ConfigError("model.moe_layer_freq", m.moe_layer_freq,
+                          "places mixture-of-experts layers, but model.num_experts=0: set model.num_experts")
     if not m.num_experts and cfg.mesh.expert * cfg.mesh.dcn_expert > 1:
         raise ConfigError("mesh.expert", cfg.mesh.expert * cfg.mesh.dcn_expert,
                           "splits the experts' weights: set model.num_experts > 0, or mesh.expert=1")
@@ -348,6 +354,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
                    batch_shape=(microbatches, t.micro_batch_size * data_parallel, t.seq_length))
     _check_documents(out)
     schedules.check(out)
+    pipeline.check(out)
     sharding.check(out, gpt.logical_sizes(out.model, t.seq_length))
     context_parallel.check(out)
     _check_mlp_chunks(out)

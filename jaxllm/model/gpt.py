@@ -3,9 +3,11 @@
 Options: learned or rotary positions (Su et al. 2021), LayerNorm or RMSNorm,
 GELU or SwiGLU MLP (Shazeer 2020), multi-head or grouped-query attention
 (Ainslie et al. 2023), tied or untied embeddings, dropout on the embedding and
-on each residual branch.  Layers are stacked on a leading ``layers`` axis and
-run with ``jax.lax.scan``, so compile time does not grow with depth, or written
-out one after another (``model.layer_loop``).
+on each residual branch, mixture-of-experts layers (all, or those ``model.moe_layer_freq``
+names).  Consecutive layers of one kind form a group (:func:`layer_groups`: one group
+``layers`` for a homogeneous model; DeepSeek-V3's dense layers then its MoE layers, two);
+a group's layers are stacked on a leading ``layers`` axis and run with ``jax.lax.scan``, so
+compile time does not grow with depth, or written out one after another (``model.layer_loop``).
 
 Parameters are float32; matmuls run in ``model.dtype``; norms, softmax and
 logits are float32.  Every parameter carries logical axis names in its
@@ -32,6 +34,8 @@ This module is the assembly (the GPT, its layer stack and scan, :class:`Ops`, th
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +123,52 @@ LOCAL = Ops()
 MOE_STATS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")  # the logged routing statistics
 
 
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Consecutive layers of one kind, whose parameters are stacked on a leading ``layers`` axis in
+    ``params[name]`` and which run as one scan (:meth:`GPT.run_layers`).
+
+    Attributes:
+      name: the parameters' key: ``"layers"`` when the model has one group, else ``"layers_0"``, ``"layers_1"``...
+      moe: whether its layers are mixtures of experts (:class:`jaxllm.model.layers.MoE`) or dense MLPs.
+      first: the model's index of its first layer.
+      num_layers: how many layers.
+    """
+
+    name: str
+    moe: bool
+    first: int
+    num_layers: int
+
+    @property
+    def stop(self) -> int:
+        """The model's index after its last layer."""
+        return self.first + self.num_layers
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[Group, ...]:
+    """The runs of layers of one kind (dense or mixture of experts, ``cfg.moe_layers``), in order: one group
+    for a homogeneous model; with ``moe_layer_freq`` ``([0]*3+[1]*58)`` (DeepSeek-V3) a dense group of 3
+    then an MoE group of 58.
+
+    Raises:
+      ConfigError: a ``model.moe_layer_freq`` that names no layers (:attr:`jaxllm.config.Model.moe_layers`).
+    """
+    runs, first = [], 0
+    for kind, run in itertools.groupby(cfg.moe_layers):
+        runs.append((kind, first, len(list(run))))
+        first += runs[-1][2]
+    names = ["layers"] if len(runs) == 1 else [f"layers_{i}" for i in range(len(runs))]
+    return tuple(Group(name, *run) for name, run in zip(names, runs))
+
+
+def _concat(trees):
+    """Trees of ``[layers, ...]`` leaves (None skipped) joined along ``layers``; None when all are None."""
+    trees = [t for t in trees if t is not None]
+    return None if not trees else trees[0] if len(trees) == 1 else jax.tree.map(
+        lambda *a: jnp.concatenate(a), *trees)
+
+
 class GPT(nnx.Module):
     """GPT decoder.
 
@@ -139,16 +189,26 @@ class GPT(nnx.Module):
         self.wpe = (layers.param(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std,
                            (None, "embed")) if cfg.position_embedding == "learned" else None)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stack(rngs):
-            return layers.Block(cfg, rngs, ops)
-
-        self.layers = stack(rngs)
+        self.groups = layer_groups(cfg)
+        for group in self.groups:
+            setattr(self, group.name, self._stack(group, rngs))
         self.ln_f = layers.Norm(cfg)
         self.lm_head = (None if cfg.tie_embeddings else
                         layers.param(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, ("embed", "vocab"),
                                      (1, padded)))
+
+    def _stack(self, group: Group, rngs):
+        """The layers of ``group``, each parameter stacked on a leading ``layers`` axis."""
+        @nnx.split_rngs(splits=group.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(rngs):
+            return layers.Block(self.cfg, rngs, self.ops, moe=group.moe)
+
+        return stack(rngs)
+
+    def layer_params(self, groups=None) -> dict:
+        """The parameters of ``groups`` (default: all), ``{group.name: nested dict}``, as :meth:`run_groups` takes."""
+        return {g.name: nnx.to_pure_dict(nnx.state(getattr(self, g.name))) for g in groups or self.groups}
 
     def __call__(self, tokens, *, positions=None, order=None, segment_ids=None, dropout_key=None, cache=None):
         """Logits of the next token.
@@ -172,8 +232,8 @@ class GPT(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x, keys = self.embed(tokens, positions, dropout_key, order)
-        x, cache_out = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, cache,
-                                       order=order, segment_ids=segment_ids)
+        x, cache_out = self.run_groups(x, positions, self.layer_params(), keys, cache, order=order,
+                                       segment_ids=segment_ids)
         logits = self.head(x)
         return logits if cache is None else (logits, cache_out)
 
@@ -186,14 +246,13 @@ class GPT(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x, keys = self.embed(tokens, positions, dropout_key, order)
-        x, stats = self.run_layers(x, positions, nnx.to_pure_dict(nnx.state(self.layers)), keys, order=order,
-                                   segment_ids=segment_ids)
+        x, stats = self.run_groups(x, positions, self.layer_params(), keys, order=order, segment_ids=segment_ids)
         loss = self.output_loss(x, targets, loss_mask)
         return (loss, self.moe_stats(stats)) if with_stats else loss
 
     @staticmethod
     def moe_stats(stats) -> dict:
-        """The logged routing statistics from the layers' ``[layers]`` ones (:func:`jaxllm.model.moe.route`):
+        """The logged routing statistics from the MoE layers' ``[layers]`` ones (:func:`jaxllm.model.moe.route`):
         ``moe_aux_loss`` and ``moe_z_loss`` (the layers' mean, without their coefficients), ``moe_max_load``
         (the largest over the layers: the busiest expert's tokens over the mean) and ``moe_dropped`` (the
         layers' mean fraction of dropped token copies); ``{}`` for a dense model (``stats`` None)."""
@@ -219,9 +278,34 @@ class GPT(nnx.Module):
             x, keys = layers.dropout(x, cfg.dropout, keys[0], order), keys[1:]
         return self.ops.constrain(x, layers.RESIDUAL), keys
 
-    def run_layers(self, x, positions, layer_params, keys=None, cache=None, *, order=None, segment_ids=None):
-        """Applies the layers whose parameters are ``layer_params`` (a slice of ``params["layers"]``
-        along its leading ``layers`` axis: all of them, or one pipeline stage's) in order.
+    def run_groups(self, x, positions, params, keys=None, cache=None, *, groups=None, order=None,
+                   segment_ids=None):
+        """Applies the layer groups ``groups`` (default: all; consecutive ones) in order, each with
+        :meth:`run_layers` on ``params[group.name]``.
+
+        Args:
+          x, positions, order, segment_ids: as :meth:`run_layers`.
+          params: a dict holding each group's parameters under its name (:meth:`layer_params`; the model's params).
+          keys: dropout keys ``[layers, batch]`` of the groups' layers, in order, or None.
+          cache: decoding cache ``[layers, ...]`` of the groups' layers (:func:`init_cache`), or None.
+        Returns:
+          ``(x, out)``: out the updated cache (``[layers, ...]``) when decoding, else the MoE layers' routing
+          statistics joined along ``[layers]`` (None without MoE layers).
+        """
+        groups = groups or self.groups
+        outs, start = [], groups[0].first
+        for group in groups:
+            part = lambda t, g=group: None if t is None else jax.tree.map(  # noqa: E731
+                lambda a: a[g.first - start:g.stop - start], t)
+            x, out = self.run_layers(x, positions, params[group.name], part(keys), part(cache), group=group,
+                                     order=order, segment_ids=segment_ids)
+            outs.append(out)
+        return x, _concat(outs)
+
+    def run_layers(self, x, positions, layer_params, keys=None, cache=None, *, group: Group, order=None,
+                   segment_ids=None):
+        """Applies the layers of ``group`` whose parameters are ``layer_params`` (a slice of
+        ``params[group.name]`` along its leading ``layers`` axis: all of them, or one pipeline stage's) in order.
 
         Args:
           x: ``[batch, len, embed]``; positions, order, segment_ids: int32 ``[batch, len]`` (or None
@@ -234,7 +318,7 @@ class GPT(nnx.Module):
         ``model.layer_loop="scan"`` runs them as one ``jax.lax.scan`` (compile time independent of
         depth); ``"unrolled"`` one after another (which backend gets which: :mod:`jaxllm.runtime.cpu`).
         """
-        graphdef = nnx.graphdef(self.layers)
+        graphdef = nnx.graphdef(getattr(self, group.name))
 
         def layer(x, xs):
             params, key, layer_cache = xs
@@ -315,14 +399,17 @@ def describe(cfg: ModelConfig, ops: Ops = LOCAL) -> Spec:
 
 def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str]]:
     """Each logical axis the rules table may split: ``{name: (size, the config key that sets it)}``
-    (for the divisibility checks of :func:`jaxllm.parallel.sharding.check`)."""
+    (for the divisibility checks of :func:`jaxllm.parallel.sharding.check`; ``layers``: the layer groups' sizes'
+    greatest common divisor, which a split divides when it divides every group)."""
+    groups = layer_groups(cfg)
+    layer_key = "model.num_layers" if len(groups) == 1 else "model.num_layers (with model.moe_layer_freq, each group)"
     return {
         "heads": (cfg.num_attention_heads, "model.num_attention_heads"),
         "kv_heads": (cfg.num_kv_heads, "model.num_kv_heads"),
         "mlp": (cfg.ffn_hidden_size, "model.ffn_hidden_size"),
         "vocab": (cfg.padded_vocab_size, "model.vocab_size"),
         "embed": (cfg.hidden_size, "model.hidden_size"),
-        "layers": (cfg.num_layers, "model.num_layers"),
+        "layers": (math.gcd(*(g.num_layers for g in groups)), layer_key),
         "experts": (cfg.num_experts, "model.num_experts"),
         "expert_embed": (cfg.hidden_size, "model.hidden_size"),
         "expert_mlp": (cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size"),
@@ -341,7 +428,8 @@ def cast_layers(cfg: ModelConfig, params: dict) -> dict:
     values reach every matmul, and a gradient with respect to a cast copy is the one the model's own cast
     gives before it is converted to float32.  Unchanged with ``model.fp8`` (whose scaling reads the float32
     weights) and for float32 models."""
-    if cfg.fp8 or jnp.dtype(cfg.dtype) == jnp.float32 or "layers" not in params:
+    names = [g.name for g in layer_groups(cfg) if g.name in params]
+    if cfg.fp8 or jnp.dtype(cfg.dtype) == jnp.float32 or not names:
         return params
     dt = jnp.dtype(cfg.dtype)
 
@@ -350,7 +438,7 @@ def cast_layers(cfg: ModelConfig, params: dict) -> dict:
             return {k: cast(v, keep or k in FLOAT32_PARAMS) for k, v in tree.items()}
         return tree if keep or tree is None else tree.astype(dt)
 
-    return {**params, "layers": cast(params["layers"])}
+    return {**params, **{name: cast(params[name]) for name in names}}
 
 
 def init(cfg: ModelConfig, seed) -> dict:
@@ -387,8 +475,9 @@ def active_params(cfg: ModelConfig, params) -> int:
     """Parameters one token uses (:func:`num_params` for a dense model): a mixture of experts' weights count
     ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
     n = num_params(params)
-    if cfg.num_experts:
-        mlp = params["layers"]["mlp"]
-        experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
-        n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
+    for group in layer_groups(cfg):
+        if group.moe:
+            mlp = params[group.name]["mlp"]
+            experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
+            n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
     return n

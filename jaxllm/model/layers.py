@@ -261,12 +261,12 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (the MLP a
-    mixture of experts when ``model.num_experts`` > 0)."""
+    mixture of experts when ``moe``: the layer's kind, :func:`jaxllm.model.gpt.layer_groups`)."""
 
-    def __init__(self, cfg, rngs, ops):
+    def __init__(self, cfg, rngs, ops, *, moe: bool):
         self.dropout, self.ops = cfg.dropout, ops
         self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs, ops)
-        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if cfg.num_experts else MLP(cfg, rngs, ops))
+        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if moe else MLP(cfg, rngs, ops))
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
         """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of

@@ -73,6 +73,11 @@ stage and its gradient at its backward; the final norm, output layer and loss (a
 their gradient, the backward's seed) at the last virtual stage; the gradients are
 summed per stage over the microbatches in float32 and returned in layer order.
 Dropout keys are the non-pipelined step's, so every schedule matches it.
+
+A model of several layer groups (:func:`jaxllm.model.gpt.layer_groups`: DeepSeek-V3's dense layers, then its
+MoE layers) pipelines its last group; the groups before it must be dense and run with the embedding, on every
+stage (as MaxText runs DeepSeek's dense layers outside its pipeline), because the stages of one SPMD loop
+must hold layers of one kind.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.errors import ConfigError
 from jaxllm.model import gpt as gpt_module  # `gpt` is the merged model in the functions below
 from jaxllm.parallel import schedules, zero_bubble
 from jaxllm.parallel.schedules import FUSED
@@ -126,10 +132,42 @@ def _store(buffers, slot, value, where, axis):
     return jax.vmap(one, spmd_axis_name=axis)(buffers, jnp.broadcast_to(slot, (p,)), value, where)
 
 
+def _unstacked(axes):
+    """Logical axes of a parameter kept whole on every stage: ``layers`` (split over the same mesh axis as
+    ``stage``) left out."""
+    return tuple(None if a == "layers" else a for a in axes)
+
+
+def pipelined(cfg) -> gpt_module.Group:
+    """The layer group the stages split: the model's last (:func:`jaxllm.model.gpt.layer_groups`)."""
+    return gpt_module.layer_groups(cfg.model)[-1]
+
+
+def check(cfg) -> None:
+    """What the pipeline needs of a config's layers (called by :func:`jaxllm.resolve.resolve`).
+
+    Raises:
+      ConfigError: the pipelined layers (:func:`pipelined`) not divisible by stages x virtual stages; with
+        pipeline parallelism, a mixture-of-experts layer before the last group (those run with the embedding).
+    """
+    stages, virtual = cfg.stages, cfg.parallel.pipeline_virtual_stages
+    groups = gpt_module.layer_groups(cfg.model)
+    if groups[-1].num_layers % (stages * virtual):
+        what = ("model.num_layers", cfg.model.num_layers) if len(groups) == 1 else (
+            "model.moe_layer_freq", f"{cfg.model.moe_layer_freq} (its last group: {groups[-1].num_layers} layers)")
+        raise ConfigError(*what, f"must be divisible by pipeline stages x virtual stages (mesh.pipeline x "
+                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
+    if stages > 1 and any(g.moe for g in groups[:-1]):
+        raise ConfigError("model.moe_layer_freq", cfg.model.moe_layer_freq,
+                          "with pipeline parallelism only the last group of layers of one kind may be mixtures of "
+                          "experts (the stages split that group; the dense layers before it run with the "
+                          "embedding): dense layers first, then MoE layers, e.g. ([0]*2+[1]*6), or mesh.pipeline=1")
+
+
 def _no_stats(cfg, m):
     """Per stage and microbatch ``[p, m]`` sums over a stage's layers of the routing statistics
-    (:func:`jaxllm.model.moe.route`; ``max_load`` their maximum), zero; None for a dense model."""
-    if not cfg.model.num_experts:
+    (:func:`jaxllm.model.moe.route`; ``max_load`` their maximum), zero; None for dense pipelined layers."""
+    if not pipelined(cfg).moe:
         return None
     return {k: jnp.zeros((cfg.stages, m), jnp.float32) for k in ("aux_loss", "z_loss", "max_load", "dropped")}
 
@@ -152,7 +190,7 @@ def _stats_metrics(cfg, acc) -> dict:
     the layers' mean (the busiest expert: their maximum), then the microbatches' mean."""
     if acc is None:
         return {}
-    layers, m = cfg.model.num_layers, acc["aux_loss"].shape[1]
+    layers, m = pipelined(cfg).num_layers, acc["aux_loss"].shape[1]
     per_micro = {k: a.max(0) if k == "max_load" else a.sum(0) / layers for k, a in acc.items()}
     return {name: per_micro[k].sum() / m for name, k in zip(gpt_module.MOE_STATS, ("aux_loss", "z_loss", "max_load",
                                                                                 "dropped"))}
@@ -199,6 +237,17 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
     return fused(params, inputs, targets, positions, dropout_keys)
 
 
+def _embed(gpt, params, group, tokens, positions, key):
+    """The input of the pipelined layer ``group`` for one microbatch ``[mb, seq, embed]``: the embedding, then
+    the groups before it (:func:`pipelined`); and its layers' dropout keys ``[layers, mb]`` (None without ``key``)."""
+    x, keys = gpt.embed(tokens, positions, key, positions)
+    before = tuple(g for g in gpt.groups if g.stop <= group.first)
+    if before:
+        x, _ = gpt.run_groups(x, positions, params, None if keys is None else keys[:group.first], groups=before,
+                              order=positions)
+    return x, None if keys is None else keys[group.first:]
+
+
 # ----- gpipe / interleaved: the forward loop (autodiff transposes it) --------------------------
 
 
@@ -216,15 +265,16 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
         gpt = nnx.merge(gpt_module.describe(cfg.model, dataclasses.replace(gpt.ops, router_loss=_detached)).graphdef,
                         params)
     positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
+    group = pipelined(cfg)
 
     if dropout_keys is None:
-        x, layer_keys = jax.vmap(lambda t: gpt.embed(t, positions)[0])(inputs), None
+        x, layer_keys = jax.vmap(lambda t: _embed(gpt, params, group, t, positions, None))(inputs)
     else:  # [m, layers, mb] -> per stage [p, m, v, layers / (p v), mb]
-        x, layer_keys = jax.vmap(lambda t, k: gpt.embed(t, positions, k, positions))(inputs, dropout_keys)
+        x, layer_keys = jax.vmap(lambda t, k: _embed(gpt, params, group, t, positions, k))(inputs, dropout_keys)
         layer_keys = _stage_layout(layer_keys.swapaxes(0, 1), p, v).transpose(0, 3, 1, 2, 4)
 
     stage_params = jax.tree.map(lambda w, axes: constrain(_stage_layout(w, p, v), _stage_axes(axes)),
-                                params["layers"], spec.axes["layers"])
+                                params[group.name], spec.axes[group.name])
 
     stage = jnp.arange(p)
     first, last = stage == 0, stage == p - 1
@@ -233,7 +283,7 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
     store = functools.partial(_store, axis=stage_axis)
 
     def run_stage(w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
-        return gpt.run_layers(h, positions, w, keys, order=positions)
+        return gpt.run_layers(h, positions, w, keys, group=group, order=positions)
 
     def iteration(carry, t):
         out, buffers, stats = carry
@@ -309,28 +359,29 @@ class _Fused:
     def __init__(self, cfg, layout, spec, params, inputs, targets, positions, dropout_keys):
         self.cfg, self.spec, self.p, self.v = cfg, spec, cfg.stages, cfg.parallel.pipeline_virtual_stages
         m, mb, seq = inputs.shape
-        self.n = cfg.model.num_layers // (self.p * self.v)
+        self.group = group = pipelined(cfg)
+        self.n = group.num_layers // (self.p * self.v)
         self.tt = schedules.timetable(cfg.parallel.pipeline_schedule, self.p, self.v, m)
         self.axis, self.constrain = layout.mesh_axes("stage"), layout.constrain
         self.inputs, self.targets, self.dropout_keys = inputs, targets, dropout_keys
         self.positions = jnp.broadcast_to(jnp.arange(seq) if positions is None else positions[0], (mb, seq))
-        self.layers, self.rest = params["layers"], {k: w for k, w in params.items() if k != "layers"}
+        self.layers, self.rest = params[group.name], {k: w for k, w in params.items() if k != group.name}
         self.gpt = nnx.merge(spec.graphdef, params)
         self.scale = 1.0 / targets.size
         self.split = self._split_backward(params) if cfg.parallel.pipeline_schedule == "zb_h1" else None
         self.stage = jnp.arange(self.p)
         self.stage_params = jax.tree.map(
             lambda w, axes: self.constrain(_stage_layout(w, self.p, self.v), _stage_axes(axes)),
-            self.layers, spec.axes["layers"])
+            self.layers, spec.axes[group.name])
         self.rest_axes = {k: spec.axes[k] for k in self.rest}
 
     def _split_backward(self, params) -> zero_bubble.SplitBackward:
         """zb_h1's backward in two (B, W): a copy of the layers whose matmuls go through a router."""
         router = zero_bubble.Router()
         routed = gpt_module.describe(self.cfg.model, dataclasses.replace(self.gpt.ops, dense=router))
-        layer_graphdef = nnx.graphdef(nnx.merge(routed.graphdef, params).layers)
+        layer_graphdef = nnx.graphdef(getattr(nnx.merge(routed.graphdef, params), self.group.name))
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.layers)
-        layer_axes = jax.tree.map(lambda axes: axes[1:], self.spec.axes["layers"],
+        layer_axes = jax.tree.map(lambda axes: axes[1:], self.spec.axes[self.group.name],
                                   is_leaf=lambda a: isinstance(a, tuple))
         x = jax.ShapeDtypeStruct((*self.positions.shape, self.cfg.model.hidden_size), jnp.dtype(self.cfg.model.dtype))
         return zero_bubble.SplitBackward(layer_graphdef, router, one_layer, x, self.positions, self.cfg.model.remat,
@@ -347,8 +398,9 @@ class _Fused:
             forward=self._zeros(act, dtype, ACTIVATION), backward=self._zeros(act, dtype, ACTIVATION),
             stash=self._zeros((p, tt.stash, *act[1:]), dtype, STASH),
             grads=jax.tree.map(lambda w, axes: self._zeros(w.shape, jnp.float32, _stage_axes(axes)),
-                               self.stage_params, logical["layers"]),
-            rest_grads=jax.tree.map(lambda w, axes: self._zeros((p, *w.shape), jnp.float32, ("stage",) + axes),
+                               self.stage_params, logical[self.group.name]),
+            rest_grads=jax.tree.map(lambda w, axes: self._zeros((p, *w.shape), jnp.float32,
+                                                                ("stage",) + _unstacked(axes)),
                                     self.rest, self.rest_axes),
             loss=jnp.zeros((p,), jnp.float32), stats=_no_stats(self.cfg, self.inputs.shape[0]),
             deferred=None if self.split is None else jax.tree.map(
@@ -357,13 +409,14 @@ class _Fused:
                 is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct)))
 
     def _embed(self, rest, tokens, key):
-        """-> ``[mb, seq, embed]``, the dropout keys of every layer ``[layers, mb]`` or None."""
-        return nnx.merge(self.spec.graphdef, {**rest, "layers": self.layers}).embed(tokens, self.positions, key,
-                                                                                    self.positions)
+        """-> ``[mb, seq, embed]`` (:func:`_embed`), the dropout keys of the pipelined layers ``[layers, mb]`` or
+        None."""
+        params = {**rest, self.group.name: self.layers}
+        return _embed(nnx.merge(self.spec.graphdef, params), params, self.group, tokens, self.positions, key)
 
     def _head_loss(self, rest, h, y):
         """The summed token losses of one microbatch (the model's fused output loss)."""
-        return nnx.merge(self.spec.graphdef, {**rest, "layers": self.layers}).output_loss(h, y)
+        return nnx.merge(self.spec.graphdef, {**rest, self.group.name: self.layers}).output_loss(h, y)
 
     def _chunk_of(self, w, keys, chunk, stage):
         """One stage's parameters ``[v, n, ...]`` and layer keys -> those of virtual stage ``chunk p + stage``."""
@@ -372,7 +425,7 @@ class _Fused:
                                                                           self.n)
 
     def _run_chunk(self, w, h, keys):  # positions are the sequence order too (no data.reset_* options here)
-        return self.gpt.run_layers(h, self.positions, w, keys, order=self.positions)
+        return self.gpt.run_layers(h, self.positions, w, keys, group=self.group, order=self.positions)
 
     def _take(self, a, index):
         """Per stage ``a[index[s]]``: ``[p, mb, seq]``."""
@@ -472,7 +525,7 @@ class _Fused:
         for start, stop, used in self.tt.phases:
             xs = {k: jnp.asarray(a[start:stop]) for k, a in rows.items()}
             carry, _ = jax.lax.scan(functools.partial(self._iteration, used), carry, xs)
-        grads = {"layers": jax.tree.map(lambda g, axes: self.constrain(_layer_order(g), axes), carry.grads,
-                                        self.spec.axes["layers"]),
+        grads = {self.group.name: jax.tree.map(lambda g, axes: self.constrain(_layer_order(g), axes), carry.grads,
+                                               self.spec.axes[self.group.name]),
                  **jax.tree.map(lambda g, axes: self.constrain(g.sum(0), axes), carry.rest_grads, self.rest_axes)}
         return carry.loss.sum() * self.scale, _stats_metrics(self.cfg, carry.stats), grads

@@ -27,14 +27,10 @@ def check(cfg) -> None:
     """What the pipeline needs of a config being resolved (``stages`` and ``microbatches`` filled).
 
     Raises:
-      ConfigError: layers not divisible by stages x virtual stages; microbatches not a multiple
-        of the stages (which also guarantees ``m >= p``).
+      ConfigError: microbatches not a multiple of the stages (which also guarantees ``m >= p``); the layers'
+        checks are :func:`jaxllm.parallel.pipeline.check`'s.
     """
-    stages, virtual, t = cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.train
-    if cfg.model.num_layers % (stages * virtual):
-        raise ConfigError("model.num_layers", cfg.model.num_layers,
-                          f"must be divisible by pipeline stages x virtual stages (mesh.pipeline x "
-                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
+    stages, t = cfg.stages, cfg.train
     if stages > 1 and cfg.microbatches % stages:
         rows = t.micro_batch_size * cfg.data_parallel
         raise ConfigError(

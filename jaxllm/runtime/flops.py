@@ -32,7 +32,8 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu: gate, up, down); for a mixture of
       experts the active parameters, as Megatron-LM's ``num_floating_point_operations``: the
       ``moe_router_topk`` experts a token takes (``f`` = ``moe_ffn_hidden_size``), the shared expert, and
-      the router's ``2*h*num_experts``
+      the router's ``2*h*num_experts``; each layer's MLP by its kind (``model.moe_layer_freq``: dense and MoE
+      layers mixed)
 
     plus the output layer (logits) ``2*h*V``. Training is 3x the forward (the backward
     computes the gradients of both the activations and the weights, 2x). With
@@ -69,14 +70,8 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     m = model_cfg
     if not m.padded_vocab_size:
         raise ValueError("model.padded_vocab_size is 0: pass a config resolved with the tokenizer's vocabulary size")
-    h, n, k, V, s = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.padded_vocab_size, seq_length
-    d = h // n
-    qkv = 2 * h * (n + 2 * k) * d
-    attention = 2 * 2 * s * n * d / 2  # QK^T and probs@V, halved: causal
-    out_proj = 2 * (n * d) * h
-    mlp = sum(_mlp_flops(m))
-    layers = m.num_layers * (qkv + attention + out_proj + mlp)
-    logits = 2 * h * V
+    layers = sum(_stack_forward_flops(m, seq_length).values())
+    logits = 2 * m.hidden_size * m.padded_vocab_size
     return float((4 if recompute else 3) * layers + 3 * logits)
 
 
@@ -98,27 +93,29 @@ def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
     return tokens * flops_per_token(cfg.model, cfg.train.seq_length, recompute=recompute)
 
 
-def _mlp_flops(m) -> tuple[float, float]:
-    """Forward matmul FLOPs per token of one layer's MLP: ``(mlp_in, mlp_out)``; for a mixture of experts the
-    ``moe_router_topk`` experts a token takes plus the shared expert, the router counted in ``mlp_in``."""
+def _mlp_flops(m, moe: bool) -> tuple[float, float]:
+    """Forward matmul FLOPs per token of one layer's MLP: ``(mlp_in, mlp_out)``; for a mixture of experts
+    (``moe``) the ``moe_router_topk`` experts a token takes plus the shared expert, the router counted in
+    ``mlp_in``."""
     gates = 2 if m.activation == "swiglu" else 1
     mlp_in = lambda f: 2 * m.hidden_size * f * gates  # noqa: E731
-    if not m.num_experts:
+    if not moe:
         return mlp_in(m.ffn_hidden_size), 2 * m.ffn_hidden_size * m.hidden_size
     shared, k, f = m.moe_shared_expert_intermediate_size, m.moe_router_topk, m.moe_ffn_hidden_size
     return (k * mlp_in(f) + mlp_in(shared) + 2 * m.hidden_size * m.num_experts,
             2 * (k * f + shared) * m.hidden_size)
 
 
-def _layer_forward_flops(m, s: int) -> dict[str, float]:
-    """Forward matmul FLOPs per token and layer, by named activation (as :func:`flops_per_token` counts
-    them): ``qkv``, ``scores`` (``Q K^T``), ``values`` (``probs @ V``; both causal-halved), ``out_proj``,
-    ``mlp_in`` (up, and gate for swiglu), ``mlp_out``."""
-    h, n, k = m.hidden_size, m.num_attention_heads, m.num_kv_heads
+def _stack_forward_flops(m, s: int) -> dict[str, float]:
+    """Forward matmul FLOPs per token of all the layers together, by named activation (as
+    :func:`flops_per_token` counts them): ``qkv``, ``scores`` (``Q K^T``), ``values`` (``probs @ V``; both
+    causal-halved), ``out_proj``, ``mlp_in`` (up, and gate for swiglu), ``mlp_out`` (each layer's MLP by its
+    kind, :attr:`jaxllm.config.Model.moe_layers`)."""
+    h, n, k, L = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.num_layers
     d = h // n
-    mlp_in, mlp_out = _mlp_flops(m)
-    return {"qkv": 2 * h * (n + 2 * k) * d, "scores": 2 * s * n * d / 2, "values": 2 * s * n * d / 2,
-            "out_proj": 2 * (n * d) * h, "mlp_in": mlp_in, "mlp_out": mlp_out}
+    mlps = [_mlp_flops(m, moe) for moe in m.moe_layers]
+    return {"qkv": L * 2 * h * (n + 2 * k) * d, "scores": L * 2 * s * n * d / 2, "values": L * 2 * s * n * d / 2,
+            "out_proj": L * 2 * (n * d) * h, "mlp_in": sum(x for x, _ in mlps), "mlp_out": sum(y for _, y in mlps)}
 
 
 # What each ``model.remat`` policy recomputes in the backward pass (jaxllm.model.remat.POLICIES): the
@@ -171,9 +168,9 @@ def recompute_flops_per_token(model_cfg, seq_length: int, remat: str) -> float:
     if remat not in _RECOMPUTED:
         raise ValueError(f"remat={remat!r}: choose one of {', '.join(_RECOMPUTED)}")
     flops_per_token(model_cfg, seq_length)  # the same checks
-    per_layer = _layer_forward_flops(model_cfg, seq_length)
+    stack = _stack_forward_flops(model_cfg, seq_length)
     chunked = ("mlp_in", "mlp_out") if model_cfg.mlp_chunks > 1 else ()
-    return float(model_cfg.num_layers * sum(per_layer[k] for k in (*_RECOMPUTED[remat], *chunked)))
+    return float(sum(stack[k] for k in (*_RECOMPUTED[remat], *chunked)))
 
 
 def hardware_flops_per_step(cfg) -> float:
@@ -210,12 +207,11 @@ def hardware_flops_by_kind(cfg) -> dict[str, float]:
     (every other layer matmul: projections and MLP, with their recomputation); FLOPs per step, all
     devices.  The basis of a profile's FLOP rates (:mod:`jaxllm.runtime.profile`)."""
     tokens, seq, m = cfg.train.global_batch_size * cfg.train.seq_length, cfg.train.seq_length, cfg.model
-    per_layer = _layer_forward_flops(m, seq)
+    stack = _stack_forward_flops(m, seq)
     attention_keys = ("scores", "values")
     forwards = schedules.recomputed_forwards(cfg)  # the 1F1B family's: one more forward of every matmul
     recomputed = [k for k in _RECOMPUTED[m.remat] if k in attention_keys]
-    attention = m.num_layers * ((3 + forwards) * sum(per_layer[k] for k in attention_keys)
-                                + sum(per_layer[k] for k in recomputed))
+    attention = ((3 + forwards) * sum(stack[k] for k in attention_keys) + sum(stack[k] for k in recomputed))
     loss = 3 * 2 * m.hidden_size * m.padded_vocab_size
     total = hardware_flops_per_step(cfg)
     return {"gemm": total - tokens * (attention + loss), "attention": tokens * attention, "loss": tokens * loss}
