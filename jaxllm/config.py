@@ -137,6 +137,16 @@ class Model(Section):
     moe_z_loss_coeff: float = _key(0.0, ">=0")  # the router z-loss's weight (ST-MoE)
     moe_capacity_factor: float = _key(0.0, ">=0")
     moe_shared_expert_intermediate_size: int = _key(0, ">=0")  # a dense MLP every token also takes; 0: none
+    # the router (Megatron-LM's names and topk_routing_with_score_function): softmax or sigmoid scores (DeepSeek-V3;
+    # the k chosen ones renormalized); pre_softmax: the softmax over all experts before the top k, not renormalized
+    # (DeepSeek-V2); the combine weights times topk_scaling_factor (0: 1; DeepSeek-V3: 2.5); group-limited routing
+    # (DeepSeek-V2/V3's device- and node-limited): the experts in num_groups groups, each token's top k taken from
+    # its group_topk groups of highest sum of their top topk/group_topk scores (0, 0: no groups)
+    moe_router_score_function: str = _key("softmax", choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float = _key(0.0, ">=0")
+    moe_router_num_groups: int = _key(0, ">=0")
+    moe_router_group_topk: int = _key(0, ">=0")
     # which layers are mixtures of experts (Megatron-LM's --moe-layer-freq): k, every k-th layer from the first
     # (1: all); or one 0/1 per layer, "[0,0,1,1]" or Megatron's "([0]*3+[1]*58)" (DeepSeek-V3's 3 dense layers)
     moe_layer_freq: str = _key("1")

@@ -69,6 +69,7 @@ def _check_values(cfg: Config) -> None:
     if m.num_experts and m.moe_router_topk > m.num_experts:
         raise ConfigError("model.moe_router_topk", m.moe_router_topk,
                           f"must be <= model.num_experts={m.num_experts} (each token takes that many distinct experts)")
+    _check_router(m)
     if m.num_experts and not any(m.moe_layers):  # moe_layers: the pattern's own errors
         raise ConfigError("model.moe_layer_freq", m.moe_layer_freq,
                           "names no mixture-of-experts layer: name at least one, or set model.num_experts=0")
@@ -285,6 +286,23 @@ def _check_mlp_chunks(cfg) -> None:
         raise ConfigError("model.mlp_chunks", chunks,
                           f"must divide the tokens of each sequence device, train.seq_length / mesh.sequence = "
                           f"{cfg.train.seq_length} / {n} = {cfg.train.seq_length // n}")
+
+
+def _check_router(m: Model) -> None:
+    """The router's options agree with each other (Megatron-LM's ``validate_args``)."""
+    groups, group_topk, k = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
+    if bool(groups) != bool(group_topk):
+        key, value = ("model.moe_router_group_topk", group_topk) if groups else ("model.moe_router_num_groups", groups)
+        raise ConfigError(key, value, "group-limited routing needs both model.moe_router_num_groups and "
+                          "model.moe_router_group_topk > 0 (or both 0: no groups)")
+    if groups and (m.num_experts % groups or group_topk > groups or k % group_topk or k > group_topk * (
+            m.num_experts // groups)):
+        raise ConfigError("model.moe_router_group_topk", group_topk,
+                          f"needs model.num_experts={m.num_experts} divisible by model.moe_router_num_groups={groups}, "
+                          f"moe_router_group_topk <= the groups, and model.moe_router_topk={k} divisible by it and "
+                          f"no more than the experts of the chosen groups")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        raise ConfigError("model.moe_router_pre_softmax", True, "applies to model.moe_router_score_function=softmax")
 
 
 def _check_moe(cfg) -> None:

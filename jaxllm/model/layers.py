@@ -250,7 +250,10 @@ class MoE(nnx.Module):
     def __call__(self, x):
         cfg, value = self.cfg, lambda p: None if p is None else p[...]  # noqa: E731
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...])
-        ids, weights, stats = moe.route(logits, cfg.moe_router_topk, cfg.moe_capacity_factor)
+        ids, weights, stats = moe.route(
+            logits, cfg.moe_router_topk, cfg.moe_capacity_factor, score_function=cfg.moe_router_score_function,
+            pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
+            num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk)
         y = self.ops.experts(x, ids, weights, self.w1[...], value(self.wg), self.w2[...], value(self.b1),
                              value(self.b2), activation=gelu, dtype=jnp.dtype(cfg.dtype))
         y = self.ops.router_loss(y, cfg.moe_aux_loss_coeff * stats["aux_loss"] + cfg.moe_z_loss_coeff * stats["z_loss"])

@@ -1,8 +1,9 @@
 """Mixture-of-experts routing and expert computation, as pure functions (the layer is :class:`jaxllm.model.layers.MoE`).
 
 Token-choice top-k routing (Shazeer et al. 2017; Fedus et al. 2022, Switch Transformer), as Megatron-LM's
-``megatron/core/transformer/moe/router.py`` with its defaults: float32 logits, the top k by logit, their
-softmax as the combine weights (equal to Mixtral's softmax, top k, renormalize), the load-balancing loss
+``megatron/core/transformer/moe/router.py``: float32 logits; by default the top k by logit and their
+softmax as the combine weights (equal to Mixtral's softmax, top k, renormalize), or its other score functions
+and group-limited routing (DeepSeek-V2/V3, :func:`route`); the load-balancing loss
 of ``switch_load_balancing_loss_func`` (Switch eq. 4 over the top-k routing map) and the router z-loss of
 ST-MoE (Zoph et al. 2022, eq. 5), each over the tokens of one micro batch.  Dropless by default: every
 token reaches its k experts.  With a capacity factor an expert takes at most
@@ -83,30 +84,62 @@ def capacity(tokens: int, experts: int, topk: int, factor: float) -> int:
     return tokens if factor == 0 else min(tokens, math.ceil(factor * tokens * topk / experts))
 
 
-def route(logits, topk: int, capacity_factor: float = 0.0):
-    """Top-k routing of a micro batch.
+def _top_k(scores, topk: int, num_groups: int, group_topk: int):
+    """The ``topk`` largest ``scores`` ``[..., experts]`` and their ids (ties: the lower id); with ``group_topk``
+    taken only from the ``group_topk`` of ``num_groups`` expert groups (consecutive ids) whose ``topk /
+    group_topk`` largest scores sum highest (Megatron-LM's ``group_limited_topk``; DeepSeek-V3 section 2.1.2)."""
+    if not group_topk:
+        return jax.lax.top_k(scores, topk)
+    e = scores.shape[-1]
+    grouped = scores.reshape(*scores.shape[:-1], num_groups, e // num_groups)
+    _, chosen = jax.lax.top_k(jax.lax.top_k(grouped, topk // group_topk)[0].sum(-1), group_topk)
+    keep = jnp.repeat(jax.nn.one_hot(chosen, num_groups, dtype=bool).any(-2), e // num_groups, axis=-1)
+    return jax.lax.top_k(jnp.where(keep, scores, -jnp.inf), topk)
+
+
+def route(logits, topk: int, capacity_factor: float = 0.0, *, score_function: str = "softmax",
+          pre_softmax: bool = False, scaling_factor: float = 0.0, num_groups: int = 0, group_topk: int = 0):
+    """Top-k routing of a micro batch, as Megatron-LM's ``topk_routing_with_score_function``
+    (``megatron/core/transformer/moe/moe_utils.py``).
 
     Args:
       logits: float32 router logits ``[batch, len, experts]`` (every token of the micro batch).
       topk: experts per token (``model.moe_router_topk``).
       capacity_factor: ``model.moe_capacity_factor`` (0: dropless).
+      score_function: ``"softmax"`` (the top k by logit, the softmax of those as the weights; with
+        ``pre_softmax`` the softmax over all experts, the top k of it unnormalized) or ``"sigmoid"`` (the top k
+        sigmoid scores, renormalized to sum to 1 when ``topk`` > 1; DeepSeek-V3).
+      scaling_factor: the weights times this (0: unscaled).
+      num_groups, group_topk: group-limited routing (:func:`_top_k`; 0: none).
     Returns:
       ``(ids, weights, stats)``: int32 ``[batch, len, topk]`` expert of each of a token's k copies (distinct;
       ties to the lower id), ``experts`` for a dropped copy; float32 ``[batch, len, topk]`` combine weights
-      (softmax of the chosen logits; 0 for a dropped copy); ``stats`` float32 scalars: ``aux_loss``
-      (Megatron's ``switch_load_balancing_loss_func`` without its coefficient:
-      ``E / (T^2 k) sum_e tokens_e sum_t p_te``, p the softmax over all experts, 1 when balanced),
-      ``z_loss`` (``mean_t logsumexp(logits_t)^2``), ``max_load`` (the busiest expert's tokens over the
-      mean, before drops) and ``dropped`` (the fraction of copies dropped).
+      (0 for a dropped copy); ``stats`` float32 scalars: ``aux_loss`` (Megatron's
+      ``switch_load_balancing_loss_func`` without its coefficient: ``E / (T^2 k) sum_e tokens_e sum_t p_te``, p
+      the softmax over all experts (sigmoid: the sigmoids normalized per token), tokens_e of the plain top k,
+      1 when balanced), ``z_loss`` (``mean_t logsumexp(logits_t)^2``), ``max_load`` (the busiest expert's tokens
+      over the mean, before drops) and ``dropped`` (the fraction of copies dropped).
     """
     b, s, e = logits.shape
-    top, ids = jax.lax.top_k(logits, topk)
-    weights = jax.nn.softmax(top, axis=-1)
-    probs = jax.nn.softmax(logits, axis=-1)
-    routed = jax.nn.one_hot(ids, e, dtype=jnp.float32).sum(-2)  # [batch, len, experts], 0/1
+    if score_function == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        top, ids = _top_k(scores, topk, num_groups, group_topk)
+        weights = top / (top.sum(-1, keepdims=True) + 1e-20) if topk > 1 else top
+        probs = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+        top, ids = _top_k(probs if pre_softmax else logits, topk, num_groups, group_topk)
+        weights = top if pre_softmax else jax.nn.softmax(top, axis=-1)
+    if scaling_factor:
+        weights = weights * scaling_factor
+    one_hot = lambda i: jax.nn.one_hot(i, e, dtype=jnp.float32).sum(-2)  # noqa: E731  [batch, len, experts], 0/1
+    routed = one_hot(ids)
     load = routed.sum((0, 1))  # tokens per expert
+    # the load-balancing loss counts the plain top k (Megatron's compute_routing_scores_for_aux_loss): the same
+    # experts as the routing's unless it is group-limited (every score function is monotone in the logits)
+    aux_load = one_hot(jax.lax.top_k(logits, topk)[1]).sum((0, 1)) if group_topk else load
     t = b * s
-    stats = {"aux_loss": e / (t * t * topk) * jnp.sum(load * probs.sum((0, 1))),
+    stats = {"aux_loss": e / (t * t * topk) * jnp.sum(aux_load * probs.sum((0, 1))),
              "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
              "max_load": jnp.max(load) / (t * topk / e)}
     c = capacity(t, e, topk, capacity_factor)
