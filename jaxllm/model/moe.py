@@ -127,9 +127,9 @@ def route(logits, topk: int, capacity_factor: float = 0.0, *, score_function: st
         weights = top / (top.sum(-1, keepdims=True) + 1e-20) if topk > 1 else top
         probs = scores / (scores.sum(-1, keepdims=True) + 1e-20)
     else:
-        probs = jax.nn.softmax(logits, axis=-1)
-        top, ids = _top_k(probs if pre_softmax else logits, topk, num_groups, group_topk)
+        top, ids = _top_k(jax.nn.softmax(logits, axis=-1) if pre_softmax else logits, topk, num_groups, group_topk)
         weights = top if pre_softmax else jax.nn.softmax(top, axis=-1)
+        probs = jax.nn.softmax(logits, axis=-1)
     if scaling_factor:
         weights = weights * scaling_factor
     one_hot = lambda i: jax.nn.one_hot(i, e, dtype=jnp.float32).sum(-2)  # noqa: E731  [batch, len, experts], 0/1
