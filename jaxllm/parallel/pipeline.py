@@ -152,16 +152,17 @@ def check(cfg) -> None:
     """
     stages, virtual = cfg.stages, cfg.parallel.pipeline_virtual_stages
     groups = gpt_module.layer_groups(cfg.model)
-    if groups[-1].num_layers % (stages * virtual):
-        what = ("model.num_layers", cfg.model.num_layers) if len(groups) == 1 else (
-            "model.moe_layer_freq", f"{cfg.model.moe_layer_freq} (its last group: {groups[-1].num_layers} layers)")
-        raise ConfigError(*what, f"must be divisible by pipeline stages x virtual stages (mesh.pipeline x "
-                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
     if stages > 1 and any(g.moe for g in groups[:-1]):
         raise ConfigError("model.moe_layer_freq", cfg.model.moe_layer_freq,
                           "with pipeline parallelism only the last group of layers of one kind may be mixtures of "
                           "experts (the stages split that group; the dense layers before it run with the "
                           "embedding): dense layers first, then MoE layers, e.g. ([0]*2+[1]*6), or mesh.pipeline=1")
+    if groups[-1].num_layers % (stages * virtual):
+        what = ("model.num_layers", cfg.model.num_layers, "must be") if len(groups) == 1 else (
+            "model.moe_layer_freq", cfg.model.moe_layer_freq,
+            f"ends with a group of {groups[-1].num_layers} layer(s) of one kind, which the stages split: it must be")
+        raise ConfigError(*what[:2], f"{what[2]} divisible by pipeline stages x virtual stages (mesh.pipeline x "
+                          f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
 
 
 def _no_stats(cfg, m):
