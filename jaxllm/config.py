@@ -147,6 +147,11 @@ class Model(Section):
     moe_router_topk_scaling_factor: float = _key(0.0, ">=0")
     moe_router_num_groups: int = _key(0, ">=0")
     moe_router_group_topk: int = _key(0, ">=0")
+    # auxiliary-loss-free load balancing (DeepSeek-V3 section 2.1.2; Megatron-LM's names, sigmoid scores): a bias per
+    # expert added to the scores for the top-k choice only, moved after each step by bias_update_rate toward the
+    # experts' mean load (up for an expert that took fewer tokens than the mean, down for more)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = _key(1e-3, ">=0")
     # which layers are mixtures of experts (Megatron-LM's --moe-layer-freq): k, every k-th layer from the first
     # (1: all); or one 0/1 per layer, "[0,0,1,1]" or Megatron's "([0]*3+[1]*58)" (DeepSeek-V3's 3 dense layers)
     moe_layer_freq: str = _key("1")

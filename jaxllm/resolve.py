@@ -303,6 +303,9 @@ def _check_router(m: Model) -> None:
                           f"no more than the experts of the chosen groups")
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         raise ConfigError("model.moe_router_pre_softmax", True, "applies to model.moe_router_score_function=softmax")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError("model.moe_router_enable_expert_bias", True, "biases sigmoid scores (as Megatron-LM's): "
+                          "set model.moe_router_score_function=sigmoid")
 
 
 def _check_moe(cfg) -> None:

@@ -420,7 +420,7 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
     }
 
 
-FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "router")  # what the model reads in float32: the norms, the MoE router
+FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "router", "expert_bias")  # read in float32: the norms, the MoE router
 
 
 def cast_layers(cfg: ModelConfig, params: dict) -> dict:

@@ -217,7 +217,7 @@ MIXTRAL = Arch(
     needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
            "moe_capacity_factor": 0.0, "moe_shared_expert_intermediate_size": 0, "moe_layer_freq": "1",
            "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
-           "moe_router_topk_scaling_factor": 0.0, "moe_router_num_groups": 0},
+           "moe_router_topk_scaling_factor": 0.0, "moe_router_num_groups": 0, "moe_router_enable_expert_bias": False},
     keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
           "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", 8),
           "intermediate_size": ("moe_ffn_hidden_size", 14336),  # and ffn_hidden_size (model_from_hf)

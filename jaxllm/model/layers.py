@@ -244,19 +244,24 @@ class MoE(nnx.Module):
         self.w2 = param(rngs.params(), (e, f, h), out_std, ("experts", "expert_mlp", "expert_embed"))
         self.b1 = param(None, (e, f), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
         self.b2 = param(None, (e, h), 0, ("experts", "expert_embed")) if cfg.use_bias else None
+        self.expert_bias = param(None, (e,), 0, (None,)) if cfg.moe_router_enable_expert_bias else None
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), rngs, ops) if shared else None
 
     def __call__(self, x):
         cfg, value = self.cfg, lambda p: None if p is None else p[...]  # noqa: E731
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...])
+        bias = None if self.expert_bias is None else jax.lax.stop_gradient(self.expert_bias[...])
         ids, weights, stats = moe.route(
             logits, cfg.moe_router_topk, cfg.moe_capacity_factor, score_function=cfg.moe_router_score_function,
             pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk)
+            num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk, bias=bias)
         y = self.ops.experts(x, ids, weights, self.w1[...], value(self.wg), self.w2[...], value(self.b1),
                              value(self.b2), activation=gelu, dtype=jnp.dtype(cfg.dtype))
         y = self.ops.router_loss(y, cfg.moe_aux_loss_coeff * stats["aux_loss"] + cfg.moe_z_loss_coeff * stats["z_loss"])
+        if self.expert_bias is not None:  # the tokens each expert took (dropped copies, id num_experts, left out)
+            load = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32).sum((0, 1, 2))
+            y = moe.balance_bias(y, self.expert_bias[...], load)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, stats

@@ -79,6 +79,27 @@ def loss_scaler(scale: float):
     return lambda x, loss: attach_loss(x, loss, scale)
 
 
+@jax.custom_vjp
+def balance_bias(x, bias, load):
+    """``x`` unchanged; the backward pass gives the expert ``bias`` ``[experts]`` the "gradient" ``load - mean(load)``
+    (``load`` float32 ``[experts]``: the tokens each expert took), whatever reaches ``x``.  So the sums that gradients
+    go through (micro batches, data-parallel replicas, pipeline stages) add up the step's loads, and the train step
+    moves the bias by ``-rate x sign`` of that sum (:func:`jaxllm.runtime.step.apply_gradients`): Megatron-LM's
+    ``get_updated_expert_bias`` (DeepSeek-V3's auxiliary-loss-free balancing, section 2.1.2)."""
+    return x
+
+
+def _balance_fwd(x, bias, load):
+    return x, load
+
+
+def _balance_bwd(load, g):
+    return g, load - load.mean(), jnp.zeros_like(load)
+
+
+balance_bias.defvjp(_balance_fwd, _balance_bwd)
+
+
 def capacity(tokens: int, experts: int, topk: int, factor: float) -> int:
     """Tokens an expert takes from a micro batch of ``tokens`` with capacity factor ``factor`` (0: all)."""
     return tokens if factor == 0 else min(tokens, math.ceil(factor * tokens * topk / experts))
@@ -98,7 +119,8 @@ def _top_k(scores, topk: int, num_groups: int, group_topk: int):
 
 
 def route(logits, topk: int, capacity_factor: float = 0.0, *, score_function: str = "softmax",
-          pre_softmax: bool = False, scaling_factor: float = 0.0, num_groups: int = 0, group_topk: int = 0):
+          pre_softmax: bool = False, scaling_factor: float = 0.0, num_groups: int = 0, group_topk: int = 0,
+          bias=None):
     """Top-k routing of a micro batch, as Megatron-LM's ``topk_routing_with_score_function``
     (``megatron/core/transformer/moe/moe_utils.py``).
 
@@ -111,6 +133,8 @@ def route(logits, topk: int, capacity_factor: float = 0.0, *, score_function: st
         sigmoid scores, renormalized to sum to 1 when ``topk`` > 1; DeepSeek-V3).
       scaling_factor: the weights times this (0: unscaled).
       num_groups, group_topk: group-limited routing (:func:`_top_k`; 0: none).
+      bias: float32 ``[experts]`` added to the sigmoid scores for the choice of the top k only (the weights are
+        the unbiased scores'; :func:`balance_bias`), or None.
     Returns:
       ``(ids, weights, stats)``: int32 ``[batch, len, topk]`` expert of each of a token's k copies (distinct;
       ties to the lower id), ``experts`` for a dropped copy; float32 ``[batch, len, topk]`` combine weights
@@ -123,7 +147,8 @@ def route(logits, topk: int, capacity_factor: float = 0.0, *, score_function: st
     b, s, e = logits.shape
     if score_function == "sigmoid":
         scores = jax.nn.sigmoid(logits)
-        top, ids = _top_k(scores, topk, num_groups, group_topk)
+        top, ids = _top_k(scores if bias is None else scores + bias, topk, num_groups, group_topk)
+        top = top if bias is None else jnp.take_along_axis(scores, ids, axis=-1)
         weights = top / (top.sum(-1, keepdims=True) + 1e-20) if topk > 1 else top
         probs = scores / (scores.sum(-1, keepdims=True) + 1e-20)
     else:

@@ -157,6 +157,10 @@ def check(cfg) -> None:
                           "with pipeline parallelism only the last group of layers of one kind may be mixtures of "
                           "experts (the stages split that group; the dense layers before it run with the "
                           "embedding): dense layers first, then MoE layers, e.g. ([0]*2+[1]*6), or mesh.pipeline=1")
+    if stages > 1 and cfg.model.moe_router_enable_expert_bias and cfg.parallel.pipeline_schedule not in FUSED:
+        raise ConfigError("model.moe_router_enable_expert_bias", True, f"the experts' loads reach the bias through the "
+                          f"backward pass, which parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} also runs "
+                          f"for idle slots: use 1f1b, interleaved_1f1b or zb_h1")
     if groups[-1].num_layers % (stages * virtual):
         what = ("model.num_layers", cfg.model.num_layers, "must be") if len(groups) == 1 else (
             "model.moe_layer_freq", cfg.model.moe_layer_freq,

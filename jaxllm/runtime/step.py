@@ -194,21 +194,40 @@ def _replicas_accumulated(setup: StepSetup, params, inputs, targets, order, docs
     return jax.lax.scan(micro_step, zeros, xs)[0]
 
 
-def apply_gradients(optimizer, schedule, state, loss, grads, moe_stats):
+def _is_expert_bias(path, _=None) -> bool:
+    return getattr(path[-1], "key", None) == "expert_bias"
+
+
+def _balanced(params, grads, rate):
+    """``(params, grads)`` with each MoE layer's expert bias moved by ``-rate x sign`` of its "gradient" (the step's
+    summed ``load - mean``, :func:`jaxllm.model.moe.balance_bias`) and that gradient zeroed for the optimizer (which
+    then leaves the bias as it is: no weight decay, zero moments)."""
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p, g: p - rate * jnp.sign(g) if _is_expert_bias(path) else p, params, grads)
+    return params, jax.tree_util.tree_map_with_path(
+        lambda path, g: jnp.zeros_like(g) if _is_expert_bias(path) else g, grads)
+
+
+def apply_gradients(optimizer, schedule, state, loss, grads, moe_stats, bias_update_rate=None):
     """The optimizer's update of ``state`` by ``grads``, guarded against a non-finite step.
 
+    ``bias_update_rate``: with expert biases (``model.moe_router_enable_expert_bias``), their step
+    (``model.moe_router_bias_update_rate``, :func:`_balanced`); None: none.
     Returns:
       ``(new_state, metrics)`` as :func:`make_train_step`'s ``train_step`` (``schedule``: the learning
       rate per update, :func:`jaxllm.runtime.optim.lr_schedule`).
     """
     params = state["params"]
     with jax.named_scope("optimizer"):  # the profile's category (jaxllm.runtime.profile)
+        balanced = params
+        if bias_update_rate is not None:
+            balanced, grads = _balanced(params, grads, bias_update_rate)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # A select rather than lax.cond: XLA fuses it into the update, and both sides are computed anyway.
         keep_if_bad = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep_if_bad, optax.apply_updates(params, updates), params)
+        new_params = jax.tree.map(keep_if_bad, optax.apply_updates(balanced, updates), params)
         opt_state = jax.tree.map(keep_if_bad, opt_state, state["opt_state"])
     skipped = (~finite).astype(jnp.int32)
     new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
@@ -253,13 +272,14 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
     ring = context_parallel.ring_devices(layout, cfg.parallel)
     base_key = jax.random.key(cfg.train.seed)
     schedule = optim.lr_schedule(cfg.train)
+    bias_rate = cfg.model.moe_router_bias_update_rate if cfg.model.moe_router_enable_expert_bias else None
 
     def train_step(state, inputs, targets, docs=None):
         keys = (row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
                 if cfg.model.dropout > 0 else None)
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
         loss, grads, moe_stats = loss_and_grads(setup, state["params"], inputs, targets, order, docs, keys)
-        return apply_gradients(optimizer, schedule, state, loss, grads, moe_stats)
+        return apply_gradients(optimizer, schedule, state, loss, grads, moe_stats, bias_rate)
 
     return train_step
 
