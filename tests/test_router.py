@@ -170,3 +170,17 @@ def test_expert_bias_balances_without_an_auxiliary_loss(tmp_path):
         rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
         late[bias] = np.mean([r["moe_max_load"] for r in rows if r["kind"] == "train"][-5:])
     assert late[True] < 0.85 * late[False], late
+
+
+@pytest.mark.parametrize("model,mesh", [
+    ({"moe_router_enable_expert_bias": True}, {}),  # softmax scores
+    ({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}, {"pipeline": 2}),  # gpipe
+])
+def test_expert_bias_is_refused_where_it_cannot_work(model, mesh):
+    c = config.get_config()
+    c.model.update(**{"num_experts": 4, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64, **model})
+    c.mesh.update(**mesh)
+    c.train.update(micro_batch_size=1, global_batch_size=2)
+    with pytest.raises(ConfigError) as e:
+        resolve(c, num_devices=2 if mesh else 1, data_files=False)
+    assert e.value.key == "model.moe_router_enable_expert_bias"
