@@ -374,8 +374,8 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
                    microbatches=microbatches, stages=shape["pipeline"],
                    batch_shape=(microbatches, t.micro_batch_size * data_parallel, t.seq_length))
     _check_documents(out)
+    pipeline.check(out)  # the layers before the microbatches, as the one check of both was
     schedules.check(out)
-    pipeline.check(out)
     sharding.check(out, gpt.logical_sizes(out.model, t.seq_length))
     context_parallel.check(out)
     _check_mlp_chunks(out)
