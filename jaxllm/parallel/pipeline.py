@@ -162,10 +162,10 @@ def check(cfg) -> None:
                           f"backward pass, which parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} also runs "
                           f"for idle slots: use 1f1b, interleaved_1f1b or zb_h1")
     if groups[-1].num_layers % (stages * virtual):
-        what = ("model.num_layers", cfg.model.num_layers, "must be") if len(groups) == 1 else (
+        key, value, what = ("model.num_layers", cfg.model.num_layers, "must be") if len(groups) == 1 else (
             "model.moe_layer_freq", cfg.model.moe_layer_freq,
             f"ends with a group of {groups[-1].num_layers} layer(s) of one kind, which the stages split: it must be")
-        raise ConfigError(*what[:2], f"{what[2]} divisible by pipeline stages x virtual stages (mesh.pipeline x "
+        raise ConfigError(key, value, f"{what} divisible by pipeline stages x virtual stages (mesh.pipeline x "
                           f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
 
 

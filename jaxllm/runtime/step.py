@@ -194,7 +194,7 @@ def _replicas_accumulated(setup: StepSetup, params, inputs, targets, order, docs
     return jax.lax.scan(micro_step, zeros, xs)[0]
 
 
-def _is_expert_bias(path, _=None) -> bool:
+def _is_expert_bias(path) -> bool:
     return getattr(path[-1], "key", None) == "expert_bias"
 
 
