@@ -1,7 +1,7 @@
 """Validate a GPU machine in one command; write one Markdown report for docs/performance.md.
 
     python benchmarks/gpu_check.py --output=gpu_check.md          # on a GPU machine, < 10 minutes on one H100
-    python benchmarks/gpu_check.py --part=speed --output=speed.md  # jaxllm against PyTorch only: ~5 minutes
+    python benchmarks/gpu_check.py --part=speed --models=GPT125M,GPT1_5B --output=speed.md  # ~8 minutes
     python benchmarks/gpu_check.py --dry-run --output=report.md   # any machine: every step shortened, on the CPU
 
 Steps, each a subprocess with its own time limit (the report keeps whatever finished):
@@ -14,18 +14,18 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
    that skip on a CPU);
 3. ``benchmarks/attention.py --check`` (not with ``--part=speed``): every attention implementation,
    sequence 1k, 4k, 16k, bfloat16, 16 heads of 128, causal;
-4. ``python -m jaxllm.bench``: GPT125M (all 12 layers, micro batch 8 = global batch 8, no
-   recomputation) with ``attention_impl`` auto (cuDNN on NVIDIA), pallas and xla side by side (xla
-   runs out of memory there on an 80 GB H100: the row says so), and GPT1_5B (all 48 layers, micro
-   batch 4, global batch 8 = 2 microbatches, ``model.remat=full``) with auto, xla, and remat
-   ``save_dots`` at micro batch 8 (the fastest measured on an H100), all bfloat16, sequence 2048, one
-   device, 10 timed steps after 3 warm-up steps, each variant in a process of its own; synthetic batches
-   (no data files); each followed by
+4. ``python -m jaxllm.bench`` (``--models``, default all three), bfloat16, sequence 2048, one device, 10 timed
+   steps after 3 warm-up steps, each variant in a process of its own, synthetic batches (no data files):
+   GPT125M (12 layers, micro batch 8 = global batch 8, no recomputation), its layers scanned (the default on
+   GPUs) and written out (``model.layer_loop=unrolled``); GPT1_5B (48 layers, micro
+   batch 8 = global batch 8, ``model.remat=save_dots``: the fastest measured on an H200) scanned, with
+   ``model.fp8``, and written out without recomputation, with and without ``model.fp8``; GPT2_7B (32 layers,
+   micro batch 4 of 8, ``save_dots``) with and without ``model.fp8``; each model followed by
 5. ``benchmarks/torch_reference.py``, the PyTorch reference of the same model on the same GPU
    (``torch.compile``, fused attention, fused AdamW, no recomputation; micro batch 8 for GPT125M, 4 for
-   GPT1_5B).  The report ends its summary with each model's fastest jaxllm variant against the reference
-   (tokens/s and their ratio); every benchmark's JSON record goes to ``--records`` (default: the report's
-   name with ``.jsonl``), for ``benchmarks/results/``.
+   GPT1_5B and GPT2_7B).  The report ends its summary with each model's fastest jaxllm variant against the
+   reference (tokens/s and their ratio); every benchmark's JSON record goes to ``--records`` (default: the
+   report's name with ``.jsonl``), for ``benchmarks/results/``.
 
 ``--dry-run`` runs the same steps on whatever backend JAX has (the CPU here) with tiny sizes, to
 check the script and the report; its report says DRY RUN and its figures are not GPU figures.
@@ -72,13 +72,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin", "flax", "optax",
             "orbax-checkpoint", "tensorstore", "triton", "jax-triton", "ml-collections", "numpy", "pytest")
 GPT = [  # (name, config key, overrides, variants compared on a GPU, in the dry run, the PyTorch reference's overrides)
+    # the base rows: the default layer loop (a scan on GPUs) at the fastest settings measured on an H200 (2026-11-27);
+    # the variants: the layers written out (their gradients stacked since then, not measured yet) and FP8
     ("GPT125M", "GPT125M", ["--config.train.micro_batch_size=8", "--config.train.global_batch_size=8"],
-     ("model.attention_impl=pallas", "model.attention_impl=xla"), ("model.attention_impl=xla",),
+     ("model.layer_loop=unrolled",), ("model.layer_loop=scan",),
      ["--config.train.micro_batch_size=8", "--config.train.global_batch_size=8"]),
-    ("GPT1_5B", "GPT1_5B", ["--config.model.remat=full", "--config.train.micro_batch_size=4",
+    ("GPT1_5B", "GPT1_5B", ["--config.model.remat=save_dots", "--config.train.micro_batch_size=8",
                             "--config.train.global_batch_size=8"],
-     ("model.attention_impl=xla", "model.remat=save_dots,train.micro_batch_size=8"), (),
+     ("model.layer_loop=unrolled,model.remat=none", "model.fp8=True",
+      "model.fp8=True,model.layer_loop=unrolled,model.remat=none"), ("model.layer_loop=unrolled,model.remat=none",),
      ["--config.train.micro_batch_size=4", "--config.train.global_batch_size=8"]),
+    ("GPT2_7B", "GPT2_7B", ["--config.model.remat=save_dots", "--config.train.micro_batch_size=4",
+                            "--config.train.global_batch_size=8"],
+     ("model.fp8=True",), (), ["--config.train.micro_batch_size=4", "--config.train.global_batch_size=8"]),
 ]
 # --dry-run: the same configs cut to seconds on a CPU (the vocabulary stays)
 TINY = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "--config.model.num_attention_heads=4",
@@ -94,8 +100,14 @@ def _parse(argv=None):
     p.add_argument("--records", default="", help="the benchmarks' JSON records (default: --output's name, .jsonl)")
     p.add_argument("--part", choices=("all", "speed"), default="all",
                    help="speed: the throughput steps only (jaxllm against PyTorch), not the kernel tests")
+    p.add_argument("--models", default=",".join(g[0] for g in GPT),
+                   help="the models benchmarked, comma-separated (each with its PyTorch reference)")
     a = p.parse_args(argv)
     a.records = a.records or os.path.splitext(a.output)[0] + ".jsonl"
+    a.models = [m for m in a.models.split(",") if m]
+    unknown = sorted(set(a.models) - {g[0] for g in GPT})
+    if unknown:
+        p.error(f"--models={','.join(unknown)}: not one of {', '.join(g[0] for g in GPT)}")
     return a
 
 
@@ -181,6 +193,8 @@ def steps(a, env) -> list[dict]:
                  if a.dry_run else ["--seqs", "1024,4096,16384"])
         out.append(run_step("attention benchmark", attn, env, a.timeout))
     for name, key, overrides, gpu_variants, dry_variants, torch_overrides in GPT:
+        if name not in a.models:
+            continue
         # auto: cuDNN on NVIDIA, Pallas on AMD; the others beside it (Pallas is interpret mode on a CPU: the dry
         # run skips it; xla may run out of memory at sequence 2048: the table then says so)
         cmd = [py, "-m", "jaxllm.bench", f"--config=configs/gpt3.py:{key}", *overrides,

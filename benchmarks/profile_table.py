@@ -24,8 +24,11 @@ from jaxllm.runtime import flops, profile
 
 def table(record: dict, prefix: str, steps: int = 2) -> list[dict]:
     """:func:`jaxllm.runtime.profile.summary` of the trace ``prefix`` of ``record``'s run."""
+    # resolved for the machine that ran it: the record's attention_impl (cudnn) is refused on this one
+    version = record["platform_version"].lower()
+    backend = "rocm" if "rocm" in version else "cuda" if "cuda" in version else record["platform"]
     cfg = resolve(config.from_dict(record["config"]), num_devices=record["devices"],
-                  vocab_size=record["config"]["model"]["vocab_size"], data_files=False)
+                  vocab_size=record["config"]["model"]["vocab_size"], data_files=False, backend=backend)
     with gzip.open(prefix + ".step.hlo.txt.gz", "rt", encoding="utf-8") as f:
         program = profile.program(f.read())
     runs = profile.kernels(prefix + ".perfetto_trace.json.gz")

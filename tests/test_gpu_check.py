@@ -19,13 +19,17 @@ def test_refuses_without_a_gpu(tmp_path):
                        timeout=300)
     assert r.returncode == 2 and "JAX has no GPU backend here" in r.stderr.strip().splitlines()[-1], r.stderr
     assert not out.exists()
+    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--models=GPT125M,GPT9"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "--models=GPT9: not one of GPT125M, GPT1_5B, GPT2_7B"), r.stderr
 
 
 @pytest.mark.slow
 def test_dry_run_writes_the_report(tmp_path):
     out = tmp_path / "sub" / "report.md"
-    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", f"--output={out}"], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", f"--output={out}", "--models=GPT125M,GPT1_5B"], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     text = out.read_text()
     assert text.startswith("# GPU check -- DRY RUN (shortened, on the CPU: not GPU figures)\n")
@@ -34,14 +38,16 @@ def test_dry_run_writes_the_report(tmp_path):
     assert [s.split(" | ")[0][2:] for s in steps] == [
         "devices", "GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
         "attention benchmark", "jaxllm.bench GPT125M", "torch reference GPT125M", "jaxllm.bench GPT1_5B",
-        "torch reference GPT1_5B"]
+        "torch reference GPT1_5B"]  # not GPT2_7B: --models
     assert "16 skipped" in text  # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN
     assert "| 128 | xla | " in text and "| 128 | pallas | " in text  # the attention table, both rows measured
-    assert text.count("| config | mesh | tokens/s |") == 2 and "| model.attention_impl=xla | 1 device |" in text
+    assert text.count("| config | mesh | tokens/s |") == 2 and "| model.layer_loop=scan | 1 device |" in text
     assert not list(out.parent.glob("*.tmp"))
     # jaxllm's fastest variant against the PyTorch reference, from the records both wrote
     records = [json.loads(x) for x in (out.parent / "report.jsonl").read_text().splitlines()]
-    assert [r.get("framework", "jax") for r in records] == ["jax", "jax", "torch", "jax", "torch"]
+    assert [r.get("framework", "jax") for r in records] == ["jax", "jax", "torch"] * 2
+    assert [r["config"]["model"]["layer_loop"] for r in records if "framework" not in r][:4] == [
+        "unrolled", "scan", "scan", "unrolled"]  # GPT125M: the CPU's default, then scanned; GPT1_5B the reverse
     for key in ("GPT125M", "GPT1_5B"):
         mine = max(r["tokens_per_sec"] for r in records if r["config_file"].endswith(key) and "framework" not in r)
         ref = next(r["tokens_per_sec"] for r in records if r["config_file"].endswith(key) and "framework" in r)

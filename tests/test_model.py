@@ -116,6 +116,19 @@ def test_loss_matches_plain_jax_reference(overrides, layer_loop, matmuls):
     assert ours > 4.0  # near ln(97) = 4.57 at init: the comparison is not between two constants
 
 
+def test_unrolled_layers_gradients_are_stacked_not_padded_and_summed():
+    """The written-out layers' gradients reach the stacked parameters as one stack per array, not as
+    each layer's gradient padded to the whole stack and the pads summed (L^2 work: on an H200 XLA fused
+    GPT1_5B's 48 pads per array into kernels that took 42 % of the step, docs/performance.md)."""
+    cfg = small_cfg(layer_loop="unrolled", num_layers=3, **VARIANTS[0])
+    graphdef, params = gpt.describe(cfg.model).graphdef, gpt.init(cfg.model, 0)
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: gpt.loss(graphdef, p, tokens, tokens)))(params))
+    stacked = len(jax.tree.leaves(params["layers"]))
+    assert len(re.findall(r"= pad\[", jaxpr)) == 0, re.findall(r".*= pad\[.*", jaxpr)[:3]
+    assert len(re.findall(r"= stack\[", jaxpr)) == stacked  # the transpose of the one unstack per array
+
+
 @pytest.mark.parametrize("overrides", VARIANTS, ids=["gpt2-style", "llama-style"])
 def test_vocabulary_padding_does_not_change_the_model(overrides):
     """97 tokens in tables of 97, 128 or 392 rows (the padding tensor parallelism asks for): the same

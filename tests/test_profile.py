@@ -184,6 +184,25 @@ def test_the_table_of_a_real_h100_trace():
     assert 0.8 < rows["optimizer"]["bandwidth_fraction"] < 1.0  # AdamW: memory-bound, near the bandwidth
 
 
+def test_profile_table_of_the_h200_trace_with_padded_layer_gradients():
+    """``benchmarks/profile_table.py`` on a record whose config names cuDNN (not runnable here): GPT1_5B with the
+    layers written out on an H200, before their gradients were stacked (2026-11-27): the AdamW step's gradient
+    norm read every layer's gradient padded to the 48-layer stack, 42 % of the step in six such kernels."""
+    spec = importlib.util.spec_from_file_location("profile_table", ROOT / "benchmarks" / "profile_table.py")
+    profile_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_table)
+    h200 = ROOT / "benchmarks" / "results" / "2026-11-27-h200"
+    record = json.loads((h200 / "call1.jsonl").read_text().splitlines()[2])
+    assert (record["config"]["model"]["attention_impl"], record["config"]["model"]["layer_loop"]) == ("cudnn",
+                                                                                                    "unrolled")
+    rows = {r["category"]: r for r in profile_table.table(record, str(h200 / "call1-GPT1_5B-none-micro8-unrolled"))}
+    assert sum(r["ms_per_step"] for r in rows.values()) == pytest.approx(1e3 * record["step_time_median_s"])
+    assert rows["optimizer"]["ms_per_step"] == pytest.approx(231.0, abs=0.1) and rows["optimizer"]["share"] > 0.4
+    runs = profile.kernels(str(h200 / "call1-GPT1_5B-none-micro8-unrolled.perfetto_trace.json.gz"))
+    padded = sum(r["us"] for r in runs if r["name"].startswith("input_add_reduce_fusion")) / 2e3
+    assert 0.95 * rows["optimizer"]["ms_per_step"] < padded < rows["optimizer"]["ms_per_step"]
+
+
 def test_bench_profile_writes_a_trace_and_the_program(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = tmp_path / "b.jsonl"

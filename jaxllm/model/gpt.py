@@ -330,9 +330,14 @@ class GPT(nnx.Module):
                                    prevent_cse=self.cfg.layer_loop == "unrolled")
         if self.cfg.layer_loop != "unrolled":
             return jax.lax.scan(layer, x, (layer_params, keys, cache))
+        # unstacked in one split: its gradient is one concatenate. Indexing a[i] per layer made each layer's
+        # gradient a pad to the whole stack, summed over the layers: on an H200 XLA fused those L^2 terms into
+        # kernels that took 42 % of GPT1_5B's step (docs/performance.md, 2026-11-27)
+        leaves, treedef = jax.tree.flatten((layer_params, keys, cache))
+        columns = [jnp.unstack(a) for a in leaves]
         outs = []
-        for i in range(jax.tree.leaves(layer_params)[0].shape[0]):
-            x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], (layer_params, keys, cache)))
+        for i in range(leaves[0].shape[0]):
+            x, out = layer(x, treedef.unflatten([c[i] for c in columns]))
             outs.append(out)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
