@@ -27,6 +27,9 @@ Keys (model shapes, each from the file named):
   Llama-3-8B    meta-llama/llama3 Meta-Llama-3-8B-Instruct/params.json (dim 4096, 32 layers, 32 heads,
                 8 KV heads, vocabulary 128256, ffn_dim_multiplier 1.3 and multiple_of 1024 -> FFN 14336,
                 norm_eps 1e-5, rope_theta 500000) and MODEL_CARD.md (context 8k).  8.03B parameters.
+  Llama-3.1-8B  meta-llama/Llama-3.1-8B config.json: Llama-3-8B's shape with 131072 positions and Llama 3.1's
+                rotary scaling (rope_type llama3: factor 8, low_freq_factor 1, high_freq_factor 4,
+                original_max_position_embeddings 8192; model.use_rope_scaling); trained here at 8192 tokens.
   tiny          a 2-layer model of the same recipe for CPUs, tests and demos (byte tokenizer).
 
 The tokenizer: the published keys name none that jaxllm reads for them (data.tokenizer is left
@@ -43,7 +46,10 @@ SIZES = {
     "AuroraGPT-2B": (12, 2048, 16, 4, 11008, 256000, 8192, 10000.0, 8192),
     "Llama-2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, 10000.0, 4096),
     "Llama-3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 8192),
+    "Llama-3.1-8B": (32, 4096, 32, 8, 14336, 128256, 131072, 500000.0, 8192),
 }
+ROPE_SCALING = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                                     rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)}
 # ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model, taken to be Llama 2's
 # tokenizer, 32000 tokens; that file was not read here).
 
@@ -76,7 +82,7 @@ def get_config(key="ALCF-7B"):
     layers, hidden, heads, kv, ffn, vocab, positions, theta, seq = SIZES[key]
     c.model.update(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv,
                    ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=positions, rotary_base=theta,
-                   dtype="bfloat16")
+                   dtype="bfloat16", **ROPE_SCALING.get(key, {}))
     c.train.update(seq_length=seq, micro_batch_size=1, global_batch_size=8, train_iters=1000)
     c.data.tokenizer = ""  # a Hugging Face tokenizer.json whose vocabulary fits model.vocab_size (see above)
     return c

@@ -97,6 +97,14 @@ class Model(Section):
     max_position_embeddings: int = _key(0, ">=0")  # positions of the learned table; 0: train.seq_length
     position_embedding: str = _key("learned", choices=("learned", "rotary"))
     rotary_base: float = _key(10000.0, ">0")
+    # Llama 3.1's rotary frequency scaling (Megatron-LM's --use-rope-scaling, --rope-scaling-factor; HF's
+    # rope_type "llama3"): wavelengths beyond rope_original_max_position_embeddings / rope_low_freq_factor are
+    # stretched by the factor, those below ... / rope_high_freq_factor kept, the ones between interpolated
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = _key(8.0, ">0")
+    rope_low_freq_factor: float = _key(1.0, ">0")
+    rope_high_freq_factor: float = _key(4.0, ">0")
+    rope_original_max_position_embeddings: int = _key(8192, ">0")
     norm: str = _key("layernorm", choices=("layernorm", "rmsnorm"))
     norm_eps: float = _key(1e-5, ">0")
     activation: str = _key("gelu", choices=("gelu", "swiglu"))

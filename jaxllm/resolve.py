@@ -61,6 +61,12 @@ def _check_values(cfg: Config) -> None:
     if m.position_embedding == "rotary" and m.head_dim % 2:
         raise ConfigError("model.position_embedding", "rotary",
                           f"rotary needs an even head dim; hidden_size/num_attention_heads is {m.head_dim}")
+    if m.use_rope_scaling and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise ConfigError("model.rope_high_freq_factor", m.rope_high_freq_factor,
+                          f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1)")
+    if m.use_rope_scaling and m.position_embedding != "rotary":
+        raise ConfigError("model.use_rope_scaling", True, "scales rotary frequencies: set "
+                          "model.position_embedding=rotary, or model.use_rope_scaling=False")
     if m.position_embedding == "learned" and m.max_position_embeddings and m.max_position_embeddings < t.seq_length:
         raise ConfigError("model.max_position_embeddings", m.max_position_embeddings,
                           f"the learned position table must cover train.seq_length={t.seq_length}")

@@ -11,6 +11,7 @@ imported workdir's config.py loads through the training CLI's --config flag.  Ba
 directories, unsupported configs both ways, options the import cannot honour.
 """
 
+import dataclasses
 import json
 import os
 import pickle
@@ -51,6 +52,16 @@ def llama(tied=False):
         vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
 
 
+def llama3(tied=False):
+    """Llama 3.1's rotary scaling with thresholds inside the test's 32 positions: head dim 16's wavelengths are
+    6.3 (kept: < 32 / 4), 13.6 and 29.4 (interpolated), 64 to 1388 (stretched 8x: > 32 / 1)."""
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": SEQ}
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_parameters=rope))
+
+
 def mixtral(tied=False):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -60,6 +71,7 @@ def mixtral(tied=False):
 
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
+          "llama-ropescaled-untied": lambda: llama3(False),
           "mixtral-gqa-untied": lambda: mixtral(False)}
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
@@ -121,6 +133,9 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert m.tie_embeddings == ("untied" not in name)
     if "gpt2" not in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
+    scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+               m.rope_original_max_position_embeddings)
+    assert scaling == ((True, 8.0, 1.0, 4.0, SEQ) if "ropescaled" in name else (False, 8.0, 1.0, 4.0, 8192))
     if "mixtral" in name:  # dropless top-2 of 4 experts of 48, as Mixtral
         assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 48)
         assert (m.moe_aux_loss_coeff, m.moe_capacity_factor, m.moe_shared_expert_intermediate_size) == (0.02, 0, 0)
@@ -128,6 +143,9 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         assert m.num_experts == 0
     out = jax_logits(m, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+    if m.use_rope_scaling:  # the scaling changes these logits: the comparison above sees it
+        plain = jax_logits(dataclasses.replace(m, use_rope_scaling=False), params, tokens())
+        assert np.abs(plain - ref).max() > 100 * TOL
 
     hf_config, tensors = to_hf(m, params)
     assert hf_config["architectures"] == [HF_CLASSES[name.split("-")[0]]]
@@ -143,7 +161,7 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         np.testing.assert_array_equal(tensors[k], original[k], err_msg=k)
 
 
-@pytest.mark.parametrize("hf_dir", ["llama-gqa-untied"], indirect=True)
+@pytest.mark.parametrize("hf_dir", ["llama-gqa-untied", "llama-ropescaled-untied"], indirect=True)
 def test_rotary_layout_is_hf_llamas(hf_dir):
     """jaxllm's half-split rotary is HF Llama's (checked, not assumed): logits match on arbitrary
     positions, and the same weights read as the interleaved (GPT-J) layout would not."""

@@ -26,7 +26,7 @@ def llama():
 # published parameter counts: those of Meta's released checkpoints (Llama-2-7B 6.74B, Llama-3-8B 8.03B, as
 # given in the brief of issue 31) and AuroraGPT-2B's model card (~1.986B); within 0.5%
 @pytest.mark.parametrize("key, published", [("Llama-2-7B", 6.74e9), ("Llama-3-8B", 8.03e9),
-                                            ("AuroraGPT-2B", 1.986e9)])
+                                            ("Llama-3.1-8B", 8.03e9), ("AuroraGPT-2B", 1.986e9)])
 def test_keys_resolve_with_the_published_sizes(key, published):
     cfg = resolve(llama().get_config(key), num_devices=1, data_files=False)
     n = gpt.num_params(gpt.describe(cfg.model).params)  # jax.eval_shape: nothing allocated
@@ -46,6 +46,10 @@ def test_recipe_is_train_llama_alcf():
     assert (cfg.data.split, t.eval_interval, t.eval_iters, cfg.checkpoint.interval) == ("990,10,0", 100, 20, 50)
     l3 = resolve(llama().get_config("Llama-3-8B"), num_devices=1, data_files=False).model
     assert (l3.rotary_base, l3.vocab_size, l3.max_position_embeddings) == (500000.0, 128256, 8192)
+    l31 = resolve(llama().get_config("Llama-3.1-8B"), num_devices=1, data_files=False).model
+    assert (l31.max_position_embeddings, l31.use_rope_scaling, l31.rope_scaling_factor, l31.rope_low_freq_factor,
+            l31.rope_high_freq_factor, l31.rope_original_max_position_embeddings) == (131072, True, 8.0, 1.0, 4.0, 8192)
+    assert not l3.use_rope_scaling
     with pytest.raises(ValueError, match="unknown key"):
         llama().get_config("Llama-9B")
 

@@ -31,6 +31,8 @@ BAD = [
     ("model.dropout=1.5", None, "model.dropout"),
     ("model.num_layers=0", None, "model.num_layers"),
     ("model.position_embedding=rotary", "model.hidden_size=36", "model.position_embedding"),
+    ("model.use_rope_scaling=True", None, "model.use_rope_scaling"),  # learned positions
+    ("model.use_rope_scaling=True", "model.rope_high_freq_factor=1.0", "model.rope_high_freq_factor"),
     ("train.global_batch_size=20", "train.micro_batch_size=8", "train.global_batch_size"),
     ("train.min_lr=0.1", None, "train.min_lr"),
     ("train.warmup_iters=500", "train.train_iters=100", "train.warmup_iters"),

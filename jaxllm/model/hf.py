@@ -6,7 +6,8 @@ Each architecture is one :class:`Arch` that both directions read (the model keys
 config.json keys <-> model keys, the config.json values supported, and the table of its
 :class:`Tensor` rows: HF name, our parameters, layout), so import and export are inverses by
 construction.  **GPT-2** holds learned positions, LayerNorm, GELU, biases and multi-head
-attention; **Llama** rotary, RMSNorm, SwiGLU, no biases, grouped-query attention; **Mixtral** Llama's
+attention; **Llama** rotary (Llama 3.1's scaled frequencies too: rope type ``llama3``), RMSNorm, SwiGLU, no
+biases, grouped-query attention; **Mixtral** Llama's
 layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
 shared expert); each with tied or untied embeddings (any other model is a :class:`ConvertError` naming
 the keys that do not fit).
@@ -155,6 +156,20 @@ _LLAMA_OUTPUT = (
     Tensor("lm_head.weight", ("lm_head",), linear=True),  # [vocab, h]
 )
 
+_LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_position_embeddings"}
+
+
+def _rope_parameters(m: config.Model) -> dict:
+    """config.json's rotary settings: ``rope_parameters`` (transformers 5) with the theta, ``rope_scaling``
+    (transformers 4) the scaling alone; rope type ``llama3`` with ``model.use_rope_scaling``."""
+    scaling = {"rope_type": "llama3", **{hf: getattr(m, ours) for hf, ours in _LLAMA3_ROPE.items()}}
+    if not m.use_rope_scaling:
+        return {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}}
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": m.rotary_base}}
+
+
 LLAMA = Arch(
     model_type="llama", hf_class="LlamaForCausalLM",
     needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
@@ -167,8 +182,7 @@ LLAMA = Arch(
           "tie_word_embeddings": ("tie_embeddings", False)},
     supports={"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
     # rope_theta for transformers 4.x, rope_parameters for 5.x: the same value.
-    extra=lambda m: {"head_dim": m.head_dim, "rope_scaling": None, "attention_dropout": 0.0, "pretraining_tp": 1,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}},
+    extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "pretraining_tp": 1, **_rope_parameters(m)},
     prefix="model.",
     buffers=r".*rotary_emb\.inv_freq",
     tensors=(
@@ -230,8 +244,7 @@ MIXTRAL = Arch(
           "tie_word_embeddings": ("tie_embeddings", False)},
     supports={"hidden_act": ("silu",), "router_jitter_noise": (0.0,)},
     extra=lambda m: {"head_dim": m.head_dim, "sliding_window": None, "attention_dropout": 0.0,
-                     "output_router_logits": False,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}},
+                     "output_router_logits": False, **_rope_parameters(m)},
     prefix="model.",
     buffers=r".*rotary_emb\.inv_freq",
     tensors=(
@@ -444,11 +457,17 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
         value = hf.get(key, default)
         keys[ours] = 0 if value is None else config.key_type(f"model.{ours}")(value)  # 0: derived, as HF does
     if arch.needs["position_embedding"] == "rotary":
-        rope = hf.get("rope_parameters") or {}
-        scaling, rope_type = hf.get("rope_scaling"), rope.get("rope_type", rope.get("type", "default"))
-        if scaling or rope_type != "default":
-            unsupported("rope_scaling" if scaling else "rope_parameters.rope_type", scaling or rope_type,
-                        "plain rotary embeddings (rope type 'default', no scaling)")
+        rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}  # transformers 5, 4
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            unsupported("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
+                        hf.get("rope_scaling") or rope_type, "rope type 'default' or 'llama3' (Llama 3.1's scaling)")
+        if rope_type == "llama3":
+            missing = [k for k in _LLAMA3_ROPE if k not in rope]
+            if missing:
+                unsupported("rope_parameters", rope, f"the llama3 rope type's {', '.join(missing)} too")
+            keys.update(use_rope_scaling=True, **{ours: config.key_type(f"model.{ours}")(rope[k])
+                                                  for k, ours in _LLAMA3_ROPE.items()})
         head_dim = keys["hidden_size"] // keys["num_attention_heads"]
         if hf.get("head_dim") not in (None, head_dim):
             unsupported("head_dim", hf["head_dim"], f"hidden_size / num_attention_heads = {head_dim}")

@@ -50,17 +50,34 @@ def _dense(ops, x, w, b, spec, dtype):
     return ops.dense(x, w, None if b is None else b[...], spec, dtype)
 
 
-def rotary(x, positions, base):
+def rotary_frequencies(cfg, half: int):
+    """The rotary embedding's inverse wavelengths, float32 ``[half]`` (radians per position): ``rotary_base ** (-i /
+    half)``; with ``cfg.use_rope_scaling`` Llama 3.1's scaling of them (Megatron-LM's
+    ``RotaryEmbedding._apply_scaling``, transformers' ``_compute_llama3_parameters``): wavelengths longer than
+    ``rope_original_max_position_embeddings / rope_low_freq_factor`` divided by ``rope_scaling_factor``, those
+    shorter than ``... / rope_high_freq_factor`` kept, the ones between interpolated linearly in the inverse."""
+    inv_freq = cfg.rotary_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if not cfg.use_rope_scaling:
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_position_embeddings
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rotary(x, positions, inv_freq):
     """Rotary position embedding (Su et al. 2021, eq. 34), GPT-NeoX / Llama half-split layout.
 
     Args:
       x: ``[batch, len, heads, head_dim]``.
       positions: int ``[batch, len]``.
+      inv_freq: float32 ``[head_dim / 2]``, :func:`rotary_frequencies`.
     Returns:
       ``x`` rotated, same shape and dtype.
     """
-    half = x.shape[-1] // 2
-    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, len, half]
     sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -165,7 +182,8 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if cfg.position_embedding == "rotary":
-            q, k = rotary(q, positions, cfg.rotary_base), rotary(k, positions, cfg.rotary_base)
+            inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2)
+            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
         if cache is None:
             out = self.ops.attention(q, k, v, order, segment_ids)
         else:
