@@ -1,4 +1,4 @@
-"""Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys.
+"""Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys, for Llama's and Qwen's shapes.
 
     python -m jaxllm.train --config=configs/llama.py:Llama-3-8B --config.data.tokenizer=PATH/tokenizer.json ...
     LLAMA=1 MODEL_SIZE_KEY=AuroraGPT-2B TOKENIZER_TYPE=PATH/tokenizer.json sbatch launch/frontier.sbatch
@@ -30,6 +30,13 @@ Keys (model shapes, each from the file named):
   Llama-3.1-8B  meta-llama/Llama-3.1-8B config.json: Llama-3-8B's shape with 131072 positions and Llama 3.1's
                 rotary scaling (rope_type llama3: factor 8, low_freq_factor 1, high_freq_factor 4,
                 original_max_position_embeddings 8192; model.use_rope_scaling); trained here at 8192 tokens.
+  Qwen2.5-7B    Qwen/Qwen2.5-7B config.json (Qwen2ForCausalLM): 28 layers, hidden 3584, 28 heads, 4 KV heads,
+                FFN 18944, vocabulary 152064, 131072 positions, rope_theta 1e6, rms_norm_eps 1e-6, biases on
+                the query/key/value projections (model.add_qkv_bias).  7.62B parameters.
+  Qwen3-8B      Qwen/Qwen3-8B config.json (Qwen3ForCausalLM): 36 layers, hidden 4096, 32 heads (head_dim 128),
+                8 KV heads, FFN 12288, vocabulary 151936, 40960 positions, rope_theta 1e6, rms_norm_eps 1e-6,
+                RMSNorm of each head's queries and keys (model.qk_layernorm).  8.19B parameters.
+                Both trained here at 8192 tokens; their tokenizers are Qwen's tokenizer.json.
   tiny          a 2-layer model of the same recipe for CPUs, tests and demos (byte tokenizer).
 
 The tokenizer: the published keys name none that jaxllm reads for them (data.tokenizer is left
@@ -47,9 +54,14 @@ SIZES = {
     "Llama-2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, 10000.0, 4096),
     "Llama-3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 8192),
     "Llama-3.1-8B": (32, 4096, 32, 8, 14336, 128256, 131072, 500000.0, 8192),
+    "Qwen2.5-7B": (28, 3584, 28, 4, 18944, 152064, 131072, 1e6, 8192),
+    "Qwen3-8B": (36, 4096, 32, 8, 12288, 151936, 40960, 1e6, 8192),
 }
-ROPE_SCALING = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                                     rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)}
+# the keys' other model settings (see the module docstring)
+EXTRA = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                              rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192),
+         "Qwen2.5-7B": dict(add_qkv_bias=True, norm_eps=1e-6),
+         "Qwen3-8B": dict(qk_layernorm=True, norm_eps=1e-6)}
 # ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model, taken to be Llama 2's
 # tokenizer, 32000 tokens; that file was not read here).
 
@@ -82,7 +94,7 @@ def get_config(key="ALCF-7B"):
     layers, hidden, heads, kv, ffn, vocab, positions, theta, seq = SIZES[key]
     c.model.update(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv,
                    ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=positions, rotary_base=theta,
-                   dtype="bfloat16", **ROPE_SCALING.get(key, {}))
+                   dtype="bfloat16", **EXTRA.get(key, {}))
     c.train.update(seq_length=seq, micro_batch_size=1, global_batch_size=8, train_iters=1000)
     c.data.tokenizer = ""  # a Hugging Face tokenizer.json whose vocabulary fits model.vocab_size (see above)
     return c

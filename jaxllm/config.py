@@ -109,6 +109,8 @@ class Model(Section):
     norm_eps: float = _key(1e-5, ">0")
     activation: str = _key("gelu", choices=("gelu", "swiglu"))
     use_bias: bool = True
+    add_qkv_bias: bool = False  # biases on the query/key/value projections even without use_bias (Qwen2)
+    qk_layernorm: bool = False  # model.norm over each head's queries and keys before rotary (Qwen3, OLMo 2)
     tie_embeddings: bool = True
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")

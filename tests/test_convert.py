@@ -1,8 +1,8 @@
 """Hugging Face conversion (the tables of jaxllm.model.hf, the workdirs and CLI of jaxllm.convert) against real
 transformers + PyTorch (CPU, float32, small random models).
 
-Import: transformers' GPT-2 / Llama / Mixtral logits == jaxllm's on the imported parameters (Mixtral's
-experts also in transformers 5's fused layout).
+Import: transformers' GPT-2 / Llama (and Llama 3.1's rotary scaling) / Qwen2 / Qwen3 / Mixtral logits == jaxllm's
+on the imported parameters (Mixtral's experts also in transformers 5's fused layout).
 Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
 CLI, and from a jaxllm-initialized model with a padded vocabulary) and gives jaxllm's logits,
 with exactly the tensors transformers itself saves; a jaxllm mixture of experts trained a few steps
@@ -62,6 +62,18 @@ def llama3(tied=False):
         vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_parameters=rope))
 
 
+def qwen2(tied=False):
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
+
+
+def qwen3(tied=False):
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
+
+
 def mixtral(tied=False):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -71,9 +83,11 @@ def mixtral(tied=False):
 
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
-          "llama-ropescaled-untied": lambda: llama3(False),
+          "llama-ropescaled-untied": lambda: llama3(False), "qwen2-gqa-untied": lambda: qwen2(False),
+          "qwen3-gqa-tied": lambda: qwen3(True),
           "mixtral-gqa-untied": lambda: mixtral(False)}
-HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def randomize(m, seed):
@@ -133,6 +147,7 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert m.tie_embeddings == ("untied" not in name)
     if "gpt2" not in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
+    assert (m.add_qkv_bias, m.qk_layernorm) == ("qwen2" in name, "qwen3" in name)
     scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
                m.rope_original_max_position_embeddings)
     assert scaling == ((True, 8.0, 1.0, 4.0, SEQ) if "ropescaled" in name else (False, 8.0, 1.0, 4.0, 8192))
@@ -215,7 +230,7 @@ def test_cli_round_trip_through_workdir(arch, tmp_path):
     r = cli("--from-hf", str(tmp_path / "hf"), str(work), "--config.train.train_iters=5",
             "--config.train.warmup_iters=1", "--config.model.dtype=float32")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"imported {dict(gpt2='GPT-2', llama='Llama', mixtral='Mixtral')[arch]} from ")
+    assert r.stdout.startswith(f"imported {HF_CLASSES[arch]} from ")
     assert "jaxllm.train --config=" in r.stdout and (work / "config.py").is_file()
     assert "the data must be tokenized as the model expects" in r.stderr
 

@@ -33,6 +33,44 @@ def test_keys_resolve_with_the_published_sizes(key, published):
     assert abs(n - published) / published < 0.005, (key, n)
 
 
+# the published config.json values (Hugging Face Hub: meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B, Qwen/Qwen3-8B)
+HF_CONFIGS = {
+    "Llama-3.1-8B": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "Qwen2.5-7B": ("Qwen2Config", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=1000000.0)),
+    "Qwen3-8B": ("Qwen3Config", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=1000000.0)),
+}
+
+
+@pytest.mark.parametrize("key", HF_CONFIGS)
+def test_open_model_keys_are_the_published_models(key):
+    """The key's parameter count is transformers' for the published config (built on the meta device), and importing
+    that config.json gives the key's model settings."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from jaxllm.model import hf  # noqa: PLC0415
+
+    cls, values = HF_CONFIGS[key]
+    hf_config = getattr(transformers, cls)(**values)
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
+    m = resolve(llama().get_config(key), num_devices=1, data_files=False).model
+    assert m.padded_vocab_size == m.vocab_size  # no padding rows: the count is comparable
+    assert gpt.num_params(gpt.describe(m).params) == reference
+    _, imported = hf.model_from_hf(hf_config.to_dict())
+    assert {k: getattr(m, k) for k in imported} == imported
+
+
 def test_recipe_is_train_llama_alcf():
     cfg = resolve(llama().get_config("ALCF-7B"), num_devices=1, data_files=False)
     m, t = cfg.model, cfg.train

@@ -10,6 +10,9 @@ from harness import assert_same_training, run_layouts
 from jaxllm import config
 from jaxllm.parallel import sharding
 
+QWEN = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
+        "add_qkv_bias": True, "qk_layernorm": True, "use_rope_scaling": True,
+        "rope_original_max_position_embeddings": 16}
 LAYOUTS = {
     "single": {"eval": True},
     "data8": {"mesh": {"data": 8}, "eval": True},
@@ -23,6 +26,9 @@ LAYOUTS = {
     "single_gqa": {"model": {"num_kv_heads": 4}},
     "tensor4_gqa": {"mesh": {"tensor": 4, "data": 2}, "model": {"num_kv_heads": 4}},
     "fill_data_tensor2": {"mesh": {"data": -1, "tensor": 2}},
+    # Qwen2's query/key/value biases without other biases, Qwen3's per-head query/key norms, Llama 3.1's rotary scaling
+    "single_qwen": {"model": QWEN},
+    "tensor2_fsdp2_data2_qwen": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": QWEN},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
@@ -40,7 +46,7 @@ def results():
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith(("single", "hlo")) and n != "tensor8_kv2"])
 def test_layout_matches_single_device(results, name):
-    ref, got = results["single_gqa" if "gqa" in name else "single"], results[name]
+    ref, got = results["single_gqa" if "gqa" in name else "single_qwen" if "qwen" in name else "single"], results[name]
     assert_same_training(got, ref)
 
 

@@ -1,13 +1,14 @@
 """The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel``,
-``LlamaForCausalLM`` and ``MixtralForCausalLM`` in jaxllm's terms, and the pure mapping of parameters
-both ways.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``MixtralForCausalLM`` in jaxllm's terms, and
+the pure mapping of parameters both ways.
 
 Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
 config.json keys <-> model keys, the config.json values supported, and the table of its
 :class:`Tensor` rows: HF name, our parameters, layout), so import and export are inverses by
 construction.  **GPT-2** holds learned positions, LayerNorm, GELU, biases and multi-head
 attention; **Llama** rotary (Llama 3.1's scaled frequencies too: rope type ``llama3``), RMSNorm, SwiGLU, no
-biases, grouped-query attention; **Mixtral** Llama's
+biases, grouped-query attention; **Qwen2** Llama's layer with query/key/value biases (``model.add_qkv_bias``);
+**Qwen3** Llama's with an RMSNorm of each head's queries and keys (``model.qk_layernorm``); **Mixtral** Llama's
 layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
 shared expert); each with tied or untied embeddings (any other model is a :class:`ConvertError` naming
 the keys that do not fit).
@@ -108,7 +109,7 @@ class Arch:
 GPT2 = Arch(
     model_type="gpt2", hf_class="GPT2LMHeadModel",
     needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True,
-           "num_experts": 0},
+           "num_experts": 0, "qk_layernorm": False},
     keys={"n_layer": ("num_layers", 12), "n_embd": ("hidden_size", 768), "n_head": ("num_attention_heads", 12),
           "n_inner": ("ffn_hidden_size", None), "vocab_size": ("vocab_size", GPT2_VOCAB_SIZE),
           "n_positions": ("max_position_embeddings", 1024), "layer_norm_epsilon": ("norm_eps", 1e-5),
@@ -170,28 +171,53 @@ def _rope_parameters(m: config.Model) -> dict:
     return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": m.rotary_base}}
 
 
+_LLAMA_NEEDS = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
+                "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False}
+_LLAMA_KEYS = {"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
+               "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", None),
+               "intermediate_size": ("ffn_hidden_size", 11008), "vocab_size": ("vocab_size", 32000),
+               "max_position_embeddings": ("max_position_embeddings", 2048), "rms_norm_eps": ("norm_eps", 1e-6),
+               "rope_theta": ("rotary_base", 10000.0), "initializer_range": ("init_std", 0.02),
+               "tie_word_embeddings": ("tie_embeddings", False)}
+_LLAMA_MLP = (
+    Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
+    Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
+    Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
+)
+
 LLAMA = Arch(
-    model_type="llama", hf_class="LlamaForCausalLM",
-    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
-           "num_experts": 0},
-    keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
-          "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", None),
-          "intermediate_size": ("ffn_hidden_size", 11008), "vocab_size": ("vocab_size", 32000),
-          "max_position_embeddings": ("max_position_embeddings", 2048), "rms_norm_eps": ("norm_eps", 1e-6),
-          "rope_theta": ("rotary_base", 10000.0), "initializer_range": ("init_std", 0.02),
-          "tie_word_embeddings": ("tie_embeddings", False)},
+    model_type="llama", hf_class="LlamaForCausalLM", needs=_LLAMA_NEEDS, keys=_LLAMA_KEYS,
     supports={"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
     # rope_theta for transformers 4.x, rope_parameters for 5.x: the same value.
     extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "pretraining_tp": 1, **_rope_parameters(m)},
     prefix="model.",
     buffers=r".*rotary_emb\.inv_freq",
-    tensors=(
-        *_LLAMA_ATTENTION,
-        Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
-        Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
-        Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
-        *_LLAMA_OUTPUT,
-    ))
+    tensors=(*_LLAMA_ATTENTION, *_LLAMA_MLP, *_LLAMA_OUTPUT))
+
+# Qwen2/2.5 and Qwen3: Llama's layer with biases on the query/key/value projections (Qwen2), or an RMSNorm of each
+# head's queries and keys before rotary (Qwen3); their defaults are Qwen's (transformers' Qwen2Config, Qwen3Config)
+_QWEN_KEYS = {**_LLAMA_KEYS, "intermediate_size": ("ffn_hidden_size", 22016), "vocab_size": ("vocab_size", 151936),
+              "max_position_embeddings": ("max_position_embeddings", 32768)}
+_QWEN_EXTRA = {"attention_dropout": 0.0, "sliding_window": None, "max_window_layers": 0}
+QWEN2 = Arch(
+    model_type="qwen2", hf_class="Qwen2ForCausalLM", needs={**_LLAMA_NEEDS, "add_qkv_bias": True}, keys=_QWEN_KEYS,
+    supports={"hidden_act": ("silu",), "use_sliding_window": (False,)},
+    extra=lambda m: {**_QWEN_EXTRA, **_rope_parameters(m)},
+    prefix="model.",
+    buffers=r".*rotary_emb\.inv_freq",
+    tensors=(*_LLAMA_ATTENTION,
+             *(Tensor(f"model.layers.{{i}}.self_attn.{x}_proj.bias", (f"layers/attn/b{x}",), VEC) for x in "qkv"),
+             *_LLAMA_MLP, *_LLAMA_OUTPUT))
+QWEN3 = Arch(
+    model_type="qwen3", hf_class="Qwen3ForCausalLM", needs={**_LLAMA_NEEDS, "qk_layernorm": True}, keys=_QWEN_KEYS,
+    supports={"hidden_act": ("silu",), "attention_bias": (False,), "use_sliding_window": (False,)},
+    extra=lambda m: {**_QWEN_EXTRA, "head_dim": m.head_dim, **_rope_parameters(m)},
+    prefix="model.",
+    buffers=r".*rotary_emb\.inv_freq",
+    tensors=(*_LLAMA_ATTENTION,
+             *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight", (f"layers/attn/{x}_norm/scale",), VEC)
+               for x in "qk"),
+             *_LLAMA_MLP, *_LLAMA_OUTPUT))
 
 
 def _mixtral_layouts(tensors: dict[str, np.ndarray], m: config.Model) -> dict[str, np.ndarray]:
@@ -229,7 +255,8 @@ MIXTRAL = Arch(
     model_type="mixtral", hf_class="MixtralForCausalLM",
     # and num_experts > 0 (hf_architecture); dropless, no shared expert, every layer a mixture of experts
     needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
-           "moe_capacity_factor": 0.0, "moe_shared_expert_intermediate_size": 0, "moe_layer_freq": "1",
+           "add_qkv_bias": False, "qk_layernorm": False, "moe_capacity_factor": 0.0,
+           "moe_shared_expert_intermediate_size": 0, "moe_layer_freq": "1",
            "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
            "moe_router_topk_scaling_factor": 0.0, "moe_router_num_groups": 0, "moe_router_enable_expert_bias": False},
     keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
@@ -257,7 +284,7 @@ MIXTRAL = Arch(
     ),
     layouts=_mixtral_layouts)
 
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, MIXTRAL)}
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MIXTRAL)}
 
 
 class _Condition(str):
@@ -329,7 +356,7 @@ def hf_architecture(m: config.Model) -> Arch:
         architecture (the message lists the two closest).
     """
     misfits = {}
-    for arch in (GPT2, LLAMA, MIXTRAL):
+    for arch in ARCHITECTURES.values():
         bad = {f"model.{k}": v for k, v in arch.needs.items() if getattr(m, k) != v}
         if arch is GPT2 and m.num_kv_heads != m.num_attention_heads:
             bad["model.num_kv_heads"] = m.num_attention_heads
@@ -338,7 +365,8 @@ def hf_architecture(m: config.Model) -> Arch:
         if not bad:
             return arch
         misfits[arch.model_type] = bad
-    likely = "mixtral" if m.num_experts else "llama" if m.position_embedding == "rotary" else "gpt2"
+    likely = ("mixtral" if m.num_experts else "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias
+              else "llama" if m.position_embedding == "rotary" else "gpt2")
     closest, other = sorted(misfits, key=lambda a: (len(misfits[a]), a != likely))[:2]
 
     def changes(arch):
@@ -442,9 +470,9 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
     """The architecture and jaxllm's model keys of a config.json dict. Raises ConvertError."""
     arch = ARCHITECTURES.get(hf.get("model_type"))
     if arch is None:
+        known = ", ".join(f"{a.model_type!r} ({a.hf_class})" for a in ARCHITECTURES.values())
         raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} is not supported: jaxllm converts "
-                           f"'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM) and 'mixtral' "
-                           f"(MixtralForCausalLM)", keys=("model_type",))
+                           f"{known}", keys=("model_type",))
 
     def unsupported(key, value, need):
         raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))

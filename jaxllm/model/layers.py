@@ -135,13 +135,14 @@ def split_rows(keys, n):
 
 
 class Norm(nnx.Module):
-    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over ``embed``, in float32."""
+    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over the last axis, ``embed`` (or
+    ``axis`` of ``size``: each head's ``head_dim`` for ``model.qk_layernorm``), in float32."""
 
-    def __init__(self, cfg):
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.scale = param(None, (cfg.hidden_size,), None, ("embed",))
+    def __init__(self, cfg, size=None, axis="embed"):
+        self.kind, self.eps, size = cfg.norm, cfg.norm_eps, size or cfg.hidden_size
+        self.scale = param(None, (size,), None, (axis,))
         with_bias = cfg.norm == "layernorm" and cfg.use_bias
-        self.bias = param(None, (cfg.hidden_size,), 0, ("embed",)) if with_bias else None
+        self.bias = param(None, (size,), 0, (axis,)) if with_bias else None
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
@@ -165,13 +166,14 @@ class Attention(nnx.Module):
         self.wk = param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
         self.wv = param(rngs.params(), (h, nkv, d), std, ("embed", "kv_heads", "head_dim"))
         self.wo = param(rngs.params(), (nh, d, h), out_std, ("heads", "head_dim", "embed"))
-        if cfg.use_bias:
-            self.bq = param(None, (nh, d), 0, ("heads", "head_dim"))
-            self.bk = param(None, (nkv, d), 0, ("kv_heads", "head_dim"))
-            self.bv = param(None, (nkv, d), 0, ("kv_heads", "head_dim"))
-            self.bo = param(None, (h,), 0, ("embed",))
-        else:
-            self.bq = self.bk = self.bv = self.bo = None
+        qkv_bias = cfg.use_bias or cfg.add_qkv_bias
+        self.bq = param(None, (nh, d), 0, ("heads", "head_dim")) if qkv_bias else None
+        self.bk = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
+        self.bv = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
+        self.bo = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
+        # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys
+        self.q_norm, self.k_norm = (Norm(cfg, d, "head_dim"), Norm(cfg, d, "head_dim")) if cfg.qk_layernorm else (
+            None, None)
 
     def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
@@ -181,6 +183,8 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cfg.position_embedding == "rotary":
             inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2)
             q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
