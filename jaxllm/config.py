@@ -111,6 +111,9 @@ class Model(Section):
     use_bias: bool = True
     add_qkv_bias: bool = False  # biases on the query/key/value projections even without use_bias (Qwen2)
     qk_layernorm: bool = False  # model.norm over each head's queries and keys before rotary (Qwen3, OLMo 2)
+    # a token attends to itself and the sliding_window - 1 positions before it (Mistral; Megatron-LM's
+    # --window-size (sliding_window - 1, 0)); 0: to every earlier position
+    sliding_window: int = _key(0, ">=0")
     tie_embeddings: bool = True
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")

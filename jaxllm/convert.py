@@ -1,5 +1,5 @@
 """Hugging Face conversion: jaxllm workdirs <-> ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM`` and ``MixtralForCausalLM`` directories.
+``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``MixtralForCausalLM`` directories.
 
 CLI::
 
@@ -8,7 +8,7 @@ CLI::
 
 ``--to-hf`` (:func:`export_workdir`) writes the latest (or ``--step``) checkpoint of a run as
 ``OUT/config.json`` + ``OUT/model.safetensors`` (float32) for
-``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2, Llama, Qwen2, Qwen3 or (a mixture of experts) Mixtral,
+``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2, Llama, Qwen2, Qwen3, Mistral or (experts) Mixtral,
 whichever holds the model exactly (the tables and the parameter mapping are :mod:`jaxllm.model.hf`'s;
 any other model is a :class:`~jaxllm.model.hf.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
 tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hugging Face
@@ -209,7 +209,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
 
 
 def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[config.Resolved, dict]:
-    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3 or Mixtral directory as a jaxllm config and parameters.
+    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral or Mixtral directory as a jaxllm config and parameters.
 
     Args:
       directory: holds ``config.json`` and ``model.safetensors`` (or its sharded index).
@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI (see the module docstring); errors are one line on stderr and exit status 2."""
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.convert",
-        description="Convert between jaxllm checkpoints and Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mixtral "
-                    "directories (safetensors; see the module docstring).",
+        description="Convert between jaxllm checkpoints and Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mistral / "
+                    "Mixtral directories (safetensors; see the module docstring).",
         epilog="--from-hf also takes --config.SECTION.KEY=VALUE options (e.g. --config.data.input=FILE, "
                "--config.data.tokenizer=char): the data must be tokenized with the model's tokenizer.")
     mode = p.add_mutually_exclusive_group(required=True)

@@ -1,8 +1,8 @@
 """Hugging Face conversion (the tables of jaxllm.model.hf, the workdirs and CLI of jaxllm.convert) against real
 transformers + PyTorch (CPU, float32, small random models).
 
-Import: transformers' GPT-2 / Llama (and Llama 3.1's rotary scaling) / Qwen2 / Qwen3 / Mixtral logits == jaxllm's
-on the imported parameters (Mixtral's experts also in transformers 5's fused layout).
+Import: transformers' GPT-2 / Llama (and Llama 3.1's rotary scaling) / Qwen2 / Qwen3 / Mistral (a sliding window) /
+Mixtral logits == jaxllm's on the imported parameters (Mixtral's experts also in transformers 5's fused layout).
 Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
 CLI, and from a jaxllm-initialized model with a padded vocabulary) and gives jaxllm's logits,
 with exactly the tensors transformers itself saves; a jaxllm mixture of experts trained a few steps
@@ -74,6 +74,14 @@ def qwen3(tied=False):
         head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
 
 
+def mistral(tied=False):
+    """A window of 8 of the test's 32 positions."""
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0,
+        sliding_window=8))
+
+
 def mixtral(tied=False):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -84,10 +92,10 @@ def mixtral(tied=False):
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
           "llama-ropescaled-untied": lambda: llama3(False), "qwen2-gqa-untied": lambda: qwen2(False),
-          "qwen3-gqa-tied": lambda: qwen3(True),
+          "qwen3-gqa-tied": lambda: qwen3(True), "mistral-gqa-untied": lambda: mistral(False),
           "mixtral-gqa-untied": lambda: mixtral(False)}
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def randomize(m, seed):
@@ -147,7 +155,8 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert m.tie_embeddings == ("untied" not in name)
     if "gpt2" not in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
-    assert (m.add_qkv_bias, m.qk_layernorm) == ("qwen2" in name, "qwen3" in name)
+    assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name,
+                                                                   8 if "mistral" in name else 0)
     scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
                m.rope_original_max_position_embeddings)
     assert scaling == ((True, 8.0, 1.0, 4.0, SEQ) if "ropescaled" in name else (False, 8.0, 1.0, 4.0, 8192))
@@ -158,9 +167,10 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         assert m.num_experts == 0
     out = jax_logits(m, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
-    if m.use_rope_scaling:  # the scaling changes these logits: the comparison above sees it
-        plain = jax_logits(dataclasses.replace(m, use_rope_scaling=False), params, tokens())
-        assert np.abs(plain - ref).max() > 100 * TOL
+    for key in ("use_rope_scaling", "sliding_window"):  # the scaling and the window change these logits
+        if getattr(m, key):
+            plain = jax_logits(dataclasses.replace(m, **{key: 0}), params, tokens())
+            assert np.abs(plain - ref).max() > 100 * TOL
 
     hf_config, tensors = to_hf(m, params)
     assert hf_config["architectures"] == [HF_CLASSES[name.split("-")[0]]]
@@ -499,8 +509,7 @@ def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ("llama", {"head_dim": 32}, "head_dim"),
-    ("mistral", {}, "model_type"),
-    ("mixtral", {"sliding_window": SEQ // 2}, "sliding_window"),  # shorter than its positions
+    ("gemma", {}, "model_type"),
     ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}},
@@ -509,8 +518,8 @@ def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
 def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
     hf = {"gpt2": gpt2, "mixtral": mixtral}.get(model_type, llama)().config.to_dict()
     hf.update(change)
-    if model_type == "mistral":
-        hf["model_type"] = "mistral"
+    if model_type == "gemma":
+        hf["model_type"] = "gemma"
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ConvertError) as e:
         convert.from_hf(str(tmp_path))

@@ -33,7 +33,8 @@ def test_keys_resolve_with_the_published_sizes(key, published):
     assert abs(n - published) / published < 0.005, (key, n)
 
 
-# the published config.json values (Hugging Face Hub: meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B, Qwen/Qwen3-8B)
+# the published config.json values (Hugging Face Hub: meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B, Qwen/Qwen3-8B,
+# mistralai/Mistral-7B-v0.1)
 HF_CONFIGS = {
     "Llama-3.1-8B": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -48,6 +49,10 @@ HF_CONFIGS = {
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_theta=1000000.0)),
+    "Mistral-7B": ("MistralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=10000.0, sliding_window=4096)),
 }
 
 

@@ -52,6 +52,17 @@ def test_flops_per_token_hand_count(activation, plain, recomputed):
     assert flops.flops_per_token(m, 4, recompute=True) == recomputed
 
 
+def test_flops_per_token_with_a_sliding_window():
+    """A window of w = 3 of s = 4 positions: queries attend to 1, 2, 3, 3 keys, 9/4 on average = w - w^2/(2s)
+    (about: 3 - 9/8 = 1.875), against s/2 = 2 without; the attention matmuls scale by 1.875/2, the rest is the same;
+    a window of at least s changes nothing."""
+    m = make_cfg("gelu", **TINY).model
+    windowed, full = (flops.flops_per_token(make_cfg("gelu", **TINY, sliding_window=w).model, 4) for w in (3, 4))
+    attention = 3 * 2 * 64  # the causal attention matmuls of the hand count above: train = 3 x forward, 2 layers
+    assert full == flops.flops_per_token(m, 4) == 9312
+    assert windowed == 9312 - attention + attention * 1.875 / 2
+
+
 # Recomputed forward matmuls per token and layer by policy, from the hand count above (swiglu: the MLP's
 # 1536 is up 512 + gate 512 + down 512; scores and values 32 each): full 1984; minimal and save_dots
 # 64 (scores + values); minimal_with_context 32 (scores); save_dots_except_mlp 64 + 1536;

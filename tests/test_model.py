@@ -177,9 +177,11 @@ def test_causal_masking(overrides):
         assert not np.allclose(changed[0, pos], base[0, pos])
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_kv_cache_decoding_matches_full_forward(layer_loop):
-    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2, layer_loop=layer_loop)
+@pytest.mark.parametrize("layer_loop, window", [("scan", 0), ("unrolled", 0), ("scan", 5)])
+def test_kv_cache_decoding_matches_full_forward(layer_loop, window):
+    """Decoding with the cache gives the full forward's logits (with a sliding window of 5: positions 8-11 see
+    none of the first tokens, which the cache still holds)."""
+    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2, layer_loop=layer_loop, sliding_window=window)
     graphdef = gpt.describe(cfg.model).graphdef
     params = gpt.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)

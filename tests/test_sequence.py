@@ -23,6 +23,10 @@ LAYOUTS = {
     "single_gqa": {"model": {"num_kv_heads": 4}},
     "single_kv2": {"model": {"num_kv_heads": 2}},
     "single_dropout": {"model": {"dropout": 0.1}},
+    "single_window": {"model": {"sliding_window": 5}},  # Mistral's: across the ring's and Ulysses' shards
+    "sequence8_ring_window": {"mesh": {"sequence": 8}, **SP("ring"), "model": {"sliding_window": 5}},
+    "sequence4_tensor2_ulysses_window": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ulysses"),
+                                         "model": {"sliding_window": 5}},
     **{f"sequence8_{impl}": {"mesh": {"sequence": 8}, **SP(impl), "eval": True} for impl in IMPLS},
     "sequence8_ring_rotary": {"mesh": {"sequence": 8}, **SP("ring"), "model": {"position_embedding": "rotary"}},
     "sequence4_tensor2_allgather": {"mesh": {"sequence": 4, "tensor": 2}, **SP("allgather")},
@@ -59,7 +63,8 @@ LAYOUTS = {
                             "model": {"num_attention_heads": 4, "num_kv_heads": 4}},
     "error_ring_length": {"mesh": {"sequence": 8}, **SP("ring"), "train": {"seq_length": 24}},
 }
-REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa", "kv2": "single_kv2", "dropout": "single_dropout"}
+REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa", "kv2": "single_kv2", "dropout": "single_dropout",
+             "window": "single_window"}
 
 
 @pytest.fixture(scope="module")

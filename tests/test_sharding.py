@@ -12,7 +12,7 @@ from jaxllm.parallel import sharding
 
 QWEN = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
         "add_qkv_bias": True, "qk_layernorm": True, "use_rope_scaling": True,
-        "rope_original_max_position_embeddings": 16}
+        "rope_original_max_position_embeddings": 16, "sliding_window": 6}
 LAYOUTS = {
     "single": {"eval": True},
     "data8": {"mesh": {"data": 8}, "eval": True},
@@ -26,7 +26,8 @@ LAYOUTS = {
     "single_gqa": {"model": {"num_kv_heads": 4}},
     "tensor4_gqa": {"mesh": {"tensor": 4, "data": 2}, "model": {"num_kv_heads": 4}},
     "fill_data_tensor2": {"mesh": {"data": -1, "tensor": 2}},
-    # Qwen2's query/key/value biases without other biases, Qwen3's per-head query/key norms, Llama 3.1's rotary scaling
+    # Qwen2's query/key/value biases without other biases, Qwen3's per-head query/key norms, Llama 3.1's rotary
+    # scaling, Mistral's sliding window
     "single_qwen": {"model": QWEN},
     "tensor2_fsdp2_data2_qwen": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": QWEN},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},

@@ -251,9 +251,11 @@ class Implementation:
 
     Attributes:
       name: a key of :data:`IMPLS` (not ``"auto"``: :func:`resolve_impl` decides that once).
+      window: ``model.sliding_window`` (None: no window), every call's ``window`` unless it passes one.
     """
 
     name: str = "xla"
+    window: int | None = None
 
     @property
     def flash(self) -> bool:
@@ -263,10 +265,10 @@ class Implementation:
 
     def __call__(self, q, k, v, **kw):
         """:func:`attention` by this implementation: same arguments but ``impl``, same result and errors."""
-        return attention(q, k, v, impl=self.name, **kw)
+        return attention(q, k, v, impl=self.name, **{"window": self.window, **kw})
 
 
 def implementation(cfg) -> Implementation:
     """The attention of the resolved ``model`` section ``cfg`` (:class:`jaxllm.config.Model`): its
-    ``attention_impl``, concrete after :func:`jaxllm.resolve.resolve_model`, bound."""
-    return Implementation(cfg.attention_impl)
+    ``attention_impl``, concrete after :func:`jaxllm.resolve.resolve_model`, and ``sliding_window`` bound."""
+    return Implementation(cfg.attention_impl, cfg.sliding_window or None)

@@ -1,6 +1,6 @@
 """The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``MixtralForCausalLM`` in jaxllm's terms, and
-the pure mapping of parameters both ways.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``MixtralForCausalLM``
+in jaxllm's terms, and the pure mapping of parameters both ways.
 
 Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
 config.json keys <-> model keys, the config.json values supported, and the table of its
@@ -8,7 +8,8 @@ config.json keys <-> model keys, the config.json values supported, and the table
 construction.  **GPT-2** holds learned positions, LayerNorm, GELU, biases and multi-head
 attention; **Llama** rotary (Llama 3.1's scaled frequencies too: rope type ``llama3``), RMSNorm, SwiGLU, no
 biases, grouped-query attention; **Qwen2** Llama's layer with query/key/value biases (``model.add_qkv_bias``);
-**Qwen3** Llama's with an RMSNorm of each head's queries and keys (``model.qk_layernorm``); **Mixtral** Llama's
+**Qwen3** Llama's with an RMSNorm of each head's queries and keys (``model.qk_layernorm``); **Mistral** Llama's
+attending to a sliding window (``model.sliding_window``); **Mixtral** Llama's
 layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
 shared expert); each with tied or untied embeddings (any other model is a :class:`ConvertError` naming
 the keys that do not fit).
@@ -109,7 +110,7 @@ class Arch:
 GPT2 = Arch(
     model_type="gpt2", hf_class="GPT2LMHeadModel",
     needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True,
-           "num_experts": 0, "qk_layernorm": False},
+           "num_experts": 0, "qk_layernorm": False, "sliding_window": 0},
     keys={"n_layer": ("num_layers", 12), "n_embd": ("hidden_size", 768), "n_head": ("num_attention_heads", 12),
           "n_inner": ("ffn_hidden_size", None), "vocab_size": ("vocab_size", GPT2_VOCAB_SIZE),
           "n_positions": ("max_position_embeddings", 1024), "layer_norm_epsilon": ("norm_eps", 1e-5),
@@ -172,7 +173,7 @@ def _rope_parameters(m: config.Model) -> dict:
 
 
 _LLAMA_NEEDS = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
-                "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False}
+                "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False, "sliding_window": 0}
 _LLAMA_KEYS = {"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
                "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", None),
                "intermediate_size": ("ffn_hidden_size", 11008), "vocab_size": ("vocab_size", 32000),
@@ -196,6 +197,20 @@ LLAMA = Arch(
 
 # Qwen2/2.5 and Qwen3: Llama's layer with biases on the query/key/value projections (Qwen2), or an RMSNorm of each
 # head's queries and keys before rotary (Qwen3); their defaults are Qwen's (transformers' Qwen2Config, Qwen3Config)
+# Mistral: Llama's layer attending to the last sliding_window positions (null or absent: every one, as Mistral
+# v0.2 and later; then it is exported as Llama, the same model); the defaults are transformers' MistralConfig's
+MISTRAL = Arch(
+    model_type="mistral", hf_class="MistralForCausalLM",
+    needs={k: v for k, v in _LLAMA_NEEDS.items() if k != "sliding_window"},  # and a window (hf_architecture)
+    keys={**_LLAMA_KEYS, "num_key_value_heads": ("num_kv_heads", 8), "intermediate_size": ("ffn_hidden_size", 14336),
+          "max_position_embeddings": ("max_position_embeddings", 131072), "sliding_window": ("sliding_window", 4096)},
+    supports={"hidden_act": ("silu",)},
+    extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
+                     **_rope_parameters(m)},
+    prefix="model.",
+    buffers=r".*rotary_emb\.inv_freq",
+    tensors=(*_LLAMA_ATTENTION, *_LLAMA_MLP, *_LLAMA_OUTPUT))
+
 _QWEN_KEYS = {**_LLAMA_KEYS, "intermediate_size": ("ffn_hidden_size", 22016), "vocab_size": ("vocab_size", 151936),
               "max_position_embeddings": ("max_position_embeddings", 32768)}
 _QWEN_EXTRA = {"attention_dropout": 0.0, "sliding_window": None, "max_window_layers": 0}
@@ -268,9 +283,9 @@ MIXTRAL = Arch(
           "router_aux_loss_coef": ("moe_aux_loss_coeff", 0.001), "vocab_size": ("vocab_size", 32000),
           "max_position_embeddings": ("max_position_embeddings", 131072), "rms_norm_eps": ("norm_eps", 1e-5),
           "rope_theta": ("rotary_base", 1e6), "initializer_range": ("init_std", 0.02),
-          "tie_word_embeddings": ("tie_embeddings", False)},
+          "tie_word_embeddings": ("tie_embeddings", False), "sliding_window": ("sliding_window", None)},
     supports={"hidden_act": ("silu",), "router_jitter_noise": (0.0,)},
-    extra=lambda m: {"head_dim": m.head_dim, "sliding_window": None, "attention_dropout": 0.0,
+    extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
                      "output_router_logits": False, **_rope_parameters(m)},
     prefix="model.",
     buffers=r".*rotary_emb\.inv_freq",
@@ -284,7 +299,7 @@ MIXTRAL = Arch(
     ),
     layouts=_mixtral_layouts)
 
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MIXTRAL)}
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL)}
 
 
 class _Condition(str):
@@ -362,11 +377,13 @@ def hf_architecture(m: config.Model) -> Arch:
             bad["model.num_kv_heads"] = m.num_attention_heads
         if arch is MIXTRAL and not m.num_experts:
             bad["model.num_experts"] = _Condition("> 0")
+        if arch is MISTRAL and not m.sliding_window:
+            bad["model.sliding_window"] = _Condition("> 0")
         if not bad:
             return arch
         misfits[arch.model_type] = bad
     likely = ("mixtral" if m.num_experts else "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias
-              else "llama" if m.position_embedding == "rotary" else "gpt2")
+              else "mistral" if m.sliding_window else "llama" if m.position_embedding == "rotary" else "gpt2")
     closest, other = sorted(misfits, key=lambda a: (len(misfits[a]), a != likely))[:2]
 
     def changes(arch):
@@ -501,10 +518,6 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
             unsupported("head_dim", hf["head_dim"], f"hidden_size / num_attention_heads = {head_dim}")
         keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
     if arch is MIXTRAL:
-        window, positions = hf.get("sliding_window"), keys["max_position_embeddings"]
-        if window is not None and window < positions:
-            unsupported("sliding_window", window, f"null or at least max_position_embeddings={positions} (jaxllm's "
-                        f"attention sees every earlier position)")
         keys["ffn_hidden_size"] = keys["moe_ffn_hidden_size"]
     return arch, {**keys, **arch.needs}
 

@@ -198,7 +198,7 @@ class Attention(nnx.Module):
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
             kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
-            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True,
+            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True, window=cfg.sliding_window or None,
                                      q_positions=positions, kv_positions=kv_positions)
             cache = (k_cache, v_cache)
         out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")

@@ -27,7 +27,8 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     * QKV projections: ``2*h*(n + 2*k)*d``
     * attention scores ``Q K^T`` and ``probs @ V``: ``2 * 2*s*n*d``, halved for the
       causal mask, i.e. ``2*s*n*d`` (each query attends to ~s/2 keys on average; this is
-      the work a causal kernel does, and the convention of FlashAttention's benchmarks)
+      the work a causal kernel does, and the convention of FlashAttention's benchmarks); with
+      ``model.sliding_window`` = w < s, ``w - w^2/(2s)`` keys on average instead of ``s/2``
     * output projection: ``2*(n*d)*h`` (= ``2*h*h``)
     * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu: gate, up, down); for a mixture of
       experts the active parameters, as Megatron-LM's ``num_floating_point_operations``: the
@@ -111,10 +112,11 @@ def _stack_forward_flops(m, s: int) -> dict[str, float]:
     :func:`flops_per_token` counts them): ``qkv``, ``scores`` (``Q K^T``), ``values`` (``probs @ V``; both
     causal-halved), ``out_proj``, ``mlp_in`` (up, and gate for swiglu), ``mlp_out`` (each layer's MLP by its
     kind, :attr:`jaxllm.config.Model.moe_layers`)."""
-    h, n, k, L = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.num_layers
+    h, n, k, L, w = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.num_layers, m.sliding_window
     d = h // n
     mlps = [_mlp_flops(m, moe) for moe in m.moe_layers]
-    return {"qkv": L * 2 * h * (n + 2 * k) * d, "scores": L * 2 * s * n * d / 2, "values": L * 2 * s * n * d / 2,
+    keys = s / 2 if not w or w >= s else w - w * w / (2 * s)  # keys a query attends to, on average
+    return {"qkv": L * 2 * h * (n + 2 * k) * d, "scores": L * 2 * keys * n * d, "values": L * 2 * keys * n * d,
             "out_proj": L * 2 * (n * d) * h, "mlp_in": sum(x for x, _ in mlps), "mlp_out": sum(y for _, y in mlps)}
 
 
