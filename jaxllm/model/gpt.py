@@ -330,7 +330,7 @@ class GPT(nnx.Module):
                                    prevent_cse=self.cfg.layer_loop == "unrolled")
         if self.cfg.layer_loop != "unrolled":
             return jax.lax.scan(layer, x, (layer_params, keys, cache))
-        # unstacked in one split: its gradient is one concatenate. Indexing a[i] per layer made each layer's
+        # unstacked in one split: its gradient is one stack. Indexing a[i] per layer made each layer's
         # gradient a pad to the whole stack, summed over the layers: on an H200 XLA fused those L^2 terms into
         # kernels that took 42 % of GPT1_5B's step (docs/performance.md, 2026-11-27)
         leaves, treedef = jax.tree.flatten((layer_params, keys, cache))

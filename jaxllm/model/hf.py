@@ -172,6 +172,7 @@ def _rope_parameters(m: config.Model) -> dict:
     return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": m.rotary_base}}
 
 
+_LLAMA_FILES = {"prefix": "model.", "buffers": r".*rotary_emb\.inv_freq"}  # the family's base model and buffers
 _LLAMA_NEEDS = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
                 "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False, "sliding_window": 0}
 _LLAMA_KEYS = {"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
@@ -191,12 +192,9 @@ LLAMA = Arch(
     supports={"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
     # rope_theta for transformers 4.x, rope_parameters for 5.x: the same value.
     extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "pretraining_tp": 1, **_rope_parameters(m)},
-    prefix="model.",
-    buffers=r".*rotary_emb\.inv_freq",
+    **_LLAMA_FILES,
     tensors=(*_LLAMA_ATTENTION, *_LLAMA_MLP, *_LLAMA_OUTPUT))
 
-# Qwen2/2.5 and Qwen3: Llama's layer with biases on the query/key/value projections (Qwen2), or an RMSNorm of each
-# head's queries and keys before rotary (Qwen3); their defaults are Qwen's (transformers' Qwen2Config, Qwen3Config)
 # Mistral: Llama's layer attending to the last sliding_window positions (null or absent: every one, as Mistral
 # v0.2 and later; then it is exported as Llama, the same model); the defaults are transformers' MistralConfig's
 MISTRAL = Arch(
@@ -207,10 +205,11 @@ MISTRAL = Arch(
     supports={"hidden_act": ("silu",)},
     extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
                      **_rope_parameters(m)},
-    prefix="model.",
-    buffers=r".*rotary_emb\.inv_freq",
+    **_LLAMA_FILES,
     tensors=(*_LLAMA_ATTENTION, *_LLAMA_MLP, *_LLAMA_OUTPUT))
 
+# Qwen2/2.5 and Qwen3: Llama's layer with biases on the query/key/value projections (Qwen2), or an RMSNorm of each
+# head's queries and keys before rotary (Qwen3); their defaults are Qwen's (transformers' Qwen2Config, Qwen3Config)
 _QWEN_KEYS = {**_LLAMA_KEYS, "intermediate_size": ("ffn_hidden_size", 22016), "vocab_size": ("vocab_size", 151936),
               "max_position_embeddings": ("max_position_embeddings", 32768)}
 _QWEN_EXTRA = {"attention_dropout": 0.0, "sliding_window": None, "max_window_layers": 0}
@@ -218,8 +217,7 @@ QWEN2 = Arch(
     model_type="qwen2", hf_class="Qwen2ForCausalLM", needs={**_LLAMA_NEEDS, "add_qkv_bias": True}, keys=_QWEN_KEYS,
     supports={"hidden_act": ("silu",), "use_sliding_window": (False,)},
     extra=lambda m: {**_QWEN_EXTRA, **_rope_parameters(m)},
-    prefix="model.",
-    buffers=r".*rotary_emb\.inv_freq",
+    **_LLAMA_FILES,
     tensors=(*_LLAMA_ATTENTION,
              *(Tensor(f"model.layers.{{i}}.self_attn.{x}_proj.bias", (f"layers/attn/b{x}",), VEC) for x in "qkv"),
              *_LLAMA_MLP, *_LLAMA_OUTPUT))
@@ -227,8 +225,7 @@ QWEN3 = Arch(
     model_type="qwen3", hf_class="Qwen3ForCausalLM", needs={**_LLAMA_NEEDS, "qk_layernorm": True}, keys=_QWEN_KEYS,
     supports={"hidden_act": ("silu",), "attention_bias": (False,), "use_sliding_window": (False,)},
     extra=lambda m: {**_QWEN_EXTRA, "head_dim": m.head_dim, **_rope_parameters(m)},
-    prefix="model.",
-    buffers=r".*rotary_emb\.inv_freq",
+    **_LLAMA_FILES,
     tensors=(*_LLAMA_ATTENTION,
              *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight", (f"layers/attn/{x}_norm/scale",), VEC)
                for x in "qk"),
@@ -287,8 +284,7 @@ MIXTRAL = Arch(
     supports={"hidden_act": ("silu",), "router_jitter_noise": (0.0,)},
     extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
                      "output_router_logits": False, **_rope_parameters(m)},
-    prefix="model.",
-    buffers=r".*rotary_emb\.inv_freq",
+    **_LLAMA_FILES,
     tensors=(
         *_LLAMA_ATTENTION,
         Tensor("model.layers.{i}.block_sparse_moe.gate.weight", ("layers/mlp/router",), linear=True),  # [E, h]
