@@ -228,6 +228,9 @@ def _megatron_args(argv: list[str], known) -> tuple[list[str], list[tuple[str, s
         if any(a.startswith(f"--config.{key}=") for a in argv):
             fail(f"error: {typed} and --config.{key} both set {key}; give it once")
         taken.append((key, value, typed))
+    # Megatron's --tokenizer-model is the file that --tokenizer-type's class reads; jaxllm's data.tokenizer is the file
+    if any(t.replace("_", "-").startswith("--tokenizer-model") for _, _, t in taken):
+        taken = [x for x in taken if not x[2].replace("_", "-").startswith("--tokenizer-type")]
     return kept, taken
 
 

@@ -282,7 +282,8 @@ class Data(Section):
     # --data-path: "W1 PREFIX1 W2 PREFIX2 ..." or "PREFIX" (indexed datasets PREFIX.bin/.idx)
     input: str = dataclasses.field(default_factory=default_corpus)
     file_list: str = ""  # an ALCF data-file list ("weight prefix corpus" lines); when set, replaces input
-    tokenizer: str = "byte"  # char, byte, gpt2, or a Hugging Face tokenizer.json (or a directory holding one)
+    # char, byte, gpt2, or a Hugging Face tokenizer.json, a SentencePiece tokenizer.model (or a directory holding one)
+    tokenizer: str = "byte"
     # tokenizer=gpt2: a directory with GPT-2's encoder.json and vocab.bpe; "": the files shipped with jaxllm
     gpt2_dir: str = ""
     json_key: str = "text"  # text inputs: the text's key in JSON Lines records / column in Parquet files
@@ -449,6 +450,7 @@ MEGATRON_NAMES = {
     "clip_grad": "train.grad_clip", "weight_decay": "train.weight_decay", "seed": "train.seed",
     "eval_interval": "train.eval_interval", "eval_iters": "train.eval_iters", "log_interval": "train.log_interval",
     "save_interval": "checkpoint.interval", "data_path": "data.input", "tokenizer_type": "data.tokenizer",
+    "tokenizer_model": "data.tokenizer",
     "data_file_list": "data.file_list", "split": "data.split", "data_cache_path": "data.cache_dir",
     "json_keys": "data.json_key", "reset_position_ids": "data.reset_position_ids",
     "reset_attention_mask": "data.reset_attention_mask", "eod_mask_loss": "data.eod_mask_loss",

@@ -12,7 +12,8 @@ CLI::
 whichever holds the model exactly (the tables and the parameter mapping are :mod:`jaxllm.model.hf`'s;
 any other model is a :class:`~jaxllm.model.hf.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
 tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hugging Face
-``tokenizer.json`` gets it with ``tokenizer_config.json`` and ``special_tokens_map.json``
+``tokenizer.json`` gets it with ``tokenizer_config.json`` and ``special_tokens_map.json``, a run on a
+SentencePiece ``tokenizer.model`` gets it with a ``tokenizer_config.json`` for transformers' ``LlamaTokenizer``
 (``AutoTokenizer.from_pretrained(OUT)``; ``eos_token_id`` in config.json is its end-of-document token).
 
 ``--from-hf`` (:func:`import_to_workdir`) reads ``DIR/config.json`` and ``DIR/model.safetensors``
@@ -26,8 +27,9 @@ tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hu
 ``router_aux_loss_coef`` are ``model.num_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size`` (and
 ``ffn_hidden_size``) and ``moe_aux_loss_coeff``.  Other keys are jaxllm's defaults, changed with
 ``--config.SECTION.KEY=VALUE`` (of the model keys only :data:`FREE_MODEL_KEYS`).  **The data must be
-tokenized as the model expects**: GPT-2's tokenizer in ``DIR`` (``vocab.json`` + ``merges.txt``, or such
-a ``tokenizer.json``) is copied to ``WORKDIR/tokenizer`` and used; otherwise set ``--config.data.*``.
+tokenized as the model expects**: the tokenizer in ``DIR`` is copied to ``WORKDIR/tokenizer`` and used
+(GPT-2's ``vocab.json`` + ``merges.txt`` or such a ``tokenizer.json`` as ``data.tokenizer=gpt2``, else the
+model's ``tokenizer.json`` or SentencePiece ``tokenizer.model``); otherwise set ``--config.data.*``.
 
 In Python: :func:`from_hf` (a directory as a resolved config and parameters) and :func:`save_hf`
 (a model section and parameters as a directory).  Only JSON and safetensors are read:
@@ -54,9 +56,11 @@ from jaxllm.data.tokenizers import (
     GPT2_EOT_ID,
     GPT2_FILES,
     GPT2_VOCAB_SIZE,
+    SENTENCEPIECE_FILE,
     TOKENIZER_NAMES,
     GPT2Tokenizer,
-    HFTokenizer,
+    SentencePieceTokenizer,
+    file_tokenizer,
     gpt2_dir_or_packaged,
 )
 from jaxllm.errors import DataError
@@ -109,9 +113,12 @@ def _write_hf_tokenizer(data: config.Data, m: config.Model, out: str, hf: dict) 
     if data.tokenizer in TOKENIZER_NAMES:
         return
     try:
-        tok = HFTokenizer(data.tokenizer)
+        tok = file_tokenizer(data.tokenizer)
     except DataError as e:
         warnings.warn(f"the run's tokenizer cannot be read ({e}); no tokenizer written", stacklevel=2)
+        return
+    if isinstance(tok, SentencePieceTokenizer):
+        _write_sentencepiece_tokenizer(tok, m, out, hf)
         return
     source = os.path.join(os.path.dirname(tok.path), "tokenizer_config.json")
     given = _read_json(source) if os.path.isfile(source) else {}
@@ -127,6 +134,20 @@ def _write_hf_tokenizer(data: config.Data, m: config.Model, out: str, hf: dict) 
         with open(os.path.join(out, name), "w") as fp:
             json.dump(content, fp, indent=2)
     hf.update(eos_token_id=tok.eot_id)
+
+
+def _write_sentencepiece_tokenizer(tok: SentencePieceTokenizer, m: config.Model, out: str, hf: dict) -> None:
+    """Writes a SentencePiece run's ``tokenizer.model`` (a copy) and a ``tokenizer_config.json`` naming
+    transformers' ``LlamaTokenizer`` with its beginning-of-text token added, as a Llama 2 repository has them;
+    sets ``bos_token_id`` and ``eos_token_id``.  transformers converts the model to its own tokenizer, which
+    encodes text with leading spaces or a literal ``<s>`` differently from SentencePiece (docs/checkpoints.md)."""
+    shutil.copyfile(tok.path, os.path.join(out, SENTENCEPIECE_FILE))
+    special = {"bos_token": tok.decode([tok.bos_id]), "eos_token": tok.decode([tok.eot_id])}
+    settings = {"tokenizer_class": "LlamaTokenizer", **special, "add_bos_token": True, "add_eos_token": False,
+                "model_max_length": m.max_position_embeddings}
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as fp:
+        json.dump(settings, fp, indent=2)
+    hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eot_id)
 
 
 def _new_file_mode() -> int:
@@ -257,6 +278,26 @@ def _find_gpt2_tokenizer(directory: str, dest: str) -> bool:
         return False
 
 
+def _find_model_tokenizer(directory: str, dest: str) -> bool:
+    """Copies a Hugging Face directory's own tokenizer into ``dest``: its ``tokenizer.json`` (with the
+    ``tokenizer_config.json`` that names its end-of-document token), else its SentencePiece
+    ``tokenizer.model`` (:func:`~jaxllm.data.tokenizers.file_tokenizer`'s choice, which reads ``dest``);
+    False, with nothing left, if there is none that loads."""
+    names = ("tokenizer.json", "tokenizer_config.json", SENTENCEPIECE_FILE)
+    found = [n for n in names if os.path.isfile(os.path.join(directory, n))]
+    if not found:
+        return False
+    os.makedirs(dest, exist_ok=True)
+    for n in found:
+        shutil.copyfile(os.path.join(directory, n), os.path.join(dest, n))
+    try:
+        file_tokenizer(dest)
+        return True
+    except DataError:
+        shutil.rmtree(dest, ignore_errors=True)
+        return False
+
+
 def _config_file_text(given: config.Config, directory: str) -> str:
     return (f'"""The jaxllm config of the Hugging Face model imported from {os.path.abspath(directory)}\n'
             f'by jaxllm.convert. Train on with:\n'
@@ -273,8 +314,9 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
 
     The state is :func:`jaxllm.runtime.step.init_state`'s around HF's parameters (a fresh optimizer
     state), saved by :class:`jaxllm.runtime.checkpoint.Checkpointer` as training saves it.  Unless
-    ``overrides`` set ``data.tokenizer`` or ``data.gpt2_dir``, GPT-2's tokenizer found in
-    ``directory`` is copied to ``workdir/tokenizer`` and used (``data.tokenizer=gpt2``).
+    ``overrides`` set ``data.tokenizer`` or ``data.gpt2_dir``, the tokenizer found in ``directory`` is
+    copied to ``workdir/tokenizer`` and used: GPT-2's (``data.tokenizer=gpt2``), else the model's
+    ``tokenizer.json`` or SentencePiece ``tokenizer.model`` (``data.tokenizer=workdir/tokenizer``).
     ``config.py`` holds the config as given (derived sizes left to ``jaxllm.train``).
 
     Returns the resolved config. Raises what :func:`from_hf` raises, and ConvertError when
@@ -290,10 +332,12 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
         vocab = _read_json(hf_path).get("vocab_size", 0) if os.path.isfile(hf_path) else 0
         if vocab >= GPT2_VOCAB_SIZE and _find_gpt2_tokenizer(directory, tok_dir):
             overrides.update({"data.tokenizer": "gpt2", "data.gpt2_dir": tok_dir})
+        elif _find_model_tokenizer(directory, tok_dir):
+            overrides["data.tokenizer"] = tok_dir
     try:
         given, cfg, params = _import(directory, overrides)
     except Exception:
-        if overrides.get("data.gpt2_dir") == tok_dir:
+        if tok_dir in (overrides.get("data.gpt2_dir"), overrides.get("data.tokenizer")):
             shutil.rmtree(tok_dir, ignore_errors=True)
         raise
     spec = gpt.describe(cfg.model)
@@ -345,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         directory, workdir = args.from_hf
         cfg = import_to_workdir(directory, workdir, overrides)
     config_py = os.path.join(workdir, "config.py")
-    if not any(k.startswith("data.") for k in overrides) and cfg.data.tokenizer != "gpt2":
-        print(f"note: {directory} holds no GPT-2 tokenizer for this model, so the config keeps jaxllm's default "
+    if not any(k.startswith("data.") for k in overrides) and cfg.data.tokenizer in ("char", "byte"):
+        print(f"note: {directory} holds no tokenizer for this model (GPT-2's vocab.json + merges.txt, a "
+              f"tokenizer.json or a SentencePiece tokenizer.model), so the config keeps jaxllm's default "
               f"data section (data.tokenizer={cfg.data.tokenizer}, data.input={cfg.data.input}); the data must be "
               f"tokenized as the model expects: import again with --config.data.* or edit {config_py}",
               file=sys.stderr)

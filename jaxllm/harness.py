@@ -30,7 +30,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from jaxllm.api import load
-from jaxllm.data.tokenizers import HFTokenizer
+from jaxllm.data.tokenizers import HFTokenizer, SentencePieceTokenizer
 from jaxllm.model import gpt
 
 __all__ = ["JaxLLM"]
@@ -105,9 +105,9 @@ class JaxLLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """The run's token ids of ``string``; ``add_special_tokens=False``: without the ones a Hugging Face
-        tokenizer's post-processor adds (e.g. a beginning-of-text token)."""
+        tokenizer's post-processor or a SentencePiece model adds (a beginning-of-text token)."""
         tok = self.run.tokenizer
-        if add_special_tokens is False and isinstance(tok, HFTokenizer):
+        if add_special_tokens is False and isinstance(tok, (HFTokenizer, SentencePieceTokenizer)):
             return tok.encode(string, add_special_tokens=False).tolist()
         return tok.encode(string).tolist()
 

@@ -1,6 +1,6 @@
 """Text -> a Megatron indexed dataset: ``PREFIX.bin`` + ``PREFIX.idx`` (+ ``PREFIX.meta.json``).
 
-    python -m jaxllm.prepare --input PATH [PATH ...] --tokenizer {char,byte,gpt2,TOKENIZER.json,DIR} \\
+    python -m jaxllm.prepare --input PATH [PATH ...] --tokenizer {char,byte,gpt2,TOKENIZER.json,TOKENIZER.model,DIR} \\
         --output-prefix PREFIX [--gpt2-dir DIR] [--json-key text] [--document-marker MARKER] [--workers N]
 
 The command line of :func:`jaxllm.data.text.prepare` (which documents the inputs, the output and the
@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="text, JSON Lines or Parquet files and/or directories")
     p.add_argument("--tokenizer", required=True, metavar="{char,byte,gpt2,PATH}",
-                   help="char, byte, gpt2, or a Hugging Face tokenizer.json / directory holding one")
+                   help="char, byte, gpt2, or a Hugging Face tokenizer.json / SentencePiece tokenizer.model / "
+                        "directory holding one")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, .meta.json")
     p.add_argument("--gpt2-dir", default="", metavar="DIR",
                    help="directory with GPT-2's encoder.json and vocab.bpe (default: the files shipped with jaxllm)")

@@ -133,15 +133,16 @@ def _check_data_files(d: Data) -> None:
         raise ConfigError("data.input", d.input, "name text files or directories (comma-separated), or "
                           "indexed datasets as Megatron's --data-path: W1 PREFIX1 W2 PREFIX2 ...")
     if d.tokenizer not in ("char", "byte", "gpt2") and not os.path.exists(d.tokenizer):
-        if os.sep in d.tokenizer or d.tokenizer.endswith(".json"):  # a path: the file is missing
+        if os.sep in d.tokenizer or d.tokenizer.endswith((".json", ".model")):  # a path: the file is missing
             raise ConfigError("data.tokenizer", d.tokenizer, f"not found: no such file or directory "
                               f"{os.path.abspath(d.tokenizer)}; give the path of an existing Hugging Face "
-                              f"tokenizer.json (or of a directory holding one)")
+                              f"tokenizer.json, SentencePiece tokenizer.model (or of a directory holding one)")
         megatron = {"gpt2bpetokenizer": "Megatron's GPT2BPETokenizer is gpt2 here; ",
-                    "huggingfacetokenizer": "Megatron's HuggingFaceTokenizer is the tokenizer.json's path here; "}
+                    "huggingfacetokenizer": "Megatron's HuggingFaceTokenizer is the tokenizer.json's path here; ",
+                    "llama2tokenizer": "Megatron's Llama2Tokenizer is the tokenizer.model's path here; "}
         raise ConfigError("data.tokenizer", d.tokenizer, f"neither a tokenizer jaxllm knows nor an existing path; "
                           f"{megatron.get(d.tokenizer.lower(), '')}choose char, byte, gpt2, or the path of a Hugging "
-                          f"Face tokenizer.json (or of a local directory holding one)")
+                          f"Face tokenizer.json, a SentencePiece tokenizer.model (or of a local directory holding one)")
     if d.tokenizer == "gpt2" and d.gpt2_dir:  # empty: the files shipped with jaxllm
         for name in ("encoder.json", "vocab.bpe"):
             if not os.path.isfile(os.path.join(d.gpt2_dir, name)):

@@ -20,7 +20,8 @@
 #   LR_DECAY_STYLE  --config.train.lr_decay_style        LR_DECAY_ITERS   --config.train.lr_decay_iters
 #   LR_WARMUP_FRAC  --config.train.lr_warmup_fraction (and --config.train.warmup_iters=0)
 #   TOKENIZER_TYPE  --config.data.tokenizer: gpt2 for GPT2BPETokenizer (ALCF: any gpt*/GPT*); char, byte;
-#                   a tokenizer.json path; Llama2Tokenizer, HFTokenizer, ...: the tokenizer.json TOKENIZER_MODEL names
+#                   a tokenizer.json or tokenizer.model path; Llama2Tokenizer, HFTokenizer, ...: the file
+#                   TOKENIZER_MODEL names (a Hugging Face tokenizer.json or a SentencePiece tokenizer.model)
 #   DATA_FILE_LIST  --config.data.file_list
 #   TRAIN_SPLIT, VAL_SPLIT, TEST_SPLIT  --config.data.split (a missing part: ALCF's 990, 10, 0)
 #   EVAL_INTERVAL   --config.train.eval_interval         EVAL_ITERS       --config.train.eval_iters
@@ -240,12 +241,11 @@ jaxllm_tokenizer() {
   case "$TOKENIZER_TYPE" in
     gpt* | GPT*) echo gpt2 ;;  # ALCF's helpers.sh: any gpt*/GPT* is GPT2BPETokenizer
     char | byte) echo "$TOKENIZER_TYPE" ;;
-    */* | *.json) echo "$TOKENIZER_TYPE" ;;  # a tokenizer.json, or a directory holding one
+    */* | *.json | *.model) echo "$TOKENIZER_TYPE" ;;  # a tokenizer.json or .model, or a directory holding one
     *)
       [[ -n "${TOKENIZER_MODEL:-}" ]] || jaxllm_die "TOKENIZER_TYPE=$TOKENIZER_TYPE: jaxllm reads a Hugging Face" \
-        "tokenizer.json; set TOKENIZER_MODEL (or TOKENIZER_TYPE) to its path, or TOKENIZER_TYPE=gpt2"
-      [[ "$TOKENIZER_MODEL" != *.model ]] || jaxllm_die "TOKENIZER_MODEL=$TOKENIZER_MODEL: a SentencePiece model;" \
-        "jaxllm reads a Hugging Face tokenizer.json (the model's, e.g. from its Hugging Face repository)"
+        "tokenizer.json or a SentencePiece tokenizer.model; set TOKENIZER_MODEL (or TOKENIZER_TYPE) to its path," \
+        "or TOKENIZER_TYPE=gpt2"
       echo "$TOKENIZER_MODEL" ;;
   esac
 }

@@ -159,3 +159,18 @@ def word_sentences(words: list[str], n: int = 500, seed: int = 0) -> str:
     """``n`` lines of 3-9 words drawn from ``words``, each ending ``.``: a corpus a tiny model learns in a minute."""
     rng = np.random.default_rng(seed)
     return "".join(" ".join(rng.choice(words, rng.integers(3, 10))) + ".\n" for _ in range(n))
+
+
+def train_sentencepiece(path, vocab_size: int = 400, **options) -> Path:
+    """A SentencePiece BPE model trained on Tiny Shakespeare's first 100,000 characters with Llama 2's
+    settings (byte fallback, digits split, text not normalized, whitespace kept; ``options`` override
+    them: a vocabulary under 259 pieces needs ``byte_fallback=False``), written to ``path``."""
+    import sentencepiece
+
+    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:100_000]
+    settings = dict(model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+                    remove_extra_whitespaces=False, minloglevel=2) | options
+    with open(path, "wb") as f:
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text.splitlines()), model_writer=f,
+                                                 vocab_size=vocab_size, **settings)
+    return Path(path)

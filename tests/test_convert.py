@@ -456,6 +456,33 @@ def test_gpt2_tokenizer_travels(tmp_path):
     GPT2Tokenizer(cfg.data.gpt2_dir)
 
 
+def test_sentencepiece_tokenizer_travels(tmp_path):
+    """A Llama directory with a SentencePiece tokenizer.model and no tokenizer.json (a Llama 2 / Mistral v0.1
+    release): --from-hf takes the model along as data.tokenizer; --to-hf writes it back for transformers'
+    LlamaTokenizer, which encodes ordinary text (known characters, no leading space) as jaxllm does, beginning-of-text
+    token first."""
+    from conftest import train_sentencepiece
+
+    from jaxllm.data.tokenizers import SentencePieceTokenizer, file_tokenizer
+
+    torch.manual_seed(3)
+    llama().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model = train_sentencepiece(tmp_path / "hf" / "tokenizer.model", vocab_size=VOCAB - 1, byte_fallback=False,
+                                character_coverage=1.0)
+    cfg = convert.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"))
+    assert cfg.data.tokenizer == str(tmp_path / "w1" / "tokenizer")
+    tok = file_tokenizer(cfg.data.tokenizer)
+    assert isinstance(tok, SentencePieceTokenizer) and tok.sha256 == SentencePieceTokenizer(str(model)).sha256
+    hf = convert.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
+    assert (hf["bos_token_id"], hf["eos_token_id"]) == (tok.bos_id, tok.eot_id) == (1, 2)
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == model.read_bytes()
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ("First Citizen: Before we proceed any further, hear me speak.", "You are all resolved rather to die"):
+        assert ref(text)["input_ids"] == tok.encode(text).tolist()
+    assert convert.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2")).data.tokenizer == str(
+        tmp_path / "w2" / "tokenizer")
+
+
 def test_pickle_weights_are_refused_unread(tmp_path):
     """A pytorch_model.bin-only directory is an error; the file is never unpickled."""
     marker = tmp_path / "unpickled"

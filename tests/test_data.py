@@ -14,7 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MARKER, TINY_SHAKESPEARE, corpus_documents, english_passage, shakespeare_documents
+from conftest import (
+    MARKER,
+    TINY_SHAKESPEARE,
+    corpus_documents,
+    english_passage,
+    shakespeare_documents,
+    train_sentencepiece,
+)
 
 from jaxllm.config import get_config
 from jaxllm.data.cache import build_once
@@ -27,6 +34,8 @@ from jaxllm.data.tokenizers import (
     CharTokenizer,
     GPT2Tokenizer,
     HFTokenizer,
+    SentencePieceTokenizer,
+    make_tokenizer,
     split_for_bpe,
     tokenizer_from_meta,
 )
@@ -162,6 +171,69 @@ def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, prose, tmp_path):
         HFTokenizer(str(tmp_path / "noeod.json"))
     with pytest.raises(DataError, match="no tokenizer.json there"):
         HFTokenizer(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """A Llama-2-style SentencePiece tokenizer.model (byte fallback, whitespace kept) of 400 pieces."""
+    return train_sentencepiece(tmp_path_factory.mktemp("spm") / "tokenizer.model")
+
+
+SPM_TEXTS = ["First Citizen:\nBefore we proceed any further, hear me speak.", "  two leading spaces",
+             "tabs\tand\r\nnewlines\n\n\nthree", "ünïcödé 😀 ∑ 中文 2026", "a literal <s> and </s>", " ", ""]
+
+
+def test_sentencepiece_is_megatrons_llama2_tokenizer(spm_model, hf_dir, tmp_path):
+    """Megatron-LM's _Llama2Tokenizer.tokenize: [bos] + SentencePieceProcessor.encode(text), eod = eos; decode
+    as the library's, the control pieces shown and unknown ids U+FFFD."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
+    tok = make_tokenizer(str(spm_model))
+    assert isinstance(tok, SentencePieceTokenizer) and tok.name == "sentencepiece"
+    assert (tok.vocab_size, tok.bos_id, tok.eot_id) == (sp.get_piece_size(), sp.bos_id(), sp.eos_id()) == (400, 1, 2)
+    for text, ids in zip(SPM_TEXTS, tok.encode_batch(SPM_TEXTS)):
+        assert tok.encode(text).tolist() == ids.tolist() == [sp.bos_id()] + sp.encode(text)
+        assert tok.encode(text, add_special_tokens=False).tolist() == sp.encode(text)
+        assert tok.decode(ids[1:]) == sp.decode(ids[1:].tolist()) == text  # byte fallback: nothing lost
+    assert 1 not in tok.encode("a literal <s>").tolist()[1:]  # control pieces in the text are text
+    ids = tok.encode("speak.").tolist()
+    assert tok.decode(ids + [2, 400, -1]) == "<s>speak.</s>\ufffd\ufffd"
+    # a directory: its tokenizer.json first, else its tokenizer.model
+    (tmp_path / "both").mkdir()
+    (tmp_path / "both" / "tokenizer.model").write_bytes(spm_model.read_bytes())
+    assert make_tokenizer(str(tmp_path / "both")).sha256 == tok.sha256
+    (tmp_path / "both" / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    assert isinstance(make_tokenizer(str(tmp_path / "both")), HFTokenizer)
+    (tmp_path / "x.model").write_bytes(b'{"not": "a model"}')
+    with pytest.raises(DataError, match="x.model: not a SentencePiece model"):
+        make_tokenizer(str(tmp_path / "x.model"))
+    no_eos = train_sentencepiece(tmp_path / "no_eos.model", eos_id=-1)
+    with pytest.raises(DataError, match=r"no beginning- or end-of-sentence piece \(bos_id 1, eos_id -1\)"):
+        make_tokenizer(str(no_eos))
+
+
+def test_sentencepiece_prepare_and_meta_round_trip(spm_model, tmp_path):
+    """prepare writes [bos] + ids + [eos] per document and records the model's path and checksum; the meta
+    rebuilds it, and refuses the model once changed."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(spm_model.read_bytes())
+    docs = shakespeare_documents()[:50]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    meta = prepare([str(tmp_path / "a.jsonl")], str(model), str(tmp_path / "out"), progress=False)
+    assert meta["tokenizer"] == "sentencepiece" and meta["eot_id"] == sp.eos_id()
+    ds = IndexedDataset(str(tmp_path / "out"))
+    for i in (0, 1, 49):
+        assert ds.sequence(i).tolist() == [sp.bos_id()] + sp.encode(docs[i]) + [sp.eos_id()]
+    rebuilt = tokenizer_from_meta(read_meta(str(tmp_path / "out")))
+    assert rebuilt.path == str(model) and rebuilt.decode(ds.sequence(0)) == f"<s>{docs[0]}</s>"
+    model.write_bytes(train_sentencepiece(tmp_path / "other.model", vocab_size=500).read_bytes())
+    with pytest.raises(DataError, match=r"sentencepiece tokenizer: .*tokenizer.model changed since the data was "
+                                        r"prepared"):
+        tokenizer_from_meta(read_meta(str(tmp_path / "out")))
 
 
 # --- prepare: indexed datasets --------------------------------------------------------------------

@@ -168,6 +168,15 @@ def test_gpt3_stays_the_default_and_llama_is_chosen_by_llama_1(tmp_path):
     assert flags == [f"--config={ROOT}/configs/llama.py:ALCF-7B", "--config.mesh.data=-1"]
 
 
+@pytest.mark.parametrize("env", [{"TOKENIZER_TYPE": "Llama2Tokenizer", "TOKENIZER_MODEL": "/lus/x/tokenizer.model"},
+                                 {"TOKENIZER_TYPE": "/lus/x/tokenizer.model"}])
+def test_a_sentencepiece_model_is_the_tokenizer(env):
+    """ALCF's Llama 2 settings: Megatron's Llama2Tokenizer reads TOKENIZER_MODEL, jaxllm's data.tokenizer that file."""
+    r, flags = dry_run("frontier.sbatch", LLAMA="1", MODEL_SIZE_KEY="Llama-3-8B", TP="2", **env)
+    assert r.returncode == 0, r.stderr
+    assert [f for f in flags if f.startswith("--config.data.")] == ["--config.data.tokenizer=/lus/x/tokenizer.model"]
+
+
 def nodefile(tmp_path):
     path = tmp_path / "nodefile"
     path.write_text("x3005c0s13b0n0\n")
@@ -178,7 +187,6 @@ def nodefile(tmp_path):
     ({"LLAMA": "1", "NO_LLAMA": "1"}, "LLAMA=1 and NO_LLAMA=1: give one of them"),
     ({"LLAMA": "yes"}, "LLAMA=yes: 1"),
     ({"TOKENIZER_TYPE": "Llama2Tokenizer"}, "TOKENIZER_TYPE=Llama2Tokenizer: jaxllm reads a Hugging Face"),
-    ({"TOKENIZER_TYPE": "Llama2Tokenizer", "TOKENIZER_MODEL": "/x/tokenizer.model"}, "a SentencePiece model"),
     ({"TRAIN_ITERS": "0"}, "TRAIN_ITERS=0: must be a positive integer"),
     ({"EVAL_INTERVAL": "often"}, "EVAL_INTERVAL=often: must be an integer >= 0"),
 ])

@@ -56,7 +56,8 @@ def test_a_missing_tokenizer_json_is_not_found(tmp_path):
     missing = tmp_path / "nowhere" / "tokenizer.json"
     line = one_line(run(f"--config.data.tokenizer={missing}", f"--workdir={tmp_path / 'w'}", *TINY))
     assert line == (f"config error: data.tokenizer='{missing}': not found: no such file or directory {missing}; give "
-                    f"the path of an existing Hugging Face tokenizer.json (or of a directory holding one)")
+                    f"the path of an existing Hugging Face tokenizer.json, SentencePiece tokenizer.model (or of a "
+                    f"directory holding one)")
     line = one_line(run("--config.data.tokenizer=GPT2BPETokenizer", f"--workdir={tmp_path / 'w'}", *TINY))
     assert "neither a tokenizer jaxllm knows nor an existing path; Megatron's GPT2BPETokenizer is gpt2 here" in line
 
@@ -94,13 +95,16 @@ def test_a_mesh_axis_that_does_not_divide_the_devices(tmp_path):
 
 def test_megatron_flags_without_config_are_taken_for_their_keys(prefix, tmp_path):
     r = run("--check_devices=2", "--micro-batch-size", "4", "--global-batch-size=8", "--tensor-model-parallel-size",
-            "2", "--bf16")
+            "2", "--bf16", "--tokenizer-model", "/lus/x/tokenizer.model", "--tokenizer-type", "Llama2Tokenizer")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[:4] == [
+    assert r.stdout.splitlines()[:5] == [
         "note: --micro-batch-size=4 (Megatron's) taken as --config.train.micro_batch_size=4",
         "note: --global-batch-size=8 (Megatron's) taken as --config.train.global_batch_size=8",
         "note: --tensor-model-parallel-size=2 (Megatron's) taken as --config.mesh.tensor=2",
-        "note: --bf16 (Megatron's) taken as --config.model.dtype=bfloat16"]
+        "note: --bf16 (Megatron's) taken as --config.model.dtype=bfloat16",
+        # the tokenizer's class is the file's: Megatron's --tokenizer-type gives way to its file
+        "note: --tokenizer-model=/lus/x/tokenizer.model (Megatron's) taken as --config.data.tokenizer="
+        "/lus/x/tokenizer.model"]
     assert "config ok for 2 cpu devices: tensor 2, 2 microbatch(es)/step" in r.stdout  # 8 / (4 x 1)
     # Another tool: its own --split stays its flag; Megatron's --data-path takes the words up to the next flag.
     out = tmp_path / "batches.npy"

@@ -57,6 +57,13 @@ def test_each_config_error_names_its_key(first, second, key):
     assert e.value.fix and str(e.value).startswith(f"config error: {key}=")
 
 
+def test_megatrons_llama2_tokenizer_is_its_file():
+    cfg = config.get_config()
+    config.override(cfg, "data.tokenizer", "Llama2Tokenizer")
+    with pytest.raises(config.ConfigError, match="Megatron's Llama2Tokenizer is the tokenizer.model's path here"):
+        resolve(cfg, num_devices=1)
+
+
 def test_tools_that_read_no_data_need_no_data_files():
     # GPU machines that plan or benchmark on synthetic batches have no GPT-2 files: only training checks them
     cfg = config.get_config()

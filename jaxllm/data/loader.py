@@ -47,7 +47,7 @@ def resolve_blend(data_cfg, workdir: str) -> blend_lib.Blend:
 
 def _tokenizer(data_cfg, metas: list[dict | None], prefixes):
     """The tokenizer every ``PREFIX.meta.json`` records (they must agree), else ``data.tokenizer``."""
-    fields = ("tokenizer", "chars", "gpt2_sha256", "hf_sha256")
+    fields = ("tokenizer", "chars", "gpt2_sha256", "hf_sha256", "sentencepiece_sha256")
     known = [(p, m) for p, m in zip(prefixes, metas) if m is not None]
     if known:
         p0, m0 = known[0]
@@ -58,8 +58,8 @@ def _tokenizer(data_cfg, metas: list[dict | None], prefixes):
         return tokenizer_from_meta(m0)
     if data_cfg.tokenizer == "char":
         raise DataError(f"data.tokenizer=char: {prefixes[0]} has no .meta.json recording its characters; set "
-                        f"data.tokenizer to the tokenizer the data was prepared with (byte, gpt2 or a Hugging Face "
-                        f"tokenizer.json)")
+                        f"data.tokenizer to the tokenizer the data was prepared with (byte, gpt2, a Hugging Face "
+                        f"tokenizer.json or a SentencePiece tokenizer.model)")
     return make_tokenizer(data_cfg.tokenizer, data_cfg.gpt2_dir)
 
 
@@ -97,8 +97,8 @@ class Data:
         self.eod_id = self.tokenizer.eot_id
         if (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss) and self.eod_id is None:
             raise DataError(f"data.reset_position_ids/reset_attention_mask/eod_mask_loss need an end-of-document "
-                            f"token, and the {self.tokenizer.name} tokenizer has none; use gpt2 or a Hugging Face "
-                            f"tokenizer, or turn them off")
+                            f"token, and the {self.tokenizer.name} tokenizer has none; use gpt2, a Hugging Face "
+                            f"tokenizer or a SentencePiece model, or turn them off")
         self.reset_position_ids, self.reset_attention_mask = d.reset_position_ids, d.reset_attention_mask
         self.eod_mask_loss = d.eod_mask_loss
         self.num_samples = dict(zip(samples.SPLITS, samples.num_samples_per_split(

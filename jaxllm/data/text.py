@@ -20,8 +20,8 @@ named), skipping hidden files and directories, ``__pycache__``, ``site-packages`
 ``dist-packages``; a file listed twice is read once; bytes that are not UTF-8 become U+FFFD, with one
 line saying how many and how to re-encode the file (more than ``--max-undecodable`` of an input stop).
 The tokenizer's end-of-document token (gpt2: ``<|endoftext|>``; a Hugging Face tokenizer: its
-``eos_token``) is appended to every document; char and byte have none, so their documents
-follow one another directly. Empty documents are skipped.
+``eos_token``; a SentencePiece model: its end-of-sentence piece) is appended to every document; char
+and byte have none, so their documents follow one another directly. Empty documents are skipped.
 
 ``PREFIX.meta.json`` records what jaxllm needs beyond Megatron's files: the tokenizer (to
 decode, and its vocabulary), the documents' UTF-8 bytes (bits per byte) and the sources.
@@ -440,7 +440,8 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, *, gpt2_dir: 
 
     Args:
       inputs: text, JSON Lines or Parquet files and/or directories.
-      tokenizer: "char", "byte", "gpt2", or a Hugging Face tokenizer.json (or a directory holding one).
+      tokenizer: "char", "byte", "gpt2", or a Hugging Face tokenizer.json, a SentencePiece tokenizer.model
+        (or a directory holding one).
       output_prefix: writes ``output_prefix.bin``, ``.idx`` and ``.meta.json``.
       gpt2_dir: GPT-2's encoder.json + vocab.bpe (tokenizer "gpt2"); "": the files shipped with jaxllm.
       json_key: the text's key in JSON Lines records / column in Parquet files.
@@ -486,7 +487,7 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
     """
     files = collect_files(text_inputs(data_cfg))
     sources = [[p, sha256_file(p)] for p in files]
-    spec = data_cfg.tokenizer
+    spec = name = data_cfg.tokenizer
     if spec == "gpt2":
         gpt2_dir = gpt2_dir_or_packaged(data_cfg.gpt2_dir)
         tok_key = [sha256_file(os.path.join(gpt2_dir, n)) if os.path.isfile(
@@ -494,10 +495,9 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
     elif spec in TOKENIZER_NAMES:
         tok_key = spec
     else:
-        tok_key = make_tokenizer(spec).sha256
-    key_src = json.dumps([FORMAT_VERSION, spec if spec in TOKENIZER_NAMES else "hf", tok_key, data_cfg.json_key,
-                          data_cfg.document_marker, sources])
-    name = "hf" if spec not in TOKENIZER_NAMES else spec
+        tok = make_tokenizer(spec)
+        tok_key, name = tok.sha256, tok.name
+    key_src = json.dumps([FORMAT_VERSION, name, tok_key, data_cfg.json_key, data_cfg.document_marker, sources])
     directory = os.path.join(os.path.abspath(cache_root), f"{name}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}")
     prefix = os.path.join(directory, "data")
 

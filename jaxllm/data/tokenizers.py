@@ -1,9 +1,10 @@
-"""Tokenizers: ``char`` (nanoGPT's sorted character set), ``byte`` (UTF-8 bytes), ``gpt2``, and any
-Hugging Face tokenizer given as a ``tokenizer.json`` file or a local directory holding one.
+"""Tokenizers: ``char`` (nanoGPT's sorted character set), ``byte`` (UTF-8 bytes), ``gpt2``, any
+Hugging Face tokenizer given as a ``tokenizer.json`` file or a local directory holding one, and a
+SentencePiece ``tokenizer.model`` (Llama 2, Mistral v0.1; Megatron-LM's ``Llama2Tokenizer``).
 
 All share one small interface::
 
-    name: str                 # "char", "byte", "gpt2" or "hf"
+    name: str                 # "char", "byte", "gpt2", "hf" or "sentencepiece"
     vocab_size: int
     eot_id: int | None        # end-of-document token appended after each document, if any
     encode(text) -> np.ndarray        # int32 [num_tokens]
@@ -264,7 +265,7 @@ class HFTokenizer:
         self.path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(self.path):
             raise DataError(f"data.tokenizer={path}: no tokenizer.json there; give char, byte, gpt2, a Hugging Face "
-                            f"tokenizer.json file, or a local directory holding one")
+                            f"tokenizer.json file, a SentencePiece tokenizer.model, or a local directory holding one")
         try:
             self._tok = Tokenizer.from_file(self.path)
         except Exception as e:  # the library raises bare Exceptions on unparsable files
@@ -323,14 +324,94 @@ class HFTokenizer:
         return {"hf_path": self.path, "hf_sha256": self.sha256}
 
 
+class SentencePieceTokenizer:
+    """A SentencePiece ``tokenizer.model`` (Llama 2, Mistral v0.1), read by the ``sentencepiece`` library.
+
+    Encodes as Megatron-LM's ``_Llama2Tokenizer`` (megatron/training/tokenizer/tokenizer.py) does for
+    ``preprocess_data.py``: the model's beginning-of-sentence id, then ``SentencePieceProcessor.encode``
+    of the text (whose control pieces such as ``<s>`` are ordinary text there); the end-of-document
+    token is the model's end-of-sentence id (Megatron's ``eod``).  ``vocab_size`` is the model's
+    piece count.
+
+    Args:
+      path: the ``.model`` file.
+    Raises:
+      DataError: sentencepiece is not installed, the file is missing or not a SentencePiece model, or the
+        model has no beginning- or end-of-sentence piece (``bos_id``/``eos_id`` -1 when trained).
+    """
+
+    name = "sentencepiece"
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise DataError(f"data.tokenizer={path}: a SentencePiece model needs the sentencepiece library, which "
+                            f"is not installed: pip install sentencepiece (or jaxllm[sentencepiece])") from None
+        self.path = os.path.abspath(path)
+        if not os.path.isfile(self.path):
+            raise DataError(f"data.tokenizer={path}: no such SentencePiece model file; give the model's "
+                            f"tokenizer.model")
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"data.tokenizer={self.path}: not a SentencePiece model ({str(e)[:200]}); give the "
+                            f"model's tokenizer.model") from None
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos_id, self.eot_id = self._sp.bos_id(), self._sp.eos_id()
+        if self.bos_id < 0 or self.eot_id < 0:
+            raise DataError(f"data.tokenizer={self.path}: the SentencePiece model has no beginning- or "
+                            f"end-of-sentence piece (bos_id {self.bos_id}, eos_id {self.eot_id}); Megatron's "
+                            f"Llama2Tokenizer needs both: use a model trained with them (as Llama 2's)")
+        self.sha256 = sha256_file(self.path)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """int32 [num_tokens] ids of ``text``, after the beginning-of-sentence id (``add_special_tokens=False``:
+        the text's own ids)."""
+        return np.asarray(self._sp.encode(text, add_bos=add_special_tokens), dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``[encode(t) for t in texts]``, in the library's threads."""
+        return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(texts, add_bos=True)]
+
+    def decode(self, ids) -> str:
+        """The text of ``ids`` as ``SentencePieceProcessor.decode`` gives it, except that control pieces are
+        shown (``<s>``, ``</s>``, as the Hugging Face tokenizers show special tokens) and ids outside the
+        vocabulary decode to U+FFFD (the library raises on them)."""
+        parts, run = [], []
+        for i in np.asarray(ids).reshape(-1).tolist():
+            if 0 <= i < self.vocab_size and not self._sp.is_control(i):
+                run.append(i)
+                continue
+            parts += [self._sp.decode(run), self._sp.id_to_piece(i) if 0 <= i < self.vocab_size else REPLACEMENT]
+            run = []
+        parts.append(self._sp.decode(run))
+        return "".join(parts)
+
+    def meta_fields(self) -> dict:
+        return {"sentencepiece_path": self.path, "sentencepiece_sha256": self.sha256}
+
+
 TOKENIZER_NAMES = ("char", "byte", "gpt2")
+SENTENCEPIECE_FILE = "tokenizer.model"  # the SentencePiece model's name in a model's directory (Llama 2, Mistral)
+
+
+def file_tokenizer(path: str):
+    """The tokenizer of a file or directory ``path``: a ``*.model`` file, or a directory holding a
+    ``tokenizer.model`` but no ``tokenizer.json``, is a :class:`SentencePieceTokenizer`; anything else
+    an :class:`HFTokenizer`.  Raises DataError (see those classes)."""
+    model = os.path.join(path, SENTENCEPIECE_FILE)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")) and os.path.isfile(model):
+        path = model
+    return SentencePieceTokenizer(path) if path.endswith(".model") else HFTokenizer(path)
 
 
 def make_tokenizer(spec: str, gpt2_dir: str = ""):
     """The tokenizer ``data.tokenizer`` names, except ``char`` (fitted to a corpus: :meth:`CharTokenizer.fit`).
 
     Args:
-      spec: "byte", "gpt2", or a path to a Hugging Face tokenizer.json or a directory holding one.
+      spec: "byte", "gpt2", or a path: a Hugging Face tokenizer.json, a SentencePiece tokenizer.model, or a
+        directory holding one (:func:`file_tokenizer`).
       gpt2_dir: GPT-2's encoder.json + vocab.bpe directory (spec "gpt2"); "": the files shipped with jaxllm.
     Raises:
       DataError: unknown spec, missing files.
@@ -343,8 +424,8 @@ def make_tokenizer(spec: str, gpt2_dir: str = ""):
         raise ValueError("the char tokenizer is fitted to its corpus: CharTokenizer.fit(text)")
     if not os.path.exists(spec):
         raise DataError(f"data.tokenizer={spec!r}: choose char, byte, gpt2, or the path of a Hugging Face "
-                        f"tokenizer.json (or of a local directory holding one)")
-    return HFTokenizer(spec)
+                        f"tokenizer.json, a SentencePiece tokenizer.model, or a local directory holding one")
+    return file_tokenizer(spec)
 
 
 def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
@@ -357,7 +438,7 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
         is gone (data prepared on another machine, or by another installation of jaxllm), the
         files shipped with jaxllm are used when their checksums are the recorded ones.
     Returns:
-      a CharTokenizer, ByteTokenizer, GPT2Tokenizer or HFTokenizer.
+      a CharTokenizer, ByteTokenizer, GPT2Tokenizer, HFTokenizer or SentencePieceTokenizer.
     Raises:
       DataError: unknown tokenizer, missing fields, or the tokenizer files are missing or changed
         since the data was prepared.
@@ -370,15 +451,15 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
         if not isinstance(chars, str):
             raise DataError("meta.json: tokenizer 'char' without its 'chars' string; prepare the data again")
         return CharTokenizer(chars)
-    if name == "hf":
-        path, recorded = meta.get("hf_path"), meta.get("hf_sha256")
+    if name in ("hf", "sentencepiece"):
+        path, recorded = meta.get(f"{name}_path"), meta.get(f"{name}_sha256")
         if not isinstance(path, str) or not os.path.isfile(path):
-            raise DataError(f"hf tokenizer: {path} (recorded in meta.json) not found; put it back, or prepare the data "
-                            f"again")
+            raise DataError(f"{name} tokenizer: {path} (recorded in meta.json) not found; put it back, or prepare "
+                            f"the data again")
         if sha256_file(path) != recorded:
-            raise DataError(f"hf tokenizer: {path} changed since the data was prepared (sha256 differs from "
+            raise DataError(f"{name} tokenizer: {path} changed since the data was prepared (sha256 differs from "
                             f"meta.json); restore the original file or prepare the data again")
-        return HFTokenizer(path)
+        return HFTokenizer(path) if name == "hf" else SentencePieceTokenizer(path)
     if name == "gpt2":
         recorded = meta.get("gpt2_sha256")
         directory = gpt2_dir or meta.get("gpt2_dir")
@@ -397,4 +478,5 @@ def tokenizer_from_meta(meta: dict, gpt2_dir: str | None = None):
                 raise DataError(f"gpt2 tokenizer: {path} changed since the data was prepared (sha256 differs from "
                                 f"meta.json); restore the original file or prepare the data again")
         return GPT2Tokenizer(directory)
-    raise DataError(f"meta.json: unknown tokenizer {name!r}; expected char, byte, gpt2 or hf (prepare the data again)")
+    raise DataError(f"meta.json: unknown tokenizer {name!r}; expected char, byte, gpt2, hf or sentencepiece "
+                    f"(prepare the data again)")
