@@ -5,7 +5,9 @@ by the training CLI and exported with ``python -m jaxllm.convert --to-hf`` (mode
 lm-eval's ``HFLM`` reads the export in float32.  Both answer the same requests: log-likelihoods (a
 context longer than the model's 32 positions among them), rolling log-likelihoods of a text of
 several windows, greedy generations cut at a stop string, and a local multiple-choice task, in
-Python and through the command line ``python -m jaxllm.harness``.  Offline: nothing is downloaded.
+Python and through the command line ``python -m jaxllm.harness``.  And an open model imported: a tiny random
+transformers ``Qwen3ForCausalLM`` with that tokenizer, read by ``python -m jaxllm.convert --from-hf``, answers
+as the Hugging Face backend answers on the same directory.  Offline: nothing is downloaded.
 """
 
 import glob
@@ -58,6 +60,30 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3(run, tmp_path_factory):
+    """``(hf_dir, workdir)``: a tiny random Qwen3 saved with the run's tokenizer, and its ``--from-hf`` import."""
+    import torch
+
+    d = tmp_path_factory.mktemp("qwen3")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(run[0].parent / "tokenizer.json"),
+                                               eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=len(tok), max_position_embeddings=SEQ, rope_theta=500.0,
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    with torch.no_grad():  # norms away from 1 as well, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape))
+    model.save_pretrained(d / "hf")
+    tok.save_pretrained(d / "hf")
+    # the tokenizer comes along (WORKDIR/tokenizer): no data flags
+    run_python("-m", "jaxllm.convert", "--from-hf", str(d / "hf"), str(d / "run"), "--config.model.dtype=float32",
+               env=ENV)
+    return d / "hf", d / "run"
+
+
+@pytest.fixture(scope="module")
 def ours(run):
     return JaxLLM(workdir=str(run[0]), batch_size=4)
 
@@ -94,6 +120,21 @@ def test_loglikelihood_equals_hf_backend(ours, hf):
     assert [m[1] for m in mine] == [t[1] for t in theirs]
     assert mine[4][1] and not mine[6][1]  # the model's own greedy text is greedy; a repeated word is not
     assert all(m[0] < 0 for m in mine)
+
+
+def test_imported_qwen3_equals_hf_backend(qwen3):
+    """Issue 50's acceptance: ``jaxllm.harness`` on an imported Qwen3 equals lm-eval's HF backend (1e-4 nats)."""
+    ours = JaxLLM(workdir=str(qwen3[1]), batch_size=4)
+    hf = HFLM(pretrained=str(qwen3[0]), backend="causal", dtype="float32", device="cpu", batch_size=4)
+    long_context = " ".join(WORDS * 4)  # more than the model's SEQ positions: both keep its last tokens
+    assert len(ours.tok_encode(long_context)) > SEQ
+    reqs = requests("loglikelihood", ("the quick", " brown fox"), (long_context, " over the lazy dog."),
+                    ("fox", " jumps"), ("the lazy dog", " dog dog dog dog"))
+    mine, theirs = ours.loglikelihood(reqs), hf.loglikelihood(reqs)
+    np.testing.assert_allclose([m[0] for m in mine], [t[0] for t in theirs], atol=TOL, rtol=0)
+    assert [m[1] for m in mine] == [t[1] for t in theirs]
+    texts = requests("loglikelihood_rolling", (" ".join(np.random.default_rng(3).choice(WORDS, 60)) + ".",))
+    np.testing.assert_allclose(ours.loglikelihood_rolling(texts), hf.loglikelihood_rolling(texts), atol=TOL, rtol=0)
 
 
 def test_loglikelihood_rolling_equals_hf_backend(ours, hf):
