@@ -21,16 +21,20 @@ Targets: ``sm_80`` (A100), ``sm_90`` (H100/H200; Triton compiles for ``sm_90a``)
 (MI250X), ``gfx942`` (MI300X).  Resources per kernel: registers per thread (NVIDIA, from
 ``ptxas -v``) or VGPRs + AGPRs per lane and SGPRs (AMD, from the assembly's metadata), shared
 memory / LDS per block as Triton allocates it, against the architecture's per-block limit,
-and spills (NVIDIA: spill stores + loads bytes; AMD: VGPR/SGPR spill counts and scratch bytes).
-A kernel that exceeds the shared-memory limit would fail to launch on that GPU.
+spills (NVIDIA: spill stores + loads bytes; AMD: VGPR/SGPR spill counts and scratch bytes), and
+the matrix instructions in the code (:data:`MATRIX`: Hopper's ``wgmma`` on sm_90, ``mma.sync`` on sm_80,
+``v_mfma`` on CDNA; counted in the PTX or the AMD GPU assembly, each instruction once however often
+it runs). A kernel that exceeds the shared-memory limit would fail to launch on that GPU; one without
+its target's matrix instructions would do its products on the ordinary cores, several times slower.
 
 ``--sweep``: instead of the family's tiles, every candidate of :data:`SWEEP` for each Pallas kernel
 (9 tile shapes x ``--warps`` x ``--stages``), one row each: how the CDNA tables of
 ``DEFAULT_BLOCK_SIZES`` were chosen without an AMD GPU (the kernels' spills and occupancy, not
 their speed, which only a GPU can measure: ``benchmarks/attention.py``).
 
-Exit codes: 0 every kernel compiled within the limits; 1 a kernel failed to compile or exceeds
-the shared-memory limit (its row says why); 2 bad arguments or no ``triton``.
+Exit codes: 0 every kernel compiled within the limits; 1 a kernel failed to compile, exceeds the
+shared-memory limit, spills, or has none of its target's matrix instructions (:func:`problem`; its
+row says which); 2 bad arguments or no ``triton``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ TARGETS = {
     "gfx942": ("hip", "gfx942", 64, "cdna", "rocm", 64 * 1024),
 }
 KERNELS = ("fwd", "dkdv", "dq")
+# the matrix instruction each target's kernels must use; the patterns count them in the PTX / AMD GPU assembly
+MATRIX = {"sm_80": "mma.sync", "sm_90": "wgmma", "gfx90a": "v_mfma", "gfx942": "v_mfma"}
+_MATRIX_PATTERNS = {"wgmma": r"\bwgmma\.mma_async", "mma.sync": r"\bmma\.sync", "v_mfma": r"\bv_mfma"}
 # --sweep: each kernel's (query tile, key tile) candidates; the i-th of each kernel's list is lowered together
 SWEEP = {"fwd": [(q, k) for q in (64, 128, 256) for k in (32, 64, 128)],
          "dkdv": [(q, k) for q in (16, 32, 64) for k in (32, 64, 128)],
@@ -182,7 +189,8 @@ def compile_source(src, target: str, num_warps: int, num_stages: int) -> dict:
       dict with ``regs`` (NVIDIA registers per thread, AMD VGPRs + AGPRs per lane), ``sgprs`` (AMD),
       ``smem`` (bytes of shared memory / LDS per block), ``smem_limit``, ``spill`` (NVIDIA: spill
       store + load bytes; AMD: VGPR + SGPR spill count), ``scratch`` (AMD scratch bytes per lane),
-      ``occupancy`` (AMD waves per SIMD, from the compiler).
+      ``occupancy`` (AMD waves per SIMD, from the compiler), ``matrix`` (``{instruction: count}`` of
+      :data:`MATRIX`'s instructions present in the code).
     Raises:
       Exception: Triton's own error when the kernel cannot be compiled for ``target``.
     """
@@ -209,7 +217,7 @@ def compile_source(src, target: str, num_warps: int, num_stages: int) -> dict:
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
         if not regs or not spills:
             raise RuntimeError(f"no ptxas resource line in: {text[-500:]!r}")
-        res.update(regs=int(regs[-1]), spill=sum(map(int, spills[-1])))
+        res.update(regs=int(regs[-1]), spill=sum(map(int, spills[-1])), matrix=matrix_instructions(compiled.asm["ptx"]))
     else:
         asm = compiled.asm["amdgcn"]
 
@@ -222,8 +230,15 @@ def compile_source(src, target: str, num_warps: int, num_stages: int) -> dict:
         res.update(regs=num(r"; TotalNumVgprs: (\d+)") if "TotalNumVgprs" in asm else num(r"; NumVgprs: (\d+)"),
                    sgprs=num(r"; TotalNumSgprs: (\d+)") if "TotalNumSgprs" in asm else num(r"; NumSgprs: (\d+)"),
                    spill=num(r"\.vgpr_spill_count:\s+(\d+)") + num(r"\.sgpr_spill_count:\s+(\d+)"),
-                   scratch=num(r"; ScratchSize: (\d+)"), occupancy=num(r"; Occupancy: (\d+)"))
+                   scratch=num(r"; ScratchSize: (\d+)"), occupancy=num(r"; Occupancy: (\d+)"),
+                   matrix=matrix_instructions(asm))
     return res
+
+
+def matrix_instructions(code: str) -> dict[str, int]:
+    """``{instruction: count}`` of the matrix instructions (:data:`MATRIX`'s) in PTX or AMD GPU assembly."""
+    counts = {name: len(re.findall(pattern, code)) for name, pattern in _MATRIX_PATTERNS.items()}
+    return {name: n for name, n in counts.items() if n}
 
 
 def compile_pallas(kernel: lowering.TritonKernel, target: str) -> dict:
@@ -275,23 +290,34 @@ def _launch(bs: pa.BlockSizes, kernel: str) -> tuple[int, int]:
     return (bs.num_warps, bs.num_stages) if kernel == "fwd" else (bs.num_warps_bwd, bs.num_stages_bwd)
 
 
-def over_limit(row: dict) -> bool:
-    return "error" not in row and row["smem"] > row["smem_limit"]
+def problem(row: dict) -> str | None:
+    """Why a compiled row fails the checks (over the shared memory, spilling, without its target's matrix
+    instructions), or None; rows with an ``error`` are not checked."""
+    if "error" in row:
+        return None
+    if row["smem"] > row["smem_limit"]:
+        return "OVER shared memory"
+    if row["spill"] or row["scratch"]:
+        return "SPILLS"
+    if MATRIX[row["target"]] not in row["matrix"]:
+        return f"no {MATRIX[row['target']]}"
+    return None
 
 
 def table(results: list[dict]) -> str:
     head = ["impl", "head_dim", "kernel", "tiles (q x k, warps, stages)", "target", "registers", "shared KiB (limit)",
-            "spills", "AMD: SGPRs / scratch B / occupancy"]
+            "spills", "matrix instructions", "AMD: SGPRs / scratch B / occupancy", "check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         base = [r["impl"], str(r["head_dim"]), r["kernel"], r["tiles"], r["target"]]
         if "error" in r:
-            lines.append("| " + " | ".join(base + [f"error: {r['error']}", "", "", ""]) + " |")
+            lines.append("| " + " | ".join(base + [f"error: {r['error']}", "", "", "", "", "error"]) + " |")
             continue
-        smem = f"{r['smem'] / 1024:.1f} ({r['smem_limit'] // 1024})" + (" OVER" if over_limit(r) else "")
+        smem = f"{r['smem'] / 1024:.1f} ({r['smem_limit'] // 1024})"
         amd = "" if r["sgprs"] is None else f"{r['sgprs']} / {r['scratch']} / {r['occupancy']}"
         spill = f"{r['spill']} B" if r["sgprs"] is None else str(r["spill"])
-        lines.append("| " + " | ".join(base + [str(r["regs"]), smem, spill, amd]) + " |")
+        matrix = ", ".join(f"{n} {name}" for name, n in r["matrix"].items()) or "none"
+        lines.append("| " + " | ".join(base + [str(r["regs"]), smem, spill, matrix, amd, problem(r) or "ok"]) + " |")
     return "\n".join(lines)
 
 
@@ -314,7 +340,7 @@ def main(argv=None) -> int:
     print(f"batch 1, seq {a.seq}, heads {a.heads}, kv_heads {kvh}, {a.dtype}, causal={a.causal}; "
           f"command: python benchmarks/triton_offline.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     print(table(results))
-    failed = [r for r in results if "error" in r or over_limit(r)]
+    failed = [r for r in results if "error" in r or problem(r)]
     return 1 if failed and not a.sweep else 0
 
 

@@ -113,21 +113,23 @@ def _dot(a, b, exact, trans_a=False, trans_b=False):
                      precision=lax.Precision.HIGHEST if exact else None)
 
 
-def _mask(cfg, q_idx, k_idx, q_seg=None, k_seg=None, q_pos=None, k_pos=None):
-    """Boolean ``[len(q_idx), len(k_idx)]`` visibility of one tile, or None when nothing is masked."""
+def _mask(cfg, q_idx, k_idx, q_seg=None, k_seg=None, q_pos=None, k_pos=None, transposed=False):
+    """Boolean ``[len(q_idx), len(k_idx)]`` visibility of one tile (``transposed``: ``[len(k_idx), len(q_idx)]``),
+    or None when nothing is masked."""
+    qa, ka = ((None, slice(None)), (slice(None), None)) if transposed else ((slice(None), None), (None, slice(None)))
     if cfg.has_pos:
-        qp, kp = q_pos[:, None], k_pos[None, :]
+        qp, kp = q_pos[qa], k_pos[ka]
     else:
-        qp, kp = q_idx[:, None] + cfg.offset, k_idx[None, :]
+        qp, kp = q_idx[qa] + cfg.offset, k_idx[ka]
     conds = []
     if cfg.causal:
         conds.append(kp <= qp)
     if cfg.window is not None:
         conds.append(qp - kp < cfg.window)
     if cfg.has_seg:
-        conds.append(q_seg[:, None] == k_seg[None, :])
+        conds.append(q_seg[qa] == k_seg[ka])
     if cfg.kv_padded:
-        conds.append(k_idx[None, :] < cfg.kv_len)
+        conds.append(k_idx[ka] < cfg.kv_len)
     if not conds:
         return None
     mask = conds[0]
@@ -308,6 +310,10 @@ def _dkdv_kernel(*refs, cfg):
     """dK, dV for one (key block, batch, kv head), summed over the group's query heads.
 
     refs: k/v [bk, d]; q/do [q_len, group, d]; lse2/delta [group, q_len] -> dk/dv [bk, d].
+    Every product is computed transposed, ``S^T = K Q^T`` ``[bk, bq]`` and the rest from it (as Triton's
+    fused-attention tutorial's ``_attn_bwd_dkdv``), so that each has the owned key tile as its rows: with
+    the query tile as rows (``bq`` 16 or 32) Triton gives sm_90 the older ``mma.sync`` in place of Hopper's
+    ``wgmma``, which needs 64 rows per warp group (``benchmarks/triton_offline.py`` counts them).
     """
     main, side, (dk_ref, dv_ref) = _split_refs(cfg, refs, 6)
     k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref = main
@@ -335,15 +341,16 @@ def _dkdv_kernel(*refs, cfg):
                 do = do_ref[qs, hh, :]
                 lse = lse_ref[hh, qs]
                 delta = delta_ref[hh, qs]
-                s = _dot(q, k, cfg.exact, trans_b=True) * scale  # [bq, bk]
-                p = jnp.exp2(s - lse[:, None])
-                mask = _mask(cfg, q_start + jnp.arange(bq, dtype=jnp.int32), k_idx, q_seg, k_seg, q_pos, k_pos)
+                st = _dot(k, q, cfg.exact, trans_b=True) * scale  # S^T = K Q^T: [bk, bq]
+                pt = jnp.exp2(st - lse[None, :])
+                mask = _mask(cfg, q_start + jnp.arange(bq, dtype=jnp.int32), k_idx, q_seg, k_seg, q_pos, k_pos,
+                             transposed=True)
                 if mask is not None:
-                    p = jnp.where(mask, p, 0.0)
-                dv = dv + _dot(p.astype(do.dtype), do, cfg.exact, trans_a=True)  # dV += P^T dO
-                dp = _dot(do, v, cfg.exact, trans_b=True)  # dP = dO V^T
-                ds = p * (dp - delta[:, None])  # dS = P o (dP - D)
-                dk = dk + _dot(ds.astype(q.dtype), q, cfg.exact, trans_a=True)  # dK += dS^T Q (scale later)
+                    pt = jnp.where(mask, pt, 0.0)
+                dv = dv + _dot(pt.astype(do.dtype), do, cfg.exact)  # dV += P^T dO
+                dpt = _dot(v, do, cfg.exact, trans_b=True)  # dP^T = V dO^T
+                dst = pt * (dpt - delta[None, :])  # dS^T = P^T o (dP^T - D)
+                dk = dk + _dot(dst.astype(q.dtype), q, cfg.exact)  # dK += dS^T Q (scale later)
                 return dk, dv
 
             return _maybe_skip(cfg, step, q_seg, k_seg, q_pos, k_pos)(carry)

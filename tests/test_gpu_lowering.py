@@ -9,8 +9,9 @@
 * the whole train step of a small GPT with ``attention_impl`` ``pallas`` and ``cudnn``, on one
   device and on 8-device meshes (FSDP x tensor, and ring sequence parallelism), exported in a
   subprocess (``tests/gpu_lowering_steps.py``) because the CPU device count is fixed at start-up;
-* the Triton compiler (``triton`` package) turns the lowered kernels into sm_80/sm_90/gfx90a code
-  within the shared-memory limit of each (``benchmarks/triton_offline.py``).
+* the Triton compiler (``triton`` package) turns the lowered kernels into sm_80/sm_90/gfx90a/gfx942 code
+  within the shared-memory limit of each, without spills, with the target's matrix instructions
+  (``benchmarks/triton_offline.py``).
 
 A kernel change that cannot lower or compile for a GPU fails here, without a GPU.
 """
@@ -224,7 +225,9 @@ def _offline():
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
 def test_pallas_kernels_compile_to_machine_code(target):
     """The Triton compiler turns the lowered kernels into GPU code within the architecture's shared memory,
-    without a register spill: no spill store/load on NVIDIA, no spilled VGPR or SGPR and no scratch on AMD.
+    without a register spill (no spill store/load on NVIDIA, no spilled VGPR or SGPR and no scratch on AMD),
+    with the target's matrix instructions: Hopper's ``wgmma`` on sm_90, ``mma.sync`` on sm_80, ``v_mfma`` on
+    CDNA (a kernel whose products fall back to the ordinary cores fails here).
 
     GPT head size 64 and head size 128, bfloat16, the family's default tiles (``DEFAULT_BLOCK_SIZES``;
     docs/performance.md has the table)."""
@@ -242,3 +245,5 @@ def test_pallas_kernels_compile_to_machine_code(target):
             assert 0 < res["smem"] <= limit, (name, d, res)
             assert 0 < res["regs"] <= (255 if backend == "cuda" else 512), (name, d, res)
             assert res["spill"] == 0 and res["scratch"] in (None, 0), (name, d, res)
+            assert res["matrix"].get(mod.MATRIX[target], 0) > 0 and mod.problem(
+                dict(res, target=target)) is None, (name, d, res)
