@@ -1,5 +1,5 @@
-"""Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys, for Llama's, Qwen's and
-Mistral's shapes.
+"""Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys, for Llama's, Qwen's
+(dense and mixture of experts) and Mistral's shapes.
 
     python -m jaxllm.train --config=configs/llama.py:Llama-3-8B --config.data.tokenizer=PATH/tokenizer.json ...
     LLAMA=1 MODEL_SIZE_KEY=AuroraGPT-2B TOKENIZER_TYPE=PATH/tokenizer.json sbatch launch/frontier.sbatch
@@ -37,7 +37,13 @@ Keys (model shapes, each from the file named):
   Qwen3-8B      Qwen/Qwen3-8B config.json (Qwen3ForCausalLM): 36 layers, hidden 4096, 32 heads (head_dim 128),
                 8 KV heads, FFN 12288, vocabulary 151936, 40960 positions, rope_theta 1e6, rms_norm_eps 1e-6,
                 RMSNorm of each head's queries and keys (model.qk_layernorm).  8.19B parameters.
-                Both trained here at 8192 tokens; their tokenizers are Qwen's tokenizer.json.
+  Qwen3-30B-A3B Qwen/Qwen3-30B-A3B config.json (Qwen3MoeForCausalLM): Qwen3's attention with 48 layers, hidden
+                2048, 32 heads of 128 (model.kv_channels: 4096 wide, not hidden / heads), 4 KV heads; in every layer
+                a mixture of 128 experts of FFN 768, top 8 renormalized (norm_topk_prob true), no shared expert
+                (router_aux_loss_coef 0.001 as model.moe_aux_loss_coeff; intermediate_size 6144, the FFN of dense
+                layers, which mlp_only_layers [] leaves none of); vocabulary 151936, 40960 positions, rope_theta 1e6,
+                rms_norm_eps 1e-6.  30.53B parameters, 3.35B of them active per token.
+                The Qwen keys are trained here at 8192 tokens; their tokenizers are Qwen's tokenizer.json.
   Mistral-7B    mistralai/Mistral-7B-v0.1 config.json (MistralForCausalLM): 32 layers, hidden 4096, 32 heads,
                 8 KV heads, FFN 14336, vocabulary 32000, 32768 positions, rope_theta 10000, rms_norm_eps 1e-5,
                 each token attending to the last 4096 positions (model.sliding_window).  7.24B parameters.
@@ -61,13 +67,16 @@ SIZES = {
     "Qwen2.5-7B": (28, 3584, 28, 4, 18944, 152064, 131072, 1e6, 8192),
     "Qwen3-8B": (36, 4096, 32, 8, 12288, 151936, 40960, 1e6, 8192),
     "Mistral-7B": (32, 4096, 32, 8, 14336, 32000, 32768, 10000.0, 8192),
+    "Qwen3-30B-A3B": (48, 2048, 32, 4, 6144, 151936, 40960, 1e6, 8192),
 }
 # the keys' other model settings (see the module docstring)
 EXTRA = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
                               rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192),
          "Qwen2.5-7B": dict(add_qkv_bias=True, norm_eps=1e-6),
          "Qwen3-8B": dict(qk_layernorm=True, norm_eps=1e-6),
-         "Mistral-7B": dict(sliding_window=4096)}
+         "Mistral-7B": dict(sliding_window=4096),
+         "Qwen3-30B-A3B": dict(qk_layernorm=True, norm_eps=1e-6, kv_channels=128, num_experts=128, moe_router_topk=8,
+                               moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001)}
 # ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model, taken to be Llama 2's
 # tokenizer, 32000 tokens; that file was not read here).
 

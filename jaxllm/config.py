@@ -90,6 +90,8 @@ class Model(Section):
     hidden_size: int = _key(256, ">0")
     num_attention_heads: int = _key(4, ">0")
     num_kv_heads: int = _key(0, ">=0")  # 0: = num_attention_heads (multi-head attention)
+    # each attention head's size (Megatron-LM's --kv-channels; HF's head_dim); 0: hidden_size / num_attention_heads
+    kv_channels: int = _key(0, ">=0")
     ffn_hidden_size: int = _key(0, ">=0")  # 0: 4 x hidden (gelu) or 8/3 x hidden rounded up to 64 (swiglu)
     vocab_size: int = _key(0, ">=0")  # 0: the tokenizer's vocabulary
     # the embedding and output tables are padded to a multiple of this x the tensor-parallel size (Megatron-LM's)
@@ -172,7 +174,7 @@ class Model(Section):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -428,6 +430,7 @@ def get_config() -> Config:
 MEGATRON_NAMES = {
     "num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
     "num_attention_heads": "model.num_attention_heads", "num_query_groups": "model.num_kv_heads",
+    "kv_channels": "model.kv_channels",
     "ffn_hidden_size": "model.ffn_hidden_size", "max_position_embeddings": "model.max_position_embeddings",
     "make_vocab_size_divisible_by": "model.make_vocab_size_divisible_by", "normalization": "model.norm",
     "swiglu": "model.activation=swiglu", "position_embedding_type": "model.position_embedding",

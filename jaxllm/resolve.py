@@ -52,7 +52,7 @@ def _check_values(cfg: Config) -> None:
                           + (">= 2 virtual stages" if interleaved else "exactly 1")
                           + "; the interleaved schedules (interleaved, interleaved_1f1b) take >= 2, gpipe, 1f1b "
                           "and zb_h1 exactly 1")
-    if m.hidden_size % m.num_attention_heads:
+    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
         raise ConfigError("model.hidden_size", m.hidden_size,
                           f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % (m.num_kv_heads or m.num_attention_heads):
@@ -60,7 +60,8 @@ def _check_values(cfg: Config) -> None:
                           f"must divide model.num_attention_heads={m.num_attention_heads}")
     if m.position_embedding == "rotary" and m.head_dim % 2:
         raise ConfigError("model.position_embedding", "rotary",
-                          f"rotary needs an even head dim; hidden_size/num_attention_heads is {m.head_dim}")
+                          f"rotary needs an even head dim; model.kv_channels (0: hidden_size/num_attention_heads) "
+                          f"gives {m.head_dim}")
     if m.use_rope_scaling and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError("model.rope_high_freq_factor", m.rope_high_freq_factor,
                           f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1)")

@@ -2,13 +2,14 @@
 transformers + PyTorch (CPU, float32, small random models).
 
 Import: transformers' GPT-2 / Llama (and Llama 3.1's rotary scaling) / Qwen2 / Qwen3 / Mistral (a sliding window) /
-Mixtral logits == jaxllm's on the imported parameters (Mixtral's experts also in transformers 5's fused layout).
+Mixtral / Qwen3-MoE (a dense layer among MoE ones, heads wider than hidden / heads, both routers) logits == jaxllm's
+on the imported parameters (the experts also in transformers 5's fused layout).
 Export: transformers loads what jaxllm writes (from an import, through a real workdir and the
 CLI, and from a jaxllm-initialized model with a padded vocabulary) and gives jaxllm's logits,
-with exactly the tensors transformers itself saves; a jaxllm mixture of experts trained a few steps
-exports as Mixtral, whose cross entropy on the run's validation batches is the run's eval_loss.  The
-imported workdir's config.py loads through the training CLI's --config flag.  Bad inputs: pickle-only
-directories, unsupported configs both ways, options the import cannot honour.
+with exactly the tensors transformers itself saves, which import as the same parameters bit for bit; a jaxllm
+mixture of experts trained a few steps exports as Mixtral, whose cross entropy on the run's validation batches is
+the run's eval_loss.  The imported workdir's config.py loads through the training CLI's --config flag.  Bad inputs:
+pickle-only directories, unsupported configs both ways, options the import cannot honour.
 """
 
 import dataclasses
@@ -89,13 +90,24 @@ def mixtral(tied=False):
         tie_word_embeddings=tied, rope_theta=500.0, router_aux_loss_coef=0.02))
 
 
+def qwen3_moe(tied=False):
+    """4 experts (top 2, renormalized), layer 1 of 3 a dense MLP (mlp_only_layers): layer groups of 1, 1 and 1; heads
+    of 32 (model.kv_channels), twice hidden / heads, as Qwen3-30B-A3B's 128 of 2048 / 32."""
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        head_dim=32, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0,
+        router_aux_loss_coef=0.02))
+
+
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
           "llama-ropescaled-untied": lambda: llama3(False), "qwen2-gqa-untied": lambda: qwen2(False),
           "qwen3-gqa-tied": lambda: qwen3(True), "mistral-gqa-untied": lambda: mistral(False),
-          "mixtral-gqa-untied": lambda: mixtral(False)}
+          "mixtral-gqa-untied": lambda: mixtral(False), "qwen3moe-gqa-untied": lambda: qwen3_moe(False)}
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+              "qwen3moe": "Qwen3MoeForCausalLM"}
 
 
 def randomize(m, seed):
@@ -157,12 +169,17 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
     assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name,
                                                                    8 if "mistral" in name else 0)
+    assert (m.kv_channels, m.head_dim) == ((32, 32) if "qwen3moe" in name else (0, 16))
     scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
                m.rope_original_max_position_embeddings)
     assert scaling == ((True, 8.0, 1.0, 4.0, SEQ) if "ropescaled" in name else (False, 8.0, 1.0, 4.0, 8192))
     if "mixtral" in name:  # dropless top-2 of 4 experts of 48, as Mixtral
         assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 48)
         assert (m.moe_aux_loss_coeff, m.moe_capacity_factor, m.moe_shared_expert_intermediate_size) == (0.02, 0, 0)
+    elif "qwen3moe" in name:  # the same experts, and layer 1 a dense MLP of 96
+        assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 96)
+        assert (m.moe_layer_freq, m.moe_router_pre_softmax, m.moe_aux_loss_coeff) == ("[1,0,1]", False, 0.02)
+        assert [g.moe for g in gpt.layer_groups(m)] == [True, False, True]
     else:
         assert m.num_experts == 0
     out = jax_logits(m, params, tokens())
@@ -184,6 +201,9 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert sorted(tensors) == sorted(original)
     for k in original:
         np.testing.assert_array_equal(tensors[k], original[k], err_msg=k)
+    # and importing the export gives the same parameters, bit for bit
+    _, again = convert.from_hf(str(tmp_path / "back"), F32)
+    jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
 @pytest.mark.parametrize("hf_dir", ["llama-gqa-untied", "llama-ropescaled-untied"], indirect=True)
@@ -208,25 +228,49 @@ def test_rotary_layout_is_hf_llamas(hf_dir):
     assert np.abs(jax_logits(cfg.model, wrong, toks, positions=positions) - out).max() > 1e-2
 
 
-@pytest.mark.parametrize("hf_dir", ["mixtral-gqa-untied"], indirect=True)
-def test_mixtral_fused_experts_import(hf_dir, tmp_path):
-    """transformers 5's own layout of Mixtral's experts (``save_original_format=False``: the router as
-    ``mlp.gate.weight``, each layer's experts as ``gate_up_proj [E, 2f, h]`` and ``down_proj [E, h, f]``)
-    imports as the per-expert layout of the Hub's checkpoints does; a wrong shape is named."""
+@pytest.mark.parametrize("hf_dir", ["mixtral-gqa-untied", "qwen3moe-gqa-untied"], indirect=True)
+def test_fused_experts_import(hf_dir, tmp_path):
+    """transformers 5's own layout of Mixtral's and Qwen3-MoE's experts (``save_original_format=False``: the
+    router as ``mlp.gate.weight``, each layer's experts as ``gate_up_proj [E, 2f, h]`` and ``down_proj
+    [E, h, f]``) imports as the per-expert layout of the Hub's checkpoints does; a wrong shape is named."""
     from safetensors.numpy import load_file, save_file
 
     _, d, ref = hf_dir
     load_hf(d).save_pretrained(tmp_path / "fused", safe_serialization=True, save_original_format=False)
     fused = load_file(str(tmp_path / "fused" / "model.safetensors"))
-    assert fused["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
-    assert not any("block_sparse_moe" in k for k in fused)
+    last = f"model.layers.{load_hf(d).config.num_hidden_layers - 1}.mlp.experts"  # a mixture of experts in both
+    assert fused[f"{last}.gate_up_proj"].shape == (4, 2 * 48, 64)
+    assert not any("block_sparse_moe" in k or ".experts.0." in k for k in fused)
     cfg, params = convert.from_hf(str(tmp_path / "fused"), F32)
     np.testing.assert_allclose(jax_logits(cfg.model, params, tokens()), ref, atol=TOL, rtol=0)
-    fused["model.layers.1.mlp.experts.down_proj"] = fused["model.layers.1.mlp.experts.down_proj"][:3]
+    fused[f"{last}.down_proj"] = fused[f"{last}.down_proj"][:3]
     save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
-    with pytest.raises(ConvertError, match=r"model.layers.1.mlp.experts.down_proj has shape \[3, 64, 48\], "
+    with pytest.raises(ConvertError, match=rf"{last}.down_proj has shape \[3, 64, 48\], "
                                            r"config.json implies \[4, 64, 48\]"):
         convert.from_hf(str(tmp_path / "fused"), F32)
+
+
+def test_qwen3_moe_unnormalized_routing_and_sparse_step(tmp_path):
+    """Qwen3-MoE's other router (norm_topk_prob false: the top k of the softmax over all experts, not renormalized)
+    is model.moe_router_pre_softmax, and decoder_sparse_step 2 (layers 1 and 3 of 4 mixtures of experts, as
+    transformers counts) is moe_layer_freq [0,1,0,1]: transformers' logits both ways, the export written with
+    mlp_only_layers."""
+    torch.manual_seed(5)
+    m = randomize(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ, rope_theta=500.0)), seed=6)
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ref = hf_logits(m, tokens())
+    cfg, params = convert.from_hf(str(tmp_path / "hf"), F32)
+    assert (cfg.model.moe_router_pre_softmax, cfg.model.moe_layer_freq) == (True, "[0,1,0,1]")
+    out = jax_logits(cfg.model, params, tokens())
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+    renormalized = jax_logits(dataclasses.replace(cfg.model, moe_router_pre_softmax=False), params, tokens())
+    assert np.abs(renormalized - ref).max() > 100 * TOL
+    hf = convert.save_hf(cfg.model, params, str(tmp_path / "back"))
+    assert (hf["norm_topk_prob"], hf["decoder_sparse_step"], hf["mlp_only_layers"]) == (False, 1, [0, 2])
+    np.testing.assert_allclose(hf_logits(load_hf(tmp_path / "back"), tokens()), ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
@@ -508,6 +552,7 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (dict(MOE_CFG, moe_capacity_factor=1.25), ("model.moe_capacity_factor",)),  # Mixtral is dropless
     (dict(MOE_CFG, moe_shared_expert_intermediate_size=32), ("model.moe_shared_expert_intermediate_size",)),
     (dict(num_experts=4), ("model.num_experts",)),  # GPT-2's layer with experts: no such HF model
+    (dict(kv_channels=32), ("model.kv_channels",)),  # GPT-2's heads are hidden_size / heads wide
 ])
 def test_unsupported_combination_names_keys(changes, keys):
     m = small_cfg(**changes).model
@@ -535,15 +580,16 @@ def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ("llama", {"head_dim": 32}, "head_dim"),
     ("gemma", {}, "model_type"),
     ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
     ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}},
      "rope_parameters.rope_type"),
 ])
 def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
-    hf = {"gpt2": gpt2, "mixtral": mixtral}.get(model_type, llama)().config.to_dict()
+    hf = {"gpt2": gpt2, "mixtral": mixtral, "qwen3_moe": qwen3_moe}.get(model_type, llama)().config.to_dict()
     hf.update(change)
     if model_type == "gemma":
         hf["model_type"] = "gemma"

@@ -1,10 +1,10 @@
 """Layer groups (jaxllm.model.gpt.layer_groups): dense and mixture-of-experts layers in one stack, placed by
 ``model.moe_layer_freq`` (Megatron-LM's ``--moe-layer-freq``).
 
-A stack of 2 dense layers then 2 MoE layers trains on 8 fake CPU devices (expert x data x tensor, and pipeline x
-data x expert under the fused 1F1B loop and GPipe's forward loop) as on one device, float32, three steps with
-dropout (tests/multidevice.py); the grouped scan equals the layers applied one by one; parameter count, active
-parameters and FLOPs equal a count by hand; bad patterns are refused with the key.
+A stack of 2 dense layers then 2 MoE layers (with Qwen3-MoE's attention) trains on 8 fake CPU devices (expert x
+data x tensor, and pipeline x data x expert under the fused 1F1B loop and GPipe's forward loop) as on one device,
+float32, three steps with dropout (tests/multidevice.py); the grouped scan equals the layers applied one by one;
+parameter count, active parameters and FLOPs equal a count by hand; bad patterns are refused with the key.
 """
 
 import math
@@ -28,8 +28,11 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_
 
 def layout(mesh, micro, **parallel):
     """2 micro batches of 8 rows per step: ``micro`` rows per data-parallel replica; dropout on (each layer's keys
-    follow it into its group and pipeline stage)."""
-    return {"mesh": mesh, "parallel": parallel, "train": {"micro_batch_size": micro}, "model": {**MOE, "dropout": 0.1}}
+    follow it into its group and pipeline stage); Qwen3-MoE's attention: an RMSNorm of each head's queries and keys
+    (a LayerNorm's bias on the keys would shift every score of a query alike: no gradient, only rounding noise that
+    Adam scales up), heads of 32 where hidden / heads is 16 (model.kv_channels)."""
+    return {"mesh": mesh, "parallel": parallel, "train": {"micro_batch_size": micro},
+            "model": {**MOE, "dropout": 0.1, "norm": "rmsnorm", "qk_layernorm": True, "kv_channels": 32}}
 
 
 LAYOUTS = {
@@ -140,9 +143,12 @@ def test_bad_patterns_are_refused_with_the_key(model, mesh, key):
     assert e.value.key.split(" ")[0] == key
 
 
-def test_mixed_stack_has_no_hugging_face_architecture_yet():
-    """Mixtral makes every layer a mixture of experts: a mixed stack is refused on export, naming the key."""
+def test_mixed_stack_exports_as_qwen3_moe():
+    """Mixtral makes every layer a mixture of experts, Qwen3-MoE may keep some dense (mlp_only_layers): a mixed stack
+    of Llama's layer is refused on export, naming the key for each; with Qwen3's query/key norms it is Qwen3-MoE."""
+    llama = dict(MOE, activation="swiglu", use_bias=False, norm="rmsnorm", position_embedding="rotary")
     with pytest.raises(hf.ConvertError) as e:
-        hf.hf_architecture(_resolved(**MOE, activation="swiglu", use_bias=False, norm="rmsnorm",
-                                     position_embedding="rotary").model)
-    assert "model.moe_layer_freq" in str(e.value)
+        hf.hf_architecture(_resolved(**llama).model)
+    assert "for MixtralForCausalLM change model.moe_layer_freq=" in str(e.value)
+    assert "for Qwen3MoeForCausalLM change model.qk_layernorm=False (needs True)" in str(e.value)
+    assert hf.hf_architecture(_resolved(**llama, qk_layernorm=True).model) is hf.QWEN3_MOE

@@ -34,7 +34,7 @@ def test_keys_resolve_with_the_published_sizes(key, published):
 
 
 # the published config.json values (Hugging Face Hub: meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B, Qwen/Qwen3-8B,
-# mistralai/Mistral-7B-v0.1)
+# mistralai/Mistral-7B-v0.1, Qwen/Qwen3-30B-A3B)
 HF_CONFIGS = {
     "Llama-3.1-8B": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -53,6 +53,11 @@ HF_CONFIGS = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_theta=10000.0, sliding_window=4096)),
+    "Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0)),
 }
 
 

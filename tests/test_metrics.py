@@ -63,6 +63,13 @@ def test_flops_per_token_with_a_sliding_window():
     assert windowed == 9312 - attention + attention * 1.875 / 2
 
 
+def test_flops_per_token_with_wider_heads():
+    """Heads of model.kv_channels = 8, twice h/n (as Qwen3-30B-A3B's 128 of 2048 / 32): QKV 2*8*4*8 = 512, attention
+    2*2*4*2*8 / 2 = 128, out proj 2*(n*d)*h = 256, the MLP's 1024 and the logits' 160 as above:
+    3*2*(512 + 128 + 256 + 1024) + 3*160 = 12000."""
+    assert flops.flops_per_token(make_cfg("gelu", **TINY, kv_channels=8).model, 4) == 12000
+
+
 # Recomputed forward matmuls per token and layer by policy, from the hand count above (swiglu: the MLP's
 # 1536 is up 512 + gate 512 + down 512; scores and values 32 each): full 1984; minimal and save_dots
 # 64 (scores + values); minimal_with_context 32 (scores); save_dots_except_mlp 64 + 1536;

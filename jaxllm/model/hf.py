@@ -1,6 +1,6 @@
 """The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``MixtralForCausalLM``
-in jaxllm's terms, and the pure mapping of parameters both ways.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM`` and
+``Qwen3MoeForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
 
 Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
 config.json keys <-> model keys, the config.json values supported, and the table of its
@@ -11,8 +11,10 @@ biases, grouped-query attention; **Qwen2** Llama's layer with query/key/value bi
 **Qwen3** Llama's with an RMSNorm of each head's queries and keys (``model.qk_layernorm``); **Mistral** Llama's
 attending to a sliding window (``model.sliding_window``); **Mixtral** Llama's
 layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
-shared expert); each with tied or untied embeddings (any other model is a :class:`ConvertError` naming
-the keys that do not fit).
+shared expert); **Qwen3-MoE** Qwen3's attention with such experts (their top k renormalized or not:
+``model.moe_router_pre_softmax``), some layers dense if ``model.moe_layer_freq`` says so; each with tied or
+untied embeddings and any head size (``model.kv_channels``, HF's ``head_dim``; GPT-2's is
+``hidden_size / heads``).  Any other model is a :class:`ConvertError` naming the keys that do not fit.
 The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the
 logits of its padding rows, so without them HF's logits and softmax are exactly jaxllm's.
 
@@ -72,12 +74,17 @@ class Tensor(NamedTuple):
     (per-layer) parameter that form the input axis, the rest the output axis (``wq [h, heads, d]``,
     1: ``[h, heads*d]``; ``wo [heads, d, h]``, 2: ``[heads*d, h]``); 0: a vector, flattened.
     ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings).
+    ``moe``: for a per-layer row, the layers it is in: True, the mixtures of experts; False, the dense
+    layers; None, every layer.  A model whose layers are of both kinds (``model.moe_layer_freq``) holds
+    them in layer groups (:func:`jaxllm.model.gpt.layer_groups`): ``layers/...`` is then each group's
+    ``layers_0/...``, ``layers_1/...``, layer ``i`` that group's slice ``i - group.first``.
     """
 
     name: str
     params: tuple[str, ...]
     fan_in: int = 1
     linear: bool = False
+    moe: bool | None = None
 
 
 VEC = 0  # fan_in of a vector
@@ -93,7 +100,9 @@ class Arch:
     a bare base model's checkpoint; ``buffers``: regex of non-parameter tensors checkpoints may
     hold; ``tensors``: the table, every parameter in one row (``lm_head`` only when untied);
     ``layouts``: ``(tensors, model section) -> tensors``, a checkpoint's other layouts of the same
-    parameters renamed and split into the table's (None: the table's is the only one)."""
+    parameters renamed and split into the table's (None: the table's is the only one); ``aliases``:
+    config.json key -> the key of ``keys`` it also goes by; ``derive``: ``(config.json, model keys read
+    by keys) -> more model keys``, those that are no one config.json value (None: no more)."""
 
     model_type: str
     hf_class: str
@@ -105,12 +114,14 @@ class Arch:
     buffers: str
     tensors: tuple[Tensor, ...]
     layouts: Callable[[dict, config.Model], dict] | None = None
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    derive: Callable[[dict, dict], dict] | None = None
 
 
 GPT2 = Arch(
     model_type="gpt2", hf_class="GPT2LMHeadModel",
     needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True,
-           "num_experts": 0, "qk_layernorm": False, "sliding_window": 0},
+           "num_experts": 0, "qk_layernorm": False, "sliding_window": 0, "kv_channels": 0},
     keys={"n_layer": ("num_layers", 12), "n_embd": ("hidden_size", 768), "n_head": ("num_attention_heads", 12),
           "n_inner": ("ffn_hidden_size", None), "vocab_size": ("vocab_size", GPT2_VOCAB_SIZE),
           "n_positions": ("max_position_embeddings", 1024), "layer_norm_epsilon": ("norm_eps", 1e-5),
@@ -181,10 +192,10 @@ _LLAMA_KEYS = {"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_
                "max_position_embeddings": ("max_position_embeddings", 2048), "rms_norm_eps": ("norm_eps", 1e-6),
                "rope_theta": ("rotary_base", 10000.0), "initializer_range": ("init_std", 0.02),
                "tie_word_embeddings": ("tie_embeddings", False)}
-_LLAMA_MLP = (
-    Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
-    Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
-    Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
+_LLAMA_MLP = (  # a dense layer's
+    Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers/mlp/wg",), linear=True, moe=False),  # [f, h]
+    Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True, moe=False),  # [f, h]
+    Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True, moe=False),  # [h, f]
 )
 
 LLAMA = Arch(
@@ -216,64 +227,79 @@ _QWEN_EXTRA = {"attention_dropout": 0.0, "sliding_window": None, "max_window_lay
 QWEN2 = Arch(
     model_type="qwen2", hf_class="Qwen2ForCausalLM", needs={**_LLAMA_NEEDS, "add_qkv_bias": True}, keys=_QWEN_KEYS,
     supports={"hidden_act": ("silu",), "use_sliding_window": (False,)},
-    extra=lambda m: {**_QWEN_EXTRA, **_rope_parameters(m)},
+    extra=lambda m: {**_QWEN_EXTRA, "head_dim": m.head_dim, **_rope_parameters(m)},
     **_LLAMA_FILES,
     tensors=(*_LLAMA_ATTENTION,
              *(Tensor(f"model.layers.{{i}}.self_attn.{x}_proj.bias", (f"layers/attn/b{x}",), VEC) for x in "qkv"),
              *_LLAMA_MLP, *_LLAMA_OUTPUT))
+_QWEN3_ATTENTION = (*_LLAMA_ATTENTION, *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight",
+                                               (f"layers/attn/{x}_norm/scale",), VEC) for x in "qk"))
 QWEN3 = Arch(
     model_type="qwen3", hf_class="Qwen3ForCausalLM", needs={**_LLAMA_NEEDS, "qk_layernorm": True}, keys=_QWEN_KEYS,
     supports={"hidden_act": ("silu",), "attention_bias": (False,), "use_sliding_window": (False,)},
     extra=lambda m: {**_QWEN_EXTRA, "head_dim": m.head_dim, **_rope_parameters(m)},
     **_LLAMA_FILES,
-    tensors=(*_LLAMA_ATTENTION,
-             *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight", (f"layers/attn/{x}_norm/scale",), VEC)
-               for x in "qk"),
-             *_LLAMA_MLP, *_LLAMA_OUTPUT))
+    tensors=(*_QWEN3_ATTENTION, *_LLAMA_MLP, *_LLAMA_OUTPUT))
 
 
-def _mixtral_layouts(tensors: dict[str, np.ndarray], m: config.Model) -> dict[str, np.ndarray]:
-    """Mixtral's tensors under :data:`MIXTRAL`'s names: the per-expert layout of the Hub's checkpoints,
-    which transformers 5 still saves (``block_sparse_moe.experts.{e}.w1.weight [f, h]``, ...).  Its fused
-    layout in memory (``save_pretrained(..., save_original_format=False)``) is split per expert:
-    ``mlp.experts.gate_up_proj [E, 2f, h]`` (each expert's gate rows, then its up rows) into ``w1``
-    (gate) and ``w3`` (up), ``mlp.experts.down_proj [E, h, f]`` into ``w2``; ``mlp.`` reads as
-    ``block_sparse_moe.`` (``mlp.gate.weight [E, h]``, the router).  Raises ConvertError."""
-    n, f, h = m.num_experts, m.moe_ffn_hidden_size, m.hidden_size
-    out = {}
+def _fused_experts(moe: str, gate: str, up: str, down: str) -> Callable[[dict, config.Model], dict]:
+    """The ``layouts`` of a mixture of experts whose table holds each expert's SwiGLU as
+    ``{moe}.experts.{e}.{gate|up|down}.weight`` (``[f, h]``, ``[f, h]``, ``[h, f]``): the per-expert layout
+    of the Hub's checkpoints, which transformers 5 still saves.  Its fused layout in memory
+    (``save_pretrained(..., save_original_format=False)``; transformers' ``conversion_mapping.py``) is split
+    per expert: ``mlp.experts.gate_up_proj [E, 2f, h]`` (each expert's gate rows, then its up rows) into
+    ``gate`` and ``up``, ``mlp.experts.down_proj [E, h, f]`` into ``down``; ``mlp.`` reads as ``{moe}.``
+    (Mixtral's ``mlp.gate.weight [E, h]``, the router).  The layouts raise ConvertError."""
 
-    def put(name, x):
-        if name in out:
-            raise ConvertError(f"model.safetensors: holds {name} twice (in the fused and the per-expert layout)")
-        out[name] = x
+    def layouts(tensors: dict[str, np.ndarray], m: config.Model) -> dict[str, np.ndarray]:
+        n, f, h = m.num_experts, m.moe_ffn_hidden_size, m.hidden_size
+        out = {}
 
-    for k, x in tensors.items():
-        fused = re.fullmatch(r"(.*layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)", k)
-        if not fused:
-            put(re.sub(r"^(.*layers\.\d+\.)mlp\.", r"\1block_sparse_moe.", k), x)
-            continue
-        layer, kind = fused.groups()
-        want = (n, 2 * f, h) if kind == "gate_up_proj" else (n, h, f)
-        if x.shape != want:
-            raise ConvertError(f"model.safetensors: {k} has shape {list(x.shape)}, config.json implies {list(want)}")
-        for e in range(n):
-            parts = {"w1": x[e, :f], "w3": x[e, f:]} if kind == "gate_up_proj" else {"w2": x[e]}
-            for w, part in parts.items():
-                put(f"{layer}block_sparse_moe.experts.{e}.{w}.weight", part)
-    return out
+        def put(name, x):
+            if name in out:
+                raise ConvertError(f"model.safetensors: holds {name} twice (in the fused and the per-expert layout)")
+            out[name] = x
+
+        for k, x in tensors.items():
+            fused = re.fullmatch(rf"(.*layers\.\d+\.)(?:mlp|{moe})\.experts\.(gate_up_proj|down_proj)", k)
+            if not fused:
+                put(re.sub(r"^(.*layers\.\d+\.)mlp\.", rf"\1{moe}.", k), x)
+                continue
+            layer, kind = fused.groups()
+            want = (n, 2 * f, h) if kind == "gate_up_proj" else (n, h, f)
+            if x.shape != want:
+                raise ConvertError(f"model.safetensors: {k} has shape {list(x.shape)}, config.json implies "
+                                   f"{list(want)}")
+            for e in range(n):
+                parts = {gate: x[e, :f], up: x[e, f:]} if kind == "gate_up_proj" else {down: x[e]}
+                for w, part in parts.items():
+                    put(f"{layer}{moe}.experts.{e}.{w}.weight", part)
+        return out
+
+    return layouts
 
 
+def _expert_rows(moe: str, gate: str, up: str, down: str) -> tuple[Tensor, ...]:
+    """A mixture of experts' rows: its router ``{moe}.gate.weight [E, h]`` and each expert's SwiGLU
+    (``gate``/``up [f, h]`` = ``wg``/``w1``, ``down [h, f]`` = ``w2``)."""
+    return (Tensor(f"model.layers.{{i}}.{moe}.gate.weight", ("layers/mlp/router",), linear=True, moe=True),
+            *(Tensor(f"model.layers.{{i}}.{moe}.experts.{{e}}.{w}.weight", (f"layers/mlp/{ours}",), linear=True,
+                     moe=True) for w, ours in ((gate, "wg"), (down, "w2"), (up, "w1"))))
+
+
+# What both mixtures of experts need: Llama's layer without biases; dropless experts, no shared expert, softmax
+# scores, no expert groups or bias
+_MOE_NEEDS = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
+              "add_qkv_bias": False, "moe_capacity_factor": 0.0, "moe_shared_expert_intermediate_size": 0,
+              "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": 0.0,
+              "moe_router_num_groups": 0, "moe_router_enable_expert_bias": False}
 MIXTRAL = Arch(
     model_type="mixtral", hf_class="MixtralForCausalLM",
-    # and num_experts > 0 (hf_architecture); dropless, no shared expert, every layer a mixture of experts
-    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
-           "add_qkv_bias": False, "qk_layernorm": False, "moe_capacity_factor": 0.0,
-           "moe_shared_expert_intermediate_size": 0, "moe_layer_freq": "1",
-           "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
-           "moe_router_topk_scaling_factor": 0.0, "moe_router_num_groups": 0, "moe_router_enable_expert_bias": False},
+    # and num_experts > 0 (hf_architecture); every layer a mixture of experts, the top k renormalized
+    needs={**_MOE_NEEDS, "qk_layernorm": False, "moe_layer_freq": "1", "moe_router_pre_softmax": False},
     keys={"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
           "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", 8),
-          "intermediate_size": ("moe_ffn_hidden_size", 14336),  # and ffn_hidden_size (model_from_hf)
+          "intermediate_size": ("moe_ffn_hidden_size", 14336),  # and ffn_hidden_size (derive)
           "num_local_experts": ("num_experts", 8), "num_experts_per_tok": ("moe_router_topk", 2),
           # a training weight only, copied as is: HF's loss is k x Megatron's (jaxllm's), of the layers' pooled
           # statistics, where jaxllm adds each layer's
@@ -285,17 +311,52 @@ MIXTRAL = Arch(
     extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
                      "output_router_logits": False, **_rope_parameters(m)},
     **_LLAMA_FILES,
-    tensors=(
-        *_LLAMA_ATTENTION,
-        Tensor("model.layers.{i}.block_sparse_moe.gate.weight", ("layers/mlp/router",), linear=True),  # [E, h]
-        Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", ("layers/mlp/wg",), linear=True),  # [f, h]
-        Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", ("layers/mlp/w2",), linear=True),  # [h, f]
-        Tensor("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", ("layers/mlp/w1",), linear=True),  # [f, h]
-        *_LLAMA_OUTPUT,
-    ),
-    layouts=_mixtral_layouts)
+    tensors=(*_LLAMA_ATTENTION, *_expert_rows("block_sparse_moe", "w1", "w3", "w2"), *_LLAMA_OUTPUT),
+    layouts=_fused_experts("block_sparse_moe", "w1", "w3", "w2"),
+    derive=lambda hf, keys: {"ffn_hidden_size": keys["moe_ffn_hidden_size"]})
 
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL)}
+
+def _qwen3_moe_keys(hf: dict, keys: dict) -> dict:
+    """Qwen3-MoE's routing and layer kinds as model keys: ``norm_topk_prob`` false (transformers'
+    default: the softmax over all experts, its top k not renormalized) is ``model.moe_router_pre_softmax``;
+    layer ``i`` is a mixture of experts unless in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
+    (transformers' ``Qwen3MoeDecoderLayer``), one 0/1 per layer in ``model.moe_layer_freq`` (``1``: every
+    layer).  Raises ConvertError for a ``decoder_sparse_step`` or ``mlp_only_layers`` transformers cannot
+    have built."""
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ConvertError(f"config.json: decoder_sparse_step={step!r} is not supported: jaxllm needs an "
+                           f"integer >= 1", keys=("decoder_sparse_step",))
+    if not all(isinstance(i, int) for i in dense):
+        raise ConvertError(f"config.json: mlp_only_layers={dense!r} is not supported: jaxllm needs a list of "
+                           f"layer indices", keys=("mlp_only_layers",))
+    moe = [i not in dense and (i + 1) % step == 0 for i in range(keys["num_layers"])]
+    return {"moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+            "moe_layer_freq": "1" if all(moe) else "[" + ",".join(str(int(x)) for x in moe) + "]"}
+
+
+# Qwen3-MoE: Qwen3's attention with a mixture of experts in every layer but those of mlp_only_layers (which
+# keep a dense MLP of intermediate_size); the defaults are transformers' Qwen3MoeConfig's
+QWEN3_MOE = Arch(
+    model_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
+    needs={**_MOE_NEEDS, "qk_layernorm": True, "sliding_window": 0},  # and num_experts > 0 (hf_architecture)
+    keys={**_QWEN_KEYS, "num_hidden_layers": ("num_layers", 24), "hidden_size": ("hidden_size", 2048),
+          "num_key_value_heads": ("num_kv_heads", 4), "intermediate_size": ("ffn_hidden_size", 6144),
+          "moe_intermediate_size": ("moe_ffn_hidden_size", 768), "num_experts": ("num_experts", 128),
+          "num_experts_per_tok": ("moe_router_topk", 8), "router_aux_loss_coef": ("moe_aux_loss_coeff", 0.001)},
+    aliases={"num_local_experts": "num_experts"},  # what transformers' to_dict writes (its attribute_map)
+    supports={"hidden_act": ("silu",), "attention_bias": (False,), "use_sliding_window": (False,)},
+    extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": None,
+                     "norm_topk_prob": not m.moe_router_pre_softmax, "decoder_sparse_step": 1,
+                     "mlp_only_layers": [i for i, moe in enumerate(m.moe_layers) if not moe],
+                     "output_router_logits": False, **_rope_parameters(m)},
+    **_LLAMA_FILES,
+    tensors=(*_QWEN3_ATTENTION, *_LLAMA_MLP, *_expert_rows("mlp", "gate_proj", "up_proj", "down_proj"),
+             *_LLAMA_OUTPUT),
+    layouts=_fused_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+    derive=_qwen3_moe_keys)
+
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE)}
 
 
 class _Condition(str):
@@ -305,11 +366,16 @@ class _Condition(str):
         return str(self)
 
 
-def _indices(t: Tensor, m: config.Model) -> list[tuple[int | None, int | None]]:
-    """The ``(layer, expert)`` of each HF tensor of row ``t``, layer-major (None: no such axis)."""
-    layers = range(m.num_layers) if "{i}" in t.name else [None]
+def _placements(t: Tensor, m: config.Model) -> list[tuple[tuple[str, ...], list[tuple]]]:
+    """Where the HF tensors of row ``t`` come from: for each layer group the row is in (one entry for a
+    row of no layer), the paths of its parameters there and, layer-major, each tensor's ``(layer, index
+    along the group's stacked layers, expert)`` (None: no such axis)."""
     experts = range(m.num_experts) if "{e}" in t.name else [None]
-    return [(i, e) for i in layers for e in experts]
+    if "{i}" not in t.name:
+        return [(t.params, [(None, None, e) for e in experts])]
+    return [(tuple(g.name + p.removeprefix("layers") for p in t.params),
+             [(g.first + j, j, e) for j in range(g.num_layers) for e in experts])
+            for g in gpt.layer_groups(m) if t.moe is None or t.moe == g.moe]
 
 
 def _slice(a: np.ndarray, i: int | None, e: int | None) -> np.ndarray:
@@ -359,8 +425,8 @@ def _unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ..
 
 
 def hf_architecture(m: config.Model) -> Arch:
-    """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly: GPT-2 or
-    Llama for a dense model, Mixtral for a mixture of experts.
+    """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly: GPT-2, Llama,
+    Qwen2, Qwen3 or Mistral for a dense model, Mixtral or Qwen3-MoE for a mixture of experts.
 
     Raises:
       ConvertError: the model fits none; ``keys`` are the keys that do not fit the closest
@@ -371,16 +437,19 @@ def hf_architecture(m: config.Model) -> Arch:
         bad = {f"model.{k}": v for k, v in arch.needs.items() if getattr(m, k) != v}
         if arch is GPT2 and m.num_kv_heads != m.num_attention_heads:
             bad["model.num_kv_heads"] = m.num_attention_heads
-        if arch is MIXTRAL and not m.num_experts:
+        if arch in (MIXTRAL, QWEN3_MOE) and not m.num_experts:
             bad["model.num_experts"] = _Condition("> 0")
         if arch is MISTRAL and not m.sliding_window:
             bad["model.sliding_window"] = _Condition("> 0")
         if not bad:
             return arch
         misfits[arch.model_type] = bad
-    likely = ("mixtral" if m.num_experts else "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias
-              else "mistral" if m.sliding_window else "llama" if m.position_embedding == "rotary" else "gpt2")
-    closest, other = sorted(misfits, key=lambda a: (len(misfits[a]), a != likely))[:2]
+    likely = ("qwen3_moe" if m.num_experts and m.qk_layernorm else "mixtral" if m.num_experts
+              else "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias else "mistral" if m.sliding_window
+              else "llama" if m.position_embedding == "rotary" else "gpt2")
+    dense = {a for a in misfits if "num_experts" in ARCHITECTURES[a].needs} if m.num_experts else set()
+    # the fewest changes first, then the likely one, then (for a mixture of experts) those with experts
+    closest, other = sorted(misfits, key=lambda a: (len(misfits[a]), a != likely, a in dense))[:2]
 
     def changes(arch):
         return ", ".join(f"{k}={getattr(m, k.split('.')[1])!r} (needs {v!r})" for k, v in misfits[arch].items())
@@ -392,7 +461,7 @@ def hf_architecture(m: config.Model) -> Arch:
 
 
 def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
-    """A jaxllm model as a Hugging Face GPT-2, Llama or Mixtral model.
+    """A jaxllm model as a Hugging Face model of :func:`hf_architecture`.
 
     Args:
       m: the resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`).
@@ -412,7 +481,10 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
       ``gate_proj``/``up_proj [f, h]`` = ``wg``/``w1``), one tensor per layer; Mixtral's as Llama's, with
       ``block_sparse_moe.gate.weight [E, h]`` (the router) and, per layer and expert ``e``,
       ``block_sparse_moe.experts.{e}.w1``/``w3 [f, h]`` = ``wg``/``w1`` and ``w2 [h, f]`` (the layout of
-      the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves).
+      the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves); Qwen3-MoE's as Mixtral's under
+      ``mlp.gate.weight`` and ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, and in its dense layers
+      Llama's MLP (a model of dense and MoE layers holds each kind's parameters in its layer groups,
+      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`).
     Raises:
       ConvertError: the model fits no architecture, or ``params`` does not match it.
     """
@@ -429,11 +501,12 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     flat = {k: x[tuple(map(slice, real[k]))] for k, x in flat.items()}
     tensors = {}
     for t in arch.tensors:
-        if t.params[0] not in flat:  # lm_head of a tied model
-            continue
-        arrays = [flat[p] for p in t.params]
-        for i, e in _indices(t, m):
-            tensors[t.name.format(i=i, e=e)] = _to_hf_layout(t, [_slice(a, i, e) for a in arrays])
+        for paths, where in _placements(t, m):
+            if paths[0] not in flat:  # lm_head of a tied model
+                continue
+            arrays = [flat[p] for p in paths]
+            for i, j, e in where:
+                tensors[t.name.format(i=i, e=e)] = _to_hf_layout(t, [_slice(a, j, e) for a in arrays])
     hf = {"architectures": [arch.hf_class], "model_type": arch.model_type,
           **{key: allowed[0] for key, allowed in arch.supports.items()},
           **{key: getattr(m, ours) for key, (ours, _) in arch.keys.items()}, **arch.extra(m),
@@ -487,6 +560,8 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
         raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} is not supported: jaxllm converts "
                            f"{known}", keys=("model_type",))
 
+    hf = {**{ours: hf[theirs] for theirs, ours in arch.aliases.items() if theirs in hf}, **hf}
+
     def unsupported(key, value, need):
         raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
 
@@ -509,19 +584,19 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
                 unsupported("rope_parameters", rope, f"the llama3 rope type's {', '.join(missing)} too")
             keys.update(use_rope_scaling=True, **{ours: config.key_type(f"model.{ours}")(rope[k])
                                                   for k, ours in _LLAMA3_ROPE.items()})
-        head_dim = keys["hidden_size"] // keys["num_attention_heads"]
-        if hf.get("head_dim") not in (None, head_dim):
-            unsupported("head_dim", hf["head_dim"], f"hidden_size / num_attention_heads = {head_dim}")
+        derived = keys["hidden_size"] // keys["num_attention_heads"]  # as transformers derives it (0: so does jaxllm)
+        keys["kv_channels"] = 0 if hf.get("head_dim") in (None, derived) else config.key_type("model.kv_channels")(
+            hf["head_dim"])
         keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
-    if arch is MIXTRAL:
-        keys["ffn_hidden_size"] = keys["moe_ffn_hidden_size"]
+    if arch.derive is not None:
+        keys.update(arch.derive(hf, keys))
     return arch, {**keys, **arch.needs}
 
 
 def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
     """jaxllm's nested float32 parameters (``gpt.describe(m).params``) from HF's tensors, by
-    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's experts also fused,
-    as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
+    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's and Qwen3-MoE's experts also
+    fused, as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
     ``down_proj [E, h, f]``). Raises ConvertError."""
     if arch.layouts is not None:
         tensors = arch.layouts(tensors, m)
@@ -542,15 +617,16 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
         return x
 
     for t in arch.tensors:
-        if t.params[0] not in shapes:  # the tied copy of the head some checkpoints store: HF ignores it too
-            used.add(t.name)
-            continue
         lead = ("{i}" in t.name) + ("{e}" in t.name)  # the leading [layers[, experts]] axes HF splits into tensors
-        each = [shapes[p][lead:] for p in t.params]
-        slices = [_from_hf_layout(t, get(t.name.format(i=i, e=e), _hf_shape(t, each)), each)
-                  for i, e in _indices(t, m)]
-        for j, p in enumerate(t.params):
-            out[p] = np.stack([s[j] for s in slices]).reshape(shapes[p]) if lead else slices[0][j]
+        for paths, where in _placements(t, m):
+            if paths[0] not in shapes:  # the tied copy of the head some checkpoints store: HF ignores it too
+                used.add(t.name)
+                continue
+            each = [shapes[p][lead:] for p in paths]
+            slices = [_from_hf_layout(t, get(t.name.format(i=i, e=e), _hf_shape(t, each)), each)
+                      for i, _, e in where]
+            for k, p in enumerate(paths):
+                out[p] = np.stack([s[k] for s in slices]).reshape(shapes[p]) if lead else slices[0][k]
     left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
     if left:
         raise ConvertError(f"model.safetensors: tensors jaxllm has no place for: {', '.join(left[:6])}"

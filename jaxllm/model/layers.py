@@ -158,8 +158,7 @@ class Attention(nnx.Module):
     """Causal self-attention with ``num_kv_heads`` key/value heads (GQA when fewer than query heads)."""
 
     def __init__(self, cfg, rngs, ops):
-        h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads
-        d = h // nh
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.cfg, self.ops = cfg, ops
         self.wq = param(rngs.params(), (h, nh, d), std, ("embed", "heads", "head_dim"))

@@ -55,8 +55,9 @@ from jaxllm.runtime.checksums import checksums, tokenizer_fingerprint
 library = python_logging.getLogger("jaxllm.library")
 
 # The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
-_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-               "max_position_embeddings", "position_embedding", "norm", "activation", "use_bias", "tie_embeddings")
+_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size",
+               "vocab_size", "max_position_embeddings", "position_embedding", "norm", "activation", "use_bias",
+               "tie_embeddings")
 
 
 class CheckpointError(RuntimeError):

@@ -113,7 +113,7 @@ def _stack_forward_flops(m, s: int) -> dict[str, float]:
     causal-halved), ``out_proj``, ``mlp_in`` (up, and gate for swiglu), ``mlp_out`` (each layer's MLP by its
     kind, :attr:`jaxllm.config.Model.moe_layers`)."""
     h, n, k, L, w = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.num_layers, m.sliding_window
-    d = h // n
+    d = m.head_dim
     mlps = [_mlp_flops(m, moe) for moe in m.moe_layers]
     keys = s / 2 if not w or w >= s else w - w * w / (2 * s)  # keys a query attends to, on average
     return {"qkv": L * 2 * h * (n + 2 * k) * d, "scores": L * 2 * keys * n * d, "values": L * 2 * keys * n * d,
