@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from jaxllm import config
-from jaxllm.model import gpt, layers
+from jaxllm.model import attention, gpt, layers
 from jaxllm.parallel import context_parallel, sharding
 from jaxllm.resolve import resolve
 from jaxllm.runtime import cpu, optim, step
@@ -94,6 +95,10 @@ VARIANTS = [
 
 
 MATMULS = {"dense": layers.dense, "row_major_dense": cpu.row_major_dense}
+# multi-head latent attention (DeepSeek-V2/V3) in a tiny Llama-style model: query latent 12, key/value latent 16,
+# per head 8 query/key dimensions without position and 4 rotary ones, values 6 wide
+MLA = dict(multi_latent_attention=True, position_embedding="rotary", norm="rmsnorm", activation="swiglu",
+           use_bias=False, q_lora_rank=12, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
 
 
 @pytest.mark.parametrize("matmuls", MATMULS)
@@ -177,11 +182,16 @@ def test_causal_masking(overrides):
         assert not np.allclose(changed[0, pos], base[0, pos])
 
 
-@pytest.mark.parametrize("layer_loop, window", [("scan", 0), ("unrolled", 0), ("scan", 5)])
-def test_kv_cache_decoding_matches_full_forward(layer_loop, window):
+@pytest.mark.parametrize("layer_loop, window, overrides", [("scan", 0, {"num_kv_heads": 2}),
+                                                       ("unrolled", 0, {"num_kv_heads": 2}),
+                                                       ("scan", 5, {"num_kv_heads": 2}), ("scan", 0, MLA)],
+                         ids=["scan", "unrolled", "window", "mla"])
+def test_kv_cache_decoding_matches_full_forward(layer_loop, window, overrides):
     """Decoding with the cache gives the full forward's logits (with a sliding window of 5: positions 8-11 see
-    none of the first tokens, which the cache still holds)."""
-    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2, layer_loop=layer_loop, sliding_window=window)
+    none of the first tokens, which the cache still holds; with multi-head latent attention the cache holds its
+    keys and values decompressed, of different widths)."""
+    cfg = small_cfg(**{"position_embedding": "rotary", "layer_loop": layer_loop, "sliding_window": window,
+                       **overrides})
     graphdef = gpt.describe(cfg.model).graphdef
     params = gpt.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)
@@ -302,6 +312,50 @@ def test_weight_decay_spares_norms_and_biases():
     mask = gpt.describe(small_cfg().model).decay
     assert mask["wte"] and mask["wpe"] and mask["layers"]["attn"]["wq"] and mask["layers"]["mlp"]["w2"]
     assert not mask["layers"]["ln1"]["scale"] and not mask["layers"]["attn"]["bq"] and not mask["ln_f"]["bias"]
+    mla = gpt.describe(small_cfg(**MLA).model).decay["layers"]["attn"]  # the latent projections are decayed too
+    assert all(mla[k] for k in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"))
+    assert not mla["q_a_norm"]["scale"] and not mla["kv_a_norm"]["scale"]
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 12])
+def test_latent_attention_matches_transformers_deepseek_v3(q_lora_rank):
+    """Multi-head latent attention against transformers' DeepseekV3Attention (eager, float32, rope_interleave
+    off: jaxllm's rotary is the half-split layout) with the same random weights and norm scales; with a query
+    latent (q_a_proj, q_a_layernorm, q_b_proj) and without (q_proj, as DeepSeek-V2-Lite and Moonlight)."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    m = small_cfg(**{**MLA, "q_lora_rank": q_lora_rank, "init_std": 0.3, "norm_eps": 1e-6}).model
+    ops = gpt.Ops(attention=gpt.PlainAttention(attention.implementation(m)))
+    ours = layers.LatentAttention(m, nnx.Rngs(0), ops)
+    for norm in (n for n in (getattr(ours, "q_a_norm", None), ours.kv_a_norm) if n is not None):
+        norm.scale[...] = 1 + 0.5 * jax.random.normal(jax.random.key(norm.scale.shape[0]), norm.scale.shape)
+    hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                              q_lora_rank=q_lora_rank or None, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=4, v_head_dim=6, rope_interleave=False, rms_norm_eps=1e-6,
+                              attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf_cfg._attn_implementation = "eager"
+    theirs = hf.DeepseekV3Attention(hf_cfg, 0).float()
+    as_linear = lambda w: torch.tensor(np.asarray(w).reshape(w.shape[0], -1).T.copy())  # noqa: E731
+    weights = {"kv_a_proj_with_mqa.weight": as_linear(ours.wkv_a), "kv_b_proj.weight": as_linear(ours.wkv_b),
+               "kv_a_layernorm.weight": torch.tensor(np.asarray(ours.kv_a_norm.scale[...])),
+               "o_proj.weight": as_linear(ours.wo.reshape(-1, 64))}
+    if q_lora_rank:
+        weights.update({"q_a_proj.weight": as_linear(ours.wq_a), "q_b_proj.weight": as_linear(ours.wq_b),
+                        "q_a_layernorm.weight": torch.tensor(np.asarray(ours.q_a_norm.scale[...]))})
+    else:
+        weights["q_proj.weight"] = as_linear(ours.wq)
+    assert theirs.load_state_dict(weights, strict=True)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64))
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    got, _ = ours(x, positions)
+    cos_sin = hf.DeepseekV3RotaryEmbedding(hf_cfg)(torch.zeros(1), torch.arange(16)[None].expand(2, 16))
+    mask = torch.triu(torch.full((16, 16), float("-inf")), 1)[None, None]
+    with torch.no_grad():
+        want, _ = theirs(torch.tensor(np.asarray(x)), cos_sin, mask)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+    assert np.abs(want.numpy()).mean() > 0.1  # not a comparison of near-zeros
 
 
 def _gpt3_sizes():
@@ -320,11 +374,13 @@ def test_gpt3_parameter_counts(key):
     assert abs(n - expected) / expected < 0.03, (key, n, expected)
 
 
-def test_pallas_attention_gives_the_xla_loss():
-    """The whole model with model.attention_impl=pallas (interpreted on CPU) against xla, float32."""
+@pytest.mark.parametrize("overrides", [{"num_kv_heads": 2}, MLA], ids=["gqa", "mla"])
+def test_pallas_attention_gives_the_xla_loss(overrides):
+    """The whole model with model.attention_impl=pallas (interpreted on CPU) against xla, float32; with multi-head
+    latent attention the kernel takes its values (6 wide) padded to the queries' 12."""
     losses = []
     for impl in ("xla", "pallas"):
-        cfg = small_cfg(attention_impl=impl, num_kv_heads=2)
+        cfg = small_cfg(attention_impl=impl, **overrides)
         graphdef = gpt.describe(cfg.model).graphdef
         params = gpt.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)

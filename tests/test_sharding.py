@@ -13,6 +13,11 @@ from jaxllm.parallel import sharding
 QWEN = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
         "add_qkv_bias": True, "qk_layernorm": True, "use_rope_scaling": True,
         "rope_original_max_position_embeddings": 16, "sliding_window": 6}
+# DeepSeek-V2/V3's multi-head latent attention: query latent 24, key/value latent 16, per head 8 + 4 rotary query/key
+# dimensions and 10 value ones
+MLA = {"multi_latent_attention": True, "position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu",
+       "use_bias": False, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
+       "v_head_dim": 10}
 LAYOUTS = {
     "single": {"eval": True},
     "data8": {"mesh": {"data": 8}, "eval": True},
@@ -30,6 +35,9 @@ LAYOUTS = {
     # scaling, Mistral's sliding window
     "single_qwen": {"model": QWEN},
     "tensor2_fsdp2_data2_qwen": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": QWEN},
+    # the heads over tensor, the latent projections' embed over fsdp
+    "single_mla": {"model": MLA},
+    "tensor2_fsdp2_data2_mla": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": MLA},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
@@ -47,7 +55,8 @@ def results():
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith(("single", "hlo")) and n != "tensor8_kv2"])
 def test_layout_matches_single_device(results, name):
-    ref, got = results["single_gqa" if "gqa" in name else "single_qwen" if "qwen" in name else "single"], results[name]
+    single = next((f"single_{kind}" for kind in ("gqa", "qwen", "mla") if kind in name), "single")
+    ref, got = results[single], results[name]
     assert_same_training(got, ref)
 
 

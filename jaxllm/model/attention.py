@@ -229,19 +229,30 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
     """Attention by the implementation ``impl`` names.
 
     Args:
-      q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+      q, k: ``[batch, q_len or kv_len, heads or kv_heads, head_dim]``; v: ``[batch, kv_len, kv_heads, v_dim]``,
+        ``v_dim`` <= ``head_dim`` (multi-head latent attention's narrower values; the flash kernels, which take one
+        width, get them padded with zeros to ``head_dim`` and their output cut back).
       impl: a key of :data:`IMPLS` (``model.attention_impl`` resolved; not ``"auto"``).
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
-      ``[batch, q_len, heads, head_dim]``, and with ``return_lse`` the float32
+      ``[batch, q_len, heads, v_dim]``, and with ``return_lse`` the float32
       log-sum-exp ``[batch, heads, q_len]`` that ring attention merges partial results with.
     Raises:
       ValueError: ``impl`` is unknown, ``"auto"``, or not available on the default backend (the
-        message names the ones that are).
+        message names the ones that are); ``v_dim`` > ``head_dim`` but for ``xla``.
     """
     _check_available(impl)
-    return IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                       window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    dq, dv = q.shape[-1], v.shape[-1]
+    if impl != "xla" and dv != dq:  # the kernels take one head width: values padded with zero columns to q's
+        if dv > dq:
+            raise ValueError(f"attention(impl={impl!r}): value heads ({dv}) wider than query/key heads ({dq}); "
+                             "only xla takes them")
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, dq - dv)])
+    out = IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    if dv == dq:
+        return out
+    return (out[0][..., :dv], out[1]) if return_lse else out[..., :dv]
 
 
 @dataclasses.dataclass(frozen=True)
