@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import assert_same_training, run_layouts
+from harness import MLA, assert_same_training, run_layouts
 
 from jaxllm import config
 from jaxllm.parallel import sharding
@@ -13,11 +13,6 @@ from jaxllm.parallel import sharding
 QWEN = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
         "add_qkv_bias": True, "qk_layernorm": True, "use_rope_scaling": True,
         "rope_original_max_position_embeddings": 16, "sliding_window": 6}
-# DeepSeek-V2/V3's multi-head latent attention: query latent 24, key/value latent 16, per head 8 + 4 rotary query/key
-# dimensions and 10 value ones
-MLA = {"multi_latent_attention": True, "position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu",
-       "use_bias": False, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
-       "v_head_dim": 10}
 LAYOUTS = {
     "single": {"eval": True},
     "data8": {"mesh": {"data": 8}, "eval": True},
