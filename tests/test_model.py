@@ -392,17 +392,19 @@ def test_pallas_attention_gives_the_xla_loss(overrides):
 POLICIES = config.choices("model.remat")
 
 
-@pytest.mark.parametrize("layer_loop", ["scan"])
-def test_every_remat_policy_gives_the_same_loss_and_gradients(layer_loop):
+@pytest.mark.parametrize("layer_loop, overrides, policies", [
+    ("scan", VARIANTS[1], POLICIES), ("scan", MLA, ("full", "minimal", "save_qkv_proj"))], ids=["llama", "mla"])
+def test_every_remat_policy_gives_the_same_loss_and_gradients(layer_loop, overrides, policies):
     """Every ``model.remat`` policy (offloaded ones included: the CPU has pinned host memory) against no
-    remat, llama-style (the swiglu gate too), the layers scanned (as on GPUs; written out, remat is
+    remat, llama-style (the swiglu gate too), and those that keep projections by name with multi-head latent
+    attention (its latents named as the projections), the layers scanned (as on GPUs; written out, remat is
     checked by test_loss_matches_plain_jax_reference)."""
     tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 97)
-    ref_cfg = small_cfg(layer_loop=layer_loop, **VARIANTS[1])
+    ref_cfg = small_cfg(layer_loop=layer_loop, **overrides)
     params = gpt.init(ref_cfg.model, 0)
     ref_loss, ref_grads = loss_and_grads(gpt.describe(ref_cfg.model).graphdef, params, tokens)
-    for remat in POLICIES:
-        cfg = small_cfg(layer_loop=layer_loop, remat=remat, **VARIANTS[1])
+    for remat in policies:
+        cfg = small_cfg(layer_loop=layer_loop, remat=remat, **overrides)
         graphdef = gpt.describe(cfg.model).graphdef
         loss, grads = jax.jit(lambda p, t, g=graphdef: loss_and_grads(g, p, t))(params, tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=remat)

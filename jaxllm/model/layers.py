@@ -254,13 +254,17 @@ class LatentAttention(Attention):
         ``[batch, len, embed]`` (the class's equations)."""
         cfg, dt, ops = self.cfg, jnp.dtype(self.cfg.dtype), self.ops
         rkv, dn = cfg.kv_lora_rank, cfg.qk_head_dim
+        # the latents whole on every tensor device (Megatron-LM duplicates the down projections there); the query
+        # latent named as the queries: a policy that keeps them keeps both matmuls' outputs (none recomputed)
         if cfg.q_lora_rank:
             cq = _dense(ops, x, self.wq_a[...], None, "bse,er->bsr", dt)
+            cq = checkpoint_name(ops.constrain(cq, ("batch", "length", "q_lora")), "query_proj")
             q = _dense(ops, self.q_a_norm(cq), self.wq_b[...], None, "bsr,rhd->bshd", dt)
         else:
             q = _dense(ops, x, self.wq[...], None, "bse,ehd->bshd", dt)
         q = checkpoint_name(ops.constrain(q, ("batch", "length", "heads", "head_dim")), "query_proj")
-        ckv = checkpoint_name(_dense(ops, x, self.wkv_a[...], None, "bse,er->bsr", dt), "key_proj")
+        ckv = _dense(ops, x, self.wkv_a[...], None, "bse,er->bsr", dt)
+        ckv = checkpoint_name(ops.constrain(ckv, ("batch", "length", "kv_lora")), "key_proj")
         kv = _dense(ops, self.kv_a_norm(ckv[..., :rkv]), self.wkv_b[...], None, "bsr,rhd->bshd", dt)
         kv = checkpoint_name(ops.constrain(kv, ("batch", "length", "heads", "head_dim")), "value_proj")
         inv_freq = rotary_frequencies(cfg, cfg.qk_pos_emb_head_dim // 2)
