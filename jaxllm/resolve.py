@@ -318,20 +318,6 @@ def _check_mla(m: Model) -> None:
                               f"{key}: set model.{key}=False, or model.multi_latent_attention=False")
 
 
-def _check_mla_kernel(m: Model) -> None:
-    """The flash kernels take values no wider than the queries and keys (:func:`jaxllm.model.attention.attention`
-    pads narrower ones).
-
-    Raises:
-      ConfigError: ``model.v_head_dim`` > ``qk_head_dim + qk_pos_emb_head_dim`` with a flash implementation.
-    """
-    dq, dv = m.attention_head_dims
-    if m.multi_latent_attention and m.attention_impl != "xla" and dv > dq:
-        raise ConfigError("model.v_head_dim", dv, f"model.attention_impl={m.attention_impl} takes value heads no wider "
-                          f"than query/key heads (qk_head_dim + qk_pos_emb_head_dim = {dq}): set v_head_dim <= {dq} "
-                          f"or model.attention_impl=xla")
-
-
 def _check_router(m: Model) -> None:
     """The router's options agree with each other (Megatron-LM's ``validate_args``)."""
     groups, group_topk, k = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
@@ -425,7 +411,6 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     _check_mlp_chunks(out)
     _check_moe(out)
     attention.check_config(out, backend)
-    _check_mla_kernel(out.model)
     _check_fp8(out, backend)
     _check_offload(out, backend)
     for section in out.sections().values():

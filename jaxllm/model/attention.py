@@ -152,15 +152,23 @@ def _check_available(impl, backend=None) -> None:
 
 
 def check_config(cfg, backend=None) -> None:
-    """Checks ``model.attention_impl`` against ``backend`` before anything compiles.
+    """Checks ``model.attention_impl`` against ``backend`` and the model's head widths before anything compiles.
 
     Raises:
-      ConfigError: the implementation is unknown or not available here (the fix names those that are).
+      ConfigError: the implementation is unknown or not available here (the fix names those that are);
+        value heads wider than query/key heads (``model.v_head_dim`` of multi-head latent attention) for a
+        flash implementation (:func:`attention` pads only narrower ones).
     """
+    m = cfg.model
     try:
-        resolve_impl(cfg.model.attention_impl, backend)
+        impl = resolve_impl(m.attention_impl, backend)
     except ValueError as e:
-        raise ConfigError("model.attention_impl", cfg.model.attention_impl, str(e).split(": ", 1)[-1]) from None
+        raise ConfigError("model.attention_impl", m.attention_impl, str(e).split(": ", 1)[-1]) from None
+    dq, dv = m.attention_head_dims
+    if impl != "xla" and dv > dq:
+        raise ConfigError("model.v_head_dim", dv, f"model.attention_impl={impl} takes value heads no wider than "
+                          f"query/key heads (qk_head_dim + qk_pos_emb_head_dim = {dq}): set v_head_dim <= {dq} or "
+                          f"model.attention_impl=xla")
 
 
 def cudnn_unsupported(q, k, *, causal, q_segment_ids, window, q_positions, kv_positions, return_lse):
