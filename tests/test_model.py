@@ -317,11 +317,13 @@ def test_weight_decay_spares_norms_and_biases():
     assert not mla["q_a_norm"]["scale"] and not mla["kv_a_norm"]["scale"]
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, 12])
-def test_latent_attention_matches_transformers_deepseek_v3(q_lora_rank):
-    """Multi-head latent attention against transformers' DeepseekV3Attention (eager, float32, rope_interleave
-    off: jaxllm's rotary is the half-split layout) with the same random weights and norm scales; with a query
-    latent (q_a_proj, q_a_layernorm, q_b_proj) and without (q_proj, as DeepSeek-V2-Lite and Moonlight)."""
+@pytest.mark.parametrize("q_lora_rank, interleave", [(0, False), (12, False), (12, True)])
+def test_latent_attention_matches_transformers_deepseek_v3(q_lora_rank, interleave):
+    """Multi-head latent attention against transformers' DeepseekV3Attention (eager, float32) with the same random
+    weights and norm scales; with a query latent (q_a_proj, q_a_layernorm, q_b_proj) and without (q_proj, as
+    DeepSeek-V2-Lite and Moonlight).  jaxllm's rotary is the half-split layout; DeepSeek's checkpoints pair
+    neighbours (``rope_interleave``, transformers' default): their rotary rows of the query and kv_a projections
+    are ours with rotary dimension ``j`` at ``2j`` for ``j < dr/2``, else at ``2(j - dr/2) + 1``."""
     import torch
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
@@ -333,16 +335,23 @@ def test_latent_attention_matches_transformers_deepseek_v3(q_lora_rank):
         norm.scale[...] = 1 + 0.5 * jax.random.normal(jax.random.key(norm.scale.shape[0]), norm.scale.shape)
     hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                               q_lora_rank=q_lora_rank or None, kv_lora_rank=16, qk_nope_head_dim=8,
-                              qk_rope_head_dim=4, v_head_dim=6, rope_interleave=False, rms_norm_eps=1e-6,
+                              qk_rope_head_dim=4, v_head_dim=6, rope_interleave=interleave, rms_norm_eps=1e-6,
                               attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf_cfg._attn_implementation = "eager"
     theirs = hf.DeepseekV3Attention(hf_cfg, 0).float()
-    as_linear = lambda w: torch.tensor(np.asarray(w).reshape(w.shape[0], -1).T.copy())  # noqa: E731
-    weights = {"kv_a_proj_with_mqa.weight": as_linear(ours.wkv_a), "kv_b_proj.weight": as_linear(ours.wkv_b),
+    order = np.argsort([0, 2, 1, 3] if interleave else [0, 1, 2, 3])  # where each of dr = 4 rotary columns goes
+
+    def as_linear(w):  # [in, ..., out]: columns ..., the last 4 of each rotary, in HF's order -> torch [out, in]
+        w = np.asarray(w)
+        return torch.tensor(np.concatenate([w[..., :-4], w[..., -4:][..., order]], -1).reshape(w.shape[0], -1).T)
+
+    weights = {"kv_a_proj_with_mqa.weight": as_linear(ours.wkv_a),
+               "kv_b_proj.weight": torch.tensor(np.asarray(ours.wkv_b).reshape(16, -1).T.copy()),
                "kv_a_layernorm.weight": torch.tensor(np.asarray(ours.kv_a_norm.scale[...])),
-               "o_proj.weight": as_linear(ours.wo.reshape(-1, 64))}
+               "o_proj.weight": torch.tensor(np.asarray(ours.wo).reshape(-1, 64).T.copy())}
     if q_lora_rank:
-        weights.update({"q_a_proj.weight": as_linear(ours.wq_a), "q_b_proj.weight": as_linear(ours.wq_b),
+        weights.update({"q_a_proj.weight": torch.tensor(np.asarray(ours.wq_a).T.copy()),
+                        "q_b_proj.weight": as_linear(ours.wq_b),
                         "q_a_layernorm.weight": torch.tensor(np.asarray(ours.q_a_norm.scale[...]))})
     else:
         weights["q_proj.weight"] = as_linear(ours.wq)
