@@ -220,11 +220,12 @@ class LatentAttention(Attention):
     ``MLASelfAttention``, transformers' ``DeepseekV3Attention``), ``model.multi_latent_attention``.
 
     With ``n`` heads, ``dn`` = ``qk_head_dim``, ``dr`` = ``qk_pos_emb_head_dim``, ``dv`` = ``v_head_dim``: the
-    keys and values come from one latent per token, ``c = norm(x W_kv_a[:, :kv_lora_rank])`` (eq. 9), decompressed
-    per head, ``[k_nope, v] = c W_kv_b`` (eqs. 10-11: ``[n, dn + dv]`` per token); each key's rotary part is one
-    projection shared by the heads, ``k_rope = RoPE(x W_kv_a[:, kv_lora_rank:])`` (eq. 14); the queries go through
-    their own latent ``norm(x W_q_a) W_q_b`` (eqs. 12-13; one projection ``x W_q`` when ``q_lora_rank`` is 0), the
-    last ``dr`` of each head rotated (eq. 15).  Keys ``[k_nope, k_rope]`` and queries are ``dn + dr`` wide, values
+    keys and values come from one latent per token, ``c = norm(x W_kv_a[:, :kv_lora_rank])`` (eq. 9; the norm is
+    DeepSeek's released code's, not the paper's), decompressed per head, ``[k_nope, v] = c W_kv_b`` (eqs. 10-11:
+    ``[n, dn + dv]`` per token); each key's rotary part is one projection shared by the heads,
+    ``k_rope = RoPE(x W_kv_a[:, kv_lora_rank:])`` (eq. 15); the queries go through their own latent
+    ``norm(x W_q_a) W_q_b`` (eqs. 12-13; one projection ``x W_q`` when ``q_lora_rank`` is 0), the last ``dr`` of each
+    head rotated (eq. 14).  Keys ``[k_nope, k_rope]`` and queries are ``dn + dr`` wide, values
     ``dv``; attention is the model's (scores scaled by ``1 / sqrt(dn + dr)``), the output projection ``n * dv`` to
     ``embed``.  Parameters: ``wq`` ``[embed, heads, dn + dr]`` or ``wq_a`` ``[embed, q_lora]``, ``q_a_norm``,
     ``wq_b`` ``[q_lora, heads, dn + dr]``; ``wkv_a`` ``[embed, kv_lora + dr]``, ``kv_a_norm``, ``wkv_b``
