@@ -116,6 +116,19 @@ class Model(Section):
     # a token attends to itself and the sliding_window - 1 positions before it (Mistral; Megatron-LM's
     # --window-size (sliding_window - 1, 0)); 0: to every earlier position
     sliding_window: int = _key(0, ">=0")
+    # multi-head latent attention in place of the query/key/value projections (MLA: DeepSeek-V2 section 2.1,
+    # DeepSeek-V3; Megatron-LM's names and defaults): queries through a rank-q_lora_rank bottleneck (0: one
+    # projection, as DeepSeek-V2-Lite and Moonlight), keys and values decompressed per head from one shared latent
+    # of kv_lora_rank per token (each latent normed by model.norm); each head's query and key have qk_head_dim
+    # dimensions without position and qk_pos_emb_head_dim rotary ones (the key's shared by all heads), its value
+    # v_head_dim; scores scaled by 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) (no YaRN). Needs rotary positions,
+    # no biases; num_kv_heads is num_attention_heads
+    multi_latent_attention: bool = False
+    q_lora_rank: int = _key(0, ">=0")
+    kv_lora_rank: int = _key(32, ">0")
+    qk_head_dim: int = _key(128, ">0")
+    qk_pos_emb_head_dim: int = _key(64, ">0")
+    v_head_dim: int = _key(128, ">0")
     tie_embeddings: bool = True
     dropout: float = _key(0.0, ">=0")
     init_std: float = _key(0.02, ">0")
@@ -175,6 +188,14 @@ class Model(Section):
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """Each attention head's ``(query/key, value)`` widths: ``(head_dim, head_dim)``, or with
+        ``multi_latent_attention`` ``(qk_head_dim + qk_pos_emb_head_dim, v_head_dim)``."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

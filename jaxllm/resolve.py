@@ -52,13 +52,15 @@ def _check_values(cfg: Config) -> None:
                           + (">= 2 virtual stages" if interleaved else "exactly 1")
                           + "; the interleaved schedules (interleaved, interleaved_1f1b) take >= 2, gpipe, 1f1b "
                           "and zb_h1 exactly 1")
-    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
+    if m.multi_latent_attention:
+        _check_mla(m)
+    elif not m.kv_channels and m.hidden_size % m.num_attention_heads:
         raise ConfigError("model.hidden_size", m.hidden_size,
                           f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % (m.num_kv_heads or m.num_attention_heads):
         raise ConfigError("model.num_kv_heads", m.num_kv_heads,
                           f"must divide model.num_attention_heads={m.num_attention_heads}")
-    if m.position_embedding == "rotary" and m.head_dim % 2:
+    if m.position_embedding == "rotary" and not m.multi_latent_attention and m.head_dim % 2:
         raise ConfigError("model.position_embedding", "rotary",
                           f"rotary needs an even head dim; model.kv_channels (0: hidden_size/num_attention_heads) "
                           f"gives {m.head_dim}")
@@ -294,6 +296,28 @@ def _check_mlp_chunks(cfg) -> None:
         raise ConfigError("model.mlp_chunks", chunks,
                           f"must divide the tokens of each sequence device, train.seq_length / mesh.sequence = "
                           f"{cfg.train.seq_length} / {n} = {cfg.train.seq_length // n}")
+
+
+def _check_mla(m: Model) -> None:
+    """Multi-head latent attention's keys agree with the rest of the model (what ``layers.LatentAttention`` builds).
+
+    Raises:
+      ConfigError: positions other than rotary (its decoupled key is rotary), an odd ``qk_pos_emb_head_dim``,
+        ``num_kv_heads`` other than the query heads (its keys and values are per head), or the options of the
+        ordinary projections (``qk_layernorm``, ``add_qkv_bias``, ``use_bias``), which MLA has not.
+    """
+    if m.position_embedding != "rotary":
+        raise ConfigError("model.multi_latent_attention", True, "its decoupled query/key part is rotary: set "
+                          "model.position_embedding=rotary")
+    if m.qk_pos_emb_head_dim % 2:
+        raise ConfigError("model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim, "rotary needs an even width")
+    if m.num_kv_heads not in (0, m.num_attention_heads):
+        raise ConfigError("model.num_kv_heads", m.num_kv_heads, "multi-head latent attention decompresses keys and "
+                          "values for every query head: set 0 (= model.num_attention_heads)")
+    for key in ("qk_layernorm", "add_qkv_bias", "use_bias"):
+        if getattr(m, key):
+            raise ConfigError(f"model.{key}", True, f"multi-head latent attention (DeepSeek's, Megatron-LM's) has no "
+                              f"{key}: set model.{key}=False, or model.multi_latent_attention=False")
 
 
 def _check_router(m: Model) -> None:

@@ -49,7 +49,8 @@ def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, 
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``.
-      k, v: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``; v's last
+        dimension may differ from q's and k's (multi-head latent attention), the output's is v's.
       causal, q_segment_ids, kv_segment_ids, window: see :func:`attention_mask`.
       q_positions, kv_positions: int ``[batch, len]``; default ``arange``, with the queries
         aligned to the end of the keys (so a single decoding query sees every key).
@@ -74,7 +75,7 @@ def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, 
     probs = jnp.exp(scores - lse[..., None])
     probs = jnp.where(mask[:, None, None], probs, 0.0)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out.reshape(b, sq, h, d).astype(q.dtype)
+    out = out.reshape(b, sq, h, v.shape[-1]).astype(q.dtype)
     if return_lse:
         lse = jnp.where(mask.any(-1)[:, None, None], lse, MASKED)
         return out, lse.reshape(b, h, sq)

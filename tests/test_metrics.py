@@ -70,6 +70,32 @@ def test_flops_per_token_with_wider_heads():
     assert flops.flops_per_token(make_cfg("gelu", **TINY, kv_channels=8).model, 4) == 12000
 
 
+# --- multi-head latent attention (DeepSeek-V2 section 2.1): a hand count ---------------------------------------
+# TINY's L=2, h=8, n=2 heads, f=32 (gelu), V=10, s=4 with query latent rq=4, key/value latent rkv=6, per head
+# dn=4 query/key dimensions without position, dr=2 rotary ones (dq = 6), values dv=3; forward per token and layer:
+#   queries  2*rq*h + 2*rq*n*dq = 64 + 96          = 160   (no latent, rq=0: 2*h*n*dq = 192)
+#   kv_a     2*h*(rkv + dr)     = 2*8*8            = 128
+#   kv_b     2*rkv*n*(dn + dv)  = 2*6*2*7          = 168
+#   scores   2*(s/2)*n*dq       = 2*2*2*6          = 48
+#   values   2*(s/2)*n*dv       = 2*2*2*3          = 24
+#   out proj 2*n*dv*h           = 2*2*3*8          = 96
+#   MLP      2*h*f*2                               = 1024  -> layer 1648 (1680 without the query latent)
+# train = 3*(2*layer) + 3*logits (160): 10368 (10560); Megatron-LM's uncausal attention adds 3*L*(48 + 24) = 432
+MLA_TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=32, vocab_size=10,
+                multi_latent_attention=True, position_embedding="rotary", use_bias=False, kv_lora_rank=6,
+                qk_head_dim=4, qk_pos_emb_head_dim=2, v_head_dim=3)
+
+
+@pytest.mark.parametrize("q_lora_rank, plain", [(4, 10368), (0, 10560)])
+def test_multi_latent_attention_flops_hand_count(q_lora_rank, plain):
+    cfg = make_cfg("gelu", train=STEP, q_lora_rank=q_lora_rank, **MLA_TINY)
+    assert flops.flops_per_token(cfg.model, 4) == plain
+    assert flops.flops_per_token(cfg.model, 4, recompute=True) == plain + (plain - 480) / 3
+    assert flops.megatron_flops_per_step(cfg) == 24 * (plain + 432)  # 24 tokens a step
+    assert flops.hardware_flops_by_kind(make_cfg("gelu", train=STEP, q_lora_rank=q_lora_rank, **MLA_TINY))[
+        "attention"] == 24 * 3 * 2 * (48 + 24)
+
+
 # Recomputed forward matmuls per token and layer by policy, from the hand count above (swiglu: the MLP's
 # 1536 is up 512 + gate 512 + down 512; scores and values 32 each): full 1984; minimal and save_dots
 # 64 (scores + values); minimal_with_context 32 (scores); save_dots_except_mlp 64 + 1536;

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from jaxllm import config
-from jaxllm.model import gpt, layers
+from jaxllm.model import attention, gpt, layers
 from jaxllm.parallel import context_parallel, sharding
 from jaxllm.resolve import resolve
 from jaxllm.runtime import cpu, optim, step
@@ -94,6 +95,10 @@ VARIANTS = [
 
 
 MATMULS = {"dense": layers.dense, "row_major_dense": cpu.row_major_dense}
+# multi-head latent attention (DeepSeek-V2/V3) in a tiny Llama-style model: query latent 12, key/value latent 16,
+# per head 8 query/key dimensions without position and 4 rotary ones, values 6 wide
+MLA = dict(multi_latent_attention=True, position_embedding="rotary", norm="rmsnorm", activation="swiglu",
+           use_bias=False, q_lora_rank=12, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
 
 
 @pytest.mark.parametrize("matmuls", MATMULS)
@@ -177,11 +182,16 @@ def test_causal_masking(overrides):
         assert not np.allclose(changed[0, pos], base[0, pos])
 
 
-@pytest.mark.parametrize("layer_loop, window", [("scan", 0), ("unrolled", 0), ("scan", 5)])
-def test_kv_cache_decoding_matches_full_forward(layer_loop, window):
+@pytest.mark.parametrize("layer_loop, window, overrides", [("scan", 0, {"num_kv_heads": 2}),
+                                                       ("unrolled", 0, {"num_kv_heads": 2}),
+                                                       ("scan", 5, {"num_kv_heads": 2}), ("scan", 0, MLA)],
+                         ids=["scan", "unrolled", "window", "mla"])
+def test_kv_cache_decoding_matches_full_forward(layer_loop, window, overrides):
     """Decoding with the cache gives the full forward's logits (with a sliding window of 5: positions 8-11 see
-    none of the first tokens, which the cache still holds)."""
-    cfg = small_cfg(position_embedding="rotary", num_kv_heads=2, layer_loop=layer_loop, sliding_window=window)
+    none of the first tokens, which the cache still holds; with multi-head latent attention the cache holds its
+    keys and values decompressed, of different widths)."""
+    cfg = small_cfg(**{"position_embedding": "rotary", "layer_loop": layer_loop, "sliding_window": window,
+                       **overrides})
     graphdef = gpt.describe(cfg.model).graphdef
     params = gpt.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 97)
@@ -302,6 +312,59 @@ def test_weight_decay_spares_norms_and_biases():
     mask = gpt.describe(small_cfg().model).decay
     assert mask["wte"] and mask["wpe"] and mask["layers"]["attn"]["wq"] and mask["layers"]["mlp"]["w2"]
     assert not mask["layers"]["ln1"]["scale"] and not mask["layers"]["attn"]["bq"] and not mask["ln_f"]["bias"]
+    mla = gpt.describe(small_cfg(**MLA).model).decay["layers"]["attn"]  # the latent projections are decayed too
+    assert all(mla[k] for k in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"))
+    assert not mla["q_a_norm"]["scale"] and not mla["kv_a_norm"]["scale"]
+
+
+@pytest.mark.parametrize("q_lora_rank, interleave", [(0, False), (12, False), (12, True)])
+def test_latent_attention_matches_transformers_deepseek_v3(q_lora_rank, interleave):
+    """Multi-head latent attention against transformers' DeepseekV3Attention (eager, float32) with the same random
+    weights and norm scales; with a query latent (q_a_proj, q_a_layernorm, q_b_proj) and without (q_proj, as
+    DeepSeek-V2-Lite and Moonlight).  jaxllm's rotary is the half-split layout; DeepSeek's checkpoints pair
+    neighbours (``rope_interleave``, transformers' default): their rotary rows of the query and kv_a projections
+    are ours with rotary dimension ``j`` at ``2j`` for ``j < dr/2``, else at ``2(j - dr/2) + 1``."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    m = small_cfg(**{**MLA, "q_lora_rank": q_lora_rank, "init_std": 0.3, "norm_eps": 1e-6}).model
+    ops = gpt.Ops(attention=gpt.PlainAttention(attention.implementation(m)))
+    ours = layers.LatentAttention(m, nnx.Rngs(0), ops)
+    for norm in (n for n in (getattr(ours, "q_a_norm", None), ours.kv_a_norm) if n is not None):
+        norm.scale[...] = 1 + 0.5 * jax.random.normal(jax.random.key(norm.scale.shape[0]), norm.scale.shape)
+    hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                              q_lora_rank=q_lora_rank or None, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=4, v_head_dim=6, rope_interleave=interleave, rms_norm_eps=1e-6,
+                              attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf_cfg._attn_implementation = "eager"
+    theirs = hf.DeepseekV3Attention(hf_cfg, 0).float()
+    order = np.argsort([0, 2, 1, 3] if interleave else [0, 1, 2, 3])  # where each of dr = 4 rotary columns goes
+
+    def as_linear(w):  # [in, ..., out]: columns ..., the last 4 of each rotary, in HF's order -> torch [out, in]
+        w = np.asarray(w)
+        return torch.tensor(np.concatenate([w[..., :-4], w[..., -4:][..., order]], -1).reshape(w.shape[0], -1).T)
+
+    weights = {"kv_a_proj_with_mqa.weight": as_linear(ours.wkv_a),
+               "kv_b_proj.weight": torch.tensor(np.asarray(ours.wkv_b).reshape(16, -1).T.copy()),
+               "kv_a_layernorm.weight": torch.tensor(np.asarray(ours.kv_a_norm.scale[...])),
+               "o_proj.weight": torch.tensor(np.asarray(ours.wo).reshape(-1, 64).T.copy())}
+    if q_lora_rank:
+        weights.update({"q_a_proj.weight": torch.tensor(np.asarray(ours.wq_a).T.copy()),
+                        "q_b_proj.weight": as_linear(ours.wq_b),
+                        "q_a_layernorm.weight": torch.tensor(np.asarray(ours.q_a_norm.scale[...]))})
+    else:
+        weights["q_proj.weight"] = as_linear(ours.wq)
+    assert theirs.load_state_dict(weights, strict=True)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64))
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    got, _ = ours(x, positions)
+    cos_sin = hf.DeepseekV3RotaryEmbedding(hf_cfg)(torch.zeros(1), torch.arange(16)[None].expand(2, 16))
+    mask = torch.triu(torch.full((16, 16), float("-inf")), 1)[None, None]
+    with torch.no_grad():
+        want, _ = theirs(torch.tensor(np.asarray(x)), cos_sin, mask)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+    assert np.abs(want.numpy()).mean() > 0.1  # not a comparison of near-zeros
 
 
 def _gpt3_sizes():
@@ -320,11 +383,13 @@ def test_gpt3_parameter_counts(key):
     assert abs(n - expected) / expected < 0.03, (key, n, expected)
 
 
-def test_pallas_attention_gives_the_xla_loss():
-    """The whole model with model.attention_impl=pallas (interpreted on CPU) against xla, float32."""
+@pytest.mark.parametrize("overrides", [{"num_kv_heads": 2}, MLA], ids=["gqa", "mla"])
+def test_pallas_attention_gives_the_xla_loss(overrides):
+    """The whole model with model.attention_impl=pallas (interpreted on CPU) against xla, float32; with multi-head
+    latent attention the kernel takes its values (6 wide) padded to the queries' 12."""
     losses = []
     for impl in ("xla", "pallas"):
-        cfg = small_cfg(attention_impl=impl, num_kv_heads=2)
+        cfg = small_cfg(attention_impl=impl, **overrides)
         graphdef = gpt.describe(cfg.model).graphdef
         params = gpt.init(cfg.model, 0)
         tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)
@@ -336,17 +401,19 @@ def test_pallas_attention_gives_the_xla_loss():
 POLICIES = config.choices("model.remat")
 
 
-@pytest.mark.parametrize("layer_loop", ["scan"])
-def test_every_remat_policy_gives_the_same_loss_and_gradients(layer_loop):
+@pytest.mark.parametrize("layer_loop, overrides, policies", [
+    ("scan", VARIANTS[1], POLICIES), ("scan", MLA, ("full", "minimal", "save_qkv_proj"))], ids=["llama", "mla"])
+def test_every_remat_policy_gives_the_same_loss_and_gradients(layer_loop, overrides, policies):
     """Every ``model.remat`` policy (offloaded ones included: the CPU has pinned host memory) against no
-    remat, llama-style (the swiglu gate too), the layers scanned (as on GPUs; written out, remat is
+    remat, llama-style (the swiglu gate too), and those that keep projections by name with multi-head latent
+    attention (its latents named as the projections), the layers scanned (as on GPUs; written out, remat is
     checked by test_loss_matches_plain_jax_reference)."""
     tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 97)
-    ref_cfg = small_cfg(layer_loop=layer_loop, **VARIANTS[1])
+    ref_cfg = small_cfg(layer_loop=layer_loop, **overrides)
     params = gpt.init(ref_cfg.model, 0)
     ref_loss, ref_grads = loss_and_grads(gpt.describe(ref_cfg.model).graphdef, params, tokens)
-    for remat in POLICIES:
-        cfg = small_cfg(layer_loop=layer_loop, remat=remat, **VARIANTS[1])
+    for remat in policies:
+        cfg = small_cfg(layer_loop=layer_loop, remat=remat, **overrides)
         graphdef = gpt.describe(cfg.model).graphdef
         loss, grads = jax.jit(lambda p, t, g=graphdef: loss_and_grads(g, p, t))(params, tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=remat)
@@ -410,3 +477,20 @@ def test_mlp_chunks_give_the_same_loss_and_gradients_in_less_memory(remat):
     for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7, err_msg=str(path))
     assert memory.temp_size_in_bytes < 0.6 * ref_memory.temp_size_in_bytes, (memory, ref_memory)
+
+
+@pytest.mark.parametrize("extra", [dict(qk_layernorm=True), dict(multi_latent_attention=True, kv_lora_rank=8,
+                                                                 q_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                                                                 v_head_dim=8)])
+def test_cast_layers_keeps_the_norms_float32(extra):
+    """A bfloat16 step casts the layers' weights once (gpt.cast_layers), but not what the model reads in float32:
+    every norm's scale (Qwen3's per-head query/key norms and MLA's latent norms included)."""
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, dtype="bfloat16",
+                   position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, **extra)
+    m = resolve(c, num_devices=1).model
+    cast = gpt.cast_layers(m, gpt.init(m, 0))
+    leaves = {jax.tree_util.keystr(p): v.dtype for p, v in jax.tree_util.tree_flatten_with_path(cast["layers"])[0]}
+    norms = {k for k in leaves if "norm" in k or "ln" in k}
+    assert len(norms) == 4 and all(leaves[k] == jnp.float32 for k in norms), leaves  # ln1, ln2 and two more
+    assert all(v == jnp.bfloat16 for k, v in leaves.items() if k not in norms), leaves

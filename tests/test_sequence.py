@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import assert_same_training, run_layouts
+from harness import MLA, assert_same_training, run_layouts
 
 IMPLS = ("allgather", "ring", "ulysses")
 SP = lambda impl, **extra: {"parallel": {"sequence_impl": impl, **extra}}  # noqa: E731
@@ -24,6 +24,8 @@ LAYOUTS = {
     "single_kv2": {"model": {"num_kv_heads": 2}},
     "single_dropout": {"model": {"dropout": 0.1}},
     "single_window": {"model": {"sliding_window": 5}},  # Mistral's: across the ring's and Ulysses' shards
+    "single_mla": {"model": MLA},  # values narrower than queries and keys through the ring's merges
+    "sequence2_data2_tensor2_ring_mla": {"mesh": {"sequence": 2, "data": 2, "tensor": 2}, **SP("ring"), "model": MLA},
     "sequence8_ring_window": {"mesh": {"sequence": 8}, **SP("ring"), "model": {"sliding_window": 5}},
     "sequence4_tensor2_ulysses_window": {"mesh": {"sequence": 4, "tensor": 2}, **SP("ulysses"),
                                          "model": {"sliding_window": 5}},
@@ -64,7 +66,7 @@ LAYOUTS = {
     "error_ring_length": {"mesh": {"sequence": 8}, **SP("ring"), "train": {"seq_length": 24}},
 }
 REFERENCE = {"rotary": "single_rotary", "gqa": "single_gqa", "kv2": "single_kv2", "dropout": "single_dropout",
-             "window": "single_window"}
+             "window": "single_window", "mla": "single_mla"}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import assert_same_training, run_layouts
+from harness import MLA, assert_same_training, run_layouts
 
 from jaxllm import config
 from jaxllm.parallel import sharding
@@ -30,6 +30,9 @@ LAYOUTS = {
     # scaling, Mistral's sliding window
     "single_qwen": {"model": QWEN},
     "tensor2_fsdp2_data2_qwen": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": QWEN},
+    # the heads over tensor, the latent projections' embed over fsdp
+    "single_mla": {"model": MLA},
+    "tensor2_fsdp2_data2_mla": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": MLA},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
@@ -47,7 +50,8 @@ def results():
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith(("single", "hlo")) and n != "tensor8_kv2"])
 def test_layout_matches_single_device(results, name):
-    ref, got = results["single_gqa" if "gqa" in name else "single_qwen" if "qwen" in name else "single"], results[name]
+    single = next((f"single_{kind}" for kind in ("gqa", "qwen", "mla") if kind in name), "single")
+    ref, got = results[single], results[name]
     assert_same_training(got, ref)
 
 

@@ -64,6 +64,31 @@ def test_megatrons_llama2_tokenizer_is_its_file():
         resolve(cfg, num_devices=1)
 
 
+MLA = {"multi_latent_attention": True, "position_embedding": "rotary", "use_bias": False}
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"position_embedding": "learned"}, "model.multi_latent_attention"),
+    ({"qk_pos_emb_head_dim": 5}, "model.qk_pos_emb_head_dim"),
+    ({"num_kv_heads": 2}, "model.num_kv_heads"),
+    ({"use_bias": True}, "model.use_bias"),
+    ({"qk_layernorm": True}, "model.qk_layernorm"),
+    ({"add_qkv_bias": True}, "model.add_qkv_bias"),
+    ({"attention_impl": "pallas", "v_head_dim": 200}, "model.v_head_dim"),  # wider than qk 128 + 64
+])
+def test_each_multi_latent_attention_error_names_its_key(overrides, key):
+    """Multi-head latent attention's keys resolve (with the xla and a flash implementation), and each option it
+    cannot take is a ConfigError naming its key."""
+    cfg = config.get_config()
+    cfg.model.update(**MLA, attention_impl="pallas")
+    assert resolve(cfg, num_devices=1).model.attention_head_dims == (192, 128)  # Megatron-LM's defaults
+    cfg.model.update(**overrides)
+    with pytest.raises(config.ConfigError) as e:
+        resolve(cfg, num_devices=1)
+    assert e.value.key == key
+    assert e.value.fix and str(e.value).startswith(f"config error: {key}=")
+
+
 def test_tools_that_read_no_data_need_no_data_files():
     # GPU machines that plan or benchmark on synthetic batches have no GPT-2 files: only training checks them
     cfg = config.get_config()

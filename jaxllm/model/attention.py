@@ -152,15 +152,23 @@ def _check_available(impl, backend=None) -> None:
 
 
 def check_config(cfg, backend=None) -> None:
-    """Checks ``model.attention_impl`` against ``backend`` before anything compiles.
+    """Checks ``model.attention_impl`` against ``backend`` and the model's head widths before anything compiles.
 
     Raises:
-      ConfigError: the implementation is unknown or not available here (the fix names those that are).
+      ConfigError: the implementation is unknown or not available here (the fix names those that are);
+        value heads wider than query/key heads (``model.v_head_dim`` of multi-head latent attention) for a
+        flash implementation (:func:`attention` pads only narrower ones).
     """
+    m = cfg.model
     try:
-        resolve_impl(cfg.model.attention_impl, backend)
+        impl = resolve_impl(m.attention_impl, backend)
     except ValueError as e:
-        raise ConfigError("model.attention_impl", cfg.model.attention_impl, str(e).split(": ", 1)[-1]) from None
+        raise ConfigError("model.attention_impl", m.attention_impl, str(e).split(": ", 1)[-1]) from None
+    dq, dv = m.attention_head_dims
+    if impl != "xla" and dv > dq:
+        raise ConfigError("model.v_head_dim", dv, f"model.attention_impl={impl} takes value heads no wider than "
+                          f"query/key heads (qk_head_dim + qk_pos_emb_head_dim = {dq}): set v_head_dim <= {dq} or "
+                          f"model.attention_impl=xla")
 
 
 def cudnn_unsupported(q, k, *, causal, q_segment_ids, window, q_positions, kv_positions, return_lse):
@@ -229,19 +237,30 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
     """Attention by the implementation ``impl`` names.
 
     Args:
-      q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+      q, k: ``[batch, q_len or kv_len, heads or kv_heads, head_dim]``; v: ``[batch, kv_len, kv_heads, v_dim]``,
+        ``v_dim`` <= ``head_dim`` (multi-head latent attention's narrower values; the flash kernels, which take one
+        width, get them padded with zeros to ``head_dim`` and their output cut back).
       impl: a key of :data:`IMPLS` (``model.attention_impl`` resolved; not ``"auto"``).
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
-      ``[batch, q_len, heads, head_dim]``, and with ``return_lse`` the float32
+      ``[batch, q_len, heads, v_dim]``, and with ``return_lse`` the float32
       log-sum-exp ``[batch, heads, q_len]`` that ring attention merges partial results with.
     Raises:
       ValueError: ``impl`` is unknown, ``"auto"``, or not available on the default backend (the
-        message names the ones that are).
+        message names the ones that are); ``v_dim`` > ``head_dim`` but for ``xla``.
     """
     _check_available(impl)
-    return IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                       window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    dq, dv = q.shape[-1], v.shape[-1]
+    if impl != "xla" and dv != dq:  # the kernels take one head width: values padded with zero columns to q's
+        if dv > dq:
+            raise ValueError(f"attention(impl={impl!r}): value heads ({dv}) wider than query/key heads ({dq}); "
+                             "only xla takes them")
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, dq - dv)])
+    out = IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    if dv == dq:
+        return out
+    return (out[0][..., :dv], out[1]) if return_lse else out[..., :dv]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -380,7 +380,8 @@ class Spec:
       params: the parameters' ``jax.ShapeDtypeStruct`` (float32), a nested dict as :func:`init` gives.
       axes: each parameter's logical axis names, a dict shaped as ``params`` with tuple leaves.
       decay: which parameters get weight decay (the matrices that multiply the ``embed``
-        axis: embeddings, projections, routers and experts, not norms or biases), bool leaves.
+        axis or a latent one of multi-head latent attention: embeddings, projections, routers and experts,
+        not norms or biases), bool leaves.
     """
 
     graphdef: Any
@@ -396,7 +397,7 @@ def describe(cfg: ModelConfig, ops: Ops = LOCAL) -> Spec:
     axes = nnx.to_pure_dict(jax.tree.map(
         lambda v: tuple(v.get_metadata()["out_sharding"] or (None,) * v.value.ndim), state,
         is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    decay = jax.tree.map(lambda a: bool({"embed", "expert_embed"} & set(a))
+    decay = jax.tree.map(lambda a: bool({"embed", "expert_embed", "q_lora", "kv_lora"} & set(a))
                          and len([n for n in a if n not in ("layers", "experts")]) >= 2, axes,
                          is_leaf=lambda x: isinstance(x, tuple))
     return Spec(graphdef, nnx.to_pure_dict(state), axes, decay)
@@ -425,7 +426,8 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
     }
 
 
-FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "router", "expert_bias")  # read in float32: the norms, the MoE router
+# read in float32: the norms (multi-head latent attention's latent ones too), the MoE router
+FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "q_norm", "k_norm", "q_a_norm", "kv_a_norm", "router", "expert_bias")
 
 
 def cast_layers(cfg: ModelConfig, params: dict) -> dict:
@@ -465,9 +467,11 @@ def loss(graphdef, params, tokens, targets, **kwargs):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int):
-    """An empty decoding cache: per layer keys and values ``[layers, batch, max_length, kv_heads, head_dim]``."""
-    shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
-    return (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    """An empty decoding cache: per layer keys and values ``[layers, batch, max_length, kv_heads, width]``, the
+    widths :attr:`jaxllm.config.Model.attention_head_dims` (multi-head latent attention's keys and values
+    decompressed, as ordinary attention's)."""
+    shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads)
+    return tuple(jnp.zeros((*shape, d), cfg.dtype) for d in cfg.attention_head_dims)
 
 
 def num_params(params, *, exclude_positions: bool = False) -> int:

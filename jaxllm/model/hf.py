@@ -121,7 +121,8 @@ class Arch:
 GPT2 = Arch(
     model_type="gpt2", hf_class="GPT2LMHeadModel",
     needs={"position_embedding": "learned", "norm": "layernorm", "activation": "gelu", "use_bias": True,
-           "num_experts": 0, "qk_layernorm": False, "sliding_window": 0, "kv_channels": 0},
+           "num_experts": 0, "qk_layernorm": False, "sliding_window": 0, "kv_channels": 0,
+           "multi_latent_attention": False},
     keys={"n_layer": ("num_layers", 12), "n_embd": ("hidden_size", 768), "n_head": ("num_attention_heads", 12),
           "n_inner": ("ffn_hidden_size", None), "vocab_size": ("vocab_size", GPT2_VOCAB_SIZE),
           "n_positions": ("max_position_embeddings", 1024), "layer_norm_epsilon": ("norm_eps", 1e-5),
@@ -185,7 +186,8 @@ def _rope_parameters(m: config.Model) -> dict:
 
 _LLAMA_FILES = {"prefix": "model.", "buffers": r".*rotary_emb\.inv_freq"}  # the family's base model and buffers
 _LLAMA_NEEDS = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
-                "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False, "sliding_window": 0}
+                "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False, "sliding_window": 0,
+                "multi_latent_attention": False}
 _LLAMA_KEYS = {"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),
                "num_attention_heads": ("num_attention_heads", 32), "num_key_value_heads": ("num_kv_heads", None),
                "intermediate_size": ("ffn_hidden_size", 11008), "vocab_size": ("vocab_size", 32000),
@@ -292,7 +294,7 @@ def _expert_rows(moe: str, gate: str, up: str, down: str) -> tuple[Tensor, ...]:
 _MOE_NEEDS = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
               "add_qkv_bias": False, "moe_capacity_factor": 0.0, "moe_shared_expert_intermediate_size": 0,
               "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": 0.0,
-              "moe_router_num_groups": 0, "moe_router_enable_expert_bias": False}
+              "moe_router_num_groups": 0, "moe_router_enable_expert_bias": False, "multi_latent_attention": False}
 MIXTRAL = Arch(
     model_type="mixtral", hf_class="MixtralForCausalLM",
     # and num_experts > 0 (hf_architecture); every layer a mixture of experts, the top k renormalized

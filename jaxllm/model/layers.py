@@ -1,6 +1,6 @@
 """The layers of the GPT (:mod:`jaxllm.model.gpt` assembles them): the pre-norm transformer
-:class:`Block` of :class:`Norm`, :class:`Attention` and an :class:`MLP` or :class:`MoE`, and the pieces
-they share (the float32 :func:`param`, :func:`dense`, :func:`rotary`, :func:`gelu`, per-row
+:class:`Block` of :class:`Norm`, :class:`Attention` (or :class:`LatentAttention`) and an :class:`MLP` or
+:class:`MoE`, and the pieces they share (the float32 :func:`param`, :func:`dense`, :func:`rotary`, :func:`gelu`, per-row
 :func:`dropout`).
 
 Parameters are float32; matmuls run in ``model.dtype``; norms and softmax are float32.  Every parameter
@@ -174,7 +174,9 @@ class Attention(nnx.Module):
         self.q_norm, self.k_norm = (Norm(cfg, d, "head_dim"), Norm(cfg, d, "head_dim")) if cfg.qk_layernorm else (
             None, None)
 
-    def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
+    def qkv(self, x, positions):
+        """Queries ``[batch, len, heads, head_dim]``, keys and values ``[batch, len, kv_heads, head_dim]`` of ``x``
+        ``[batch, len, embed]``, normed and rotated as configured."""
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
         q = checkpoint_name(_dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt), "query_proj")
         k = checkpoint_name(_dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt), "key_proj")
@@ -187,6 +189,14 @@ class Attention(nnx.Module):
         if cfg.position_embedding == "rotary":
             inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2)
             q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+        return q, k, v
+
+    def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
+        """``(out, cache)``: the attention's output ``[batch, len, embed]`` of ``x`` ``[batch, len, embed]`` at
+        int32 ``positions`` ``[batch, len]``, and when decoding (``cache`` the layer's keys and values) the
+        cache with this chunk's written at ``positions``."""
+        cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
+        q, k, v = self.qkv(x, positions)
         if cache is None:
             out = self.ops.attention(q, k, v, order, segment_ids)
         else:
@@ -202,6 +212,66 @@ class Attention(nnx.Module):
             cache = (k_cache, v_cache)
         out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
         return checkpoint_name(_dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), "out_proj"), cache
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention (MLA; DeepSeek-V2, Liu et al. 2024, section 2.1, eqs. 9-19; Megatron-LM's
+    ``MLASelfAttention``, transformers' ``DeepseekV3Attention``), ``model.multi_latent_attention``.
+
+    With ``n`` heads, ``dn`` = ``qk_head_dim``, ``dr`` = ``qk_pos_emb_head_dim``, ``dv`` = ``v_head_dim``: the
+    keys and values come from one latent per token, ``c = norm(x W_kv_a[:, :kv_lora_rank])`` (eq. 9; the norm is
+    DeepSeek's released code's, not the paper's), decompressed per head, ``[k_nope, v] = c W_kv_b`` (eqs. 10-11:
+    ``[n, dn + dv]`` per token); each key's rotary part is one projection shared by the heads,
+    ``k_rope = RoPE(x W_kv_a[:, kv_lora_rank:])`` (eq. 15); the queries go through their own latent
+    ``norm(x W_q_a) W_q_b`` (eqs. 12-13; one projection ``x W_q`` when ``q_lora_rank`` is 0), the last ``dr`` of each
+    head rotated (eq. 14).  Keys ``[k_nope, k_rope]`` and queries are ``dn + dr`` wide, values
+    ``dv``; attention is the model's (scores scaled by ``1 / sqrt(dn + dr)``), the output projection ``n * dv`` to
+    ``embed``.  Parameters: ``wq`` ``[embed, heads, dn + dr]`` or ``wq_a`` ``[embed, q_lora]``, ``q_a_norm``,
+    ``wq_b`` ``[q_lora, heads, dn + dr]``; ``wkv_a`` ``[embed, kv_lora + dr]``, ``kv_a_norm``, ``wkv_b``
+    ``[kv_lora, heads, dn + dv]``; ``wo`` ``[heads, dv, embed]``.  The latent axes ``q_lora``, ``kv_lora`` are
+    not split (the rules table); heads split over tensor parallelism as ordinary attention's.
+    """
+
+    def __init__(self, cfg, rngs, ops):
+        h, n, rq, rkv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        dq, dv = cfg.attention_head_dims
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.cfg, self.ops = cfg, ops
+        if rq:
+            self.wq_a = param(rngs.params(), (h, rq), std, ("embed", "q_lora"))
+            self.q_a_norm = Norm(cfg, rq, "q_lora")
+            self.wq_b = param(rngs.params(), (rq, n, dq), std, ("q_lora", "heads", "head_dim"))
+        else:
+            self.wq = param(rngs.params(), (h, n, dq), std, ("embed", "heads", "head_dim"))
+        self.wkv_a = param(rngs.params(), (h, rkv + cfg.qk_pos_emb_head_dim), std, ("embed", "kv_lora"))
+        self.kv_a_norm = Norm(cfg, rkv, "kv_lora")
+        self.wkv_b = param(rngs.params(), (rkv, n, cfg.qk_head_dim + dv), std, ("kv_lora", "heads", "head_dim"))
+        self.wo = param(rngs.params(), (n, dv, h), out_std, ("heads", "head_dim", "embed"))
+        self.bo = None  # resolve refuses model.use_bias with MLA
+
+    def qkv(self, x, positions):
+        """Queries, keys ``[batch, len, heads, dn + dr]`` and values ``[batch, len, heads, dv]`` of ``x``
+        ``[batch, len, embed]`` (the class's equations)."""
+        cfg, dt, ops = self.cfg, jnp.dtype(self.cfg.dtype), self.ops
+        rkv, dn = cfg.kv_lora_rank, cfg.qk_head_dim
+        # the latents whole on every tensor device (Megatron-LM duplicates the down projections there); the query
+        # latent named as the queries: a policy that keeps them keeps both matmuls' outputs (none recomputed)
+        if cfg.q_lora_rank:
+            cq = _dense(ops, x, self.wq_a[...], None, "bse,er->bsr", dt)
+            cq = checkpoint_name(ops.constrain(cq, ("batch", "length", "q_lora")), "query_proj")
+            q = _dense(ops, self.q_a_norm(cq), self.wq_b[...], None, "bsr,rhd->bshd", dt)
+        else:
+            q = _dense(ops, x, self.wq[...], None, "bse,ehd->bshd", dt)
+        q = checkpoint_name(ops.constrain(q, ("batch", "length", "heads", "head_dim")), "query_proj")
+        ckv = _dense(ops, x, self.wkv_a[...], None, "bse,er->bsr", dt)
+        ckv = checkpoint_name(ops.constrain(ckv, ("batch", "length", "kv_lora")), "key_proj")
+        kv = _dense(ops, self.kv_a_norm(ckv[..., :rkv]), self.wkv_b[...], None, "bsr,rhd->bshd", dt)
+        kv = checkpoint_name(ops.constrain(kv, ("batch", "length", "heads", "head_dim")), "value_proj")
+        inv_freq = rotary_frequencies(cfg, cfg.qk_pos_emb_head_dim // 2)
+        q = jnp.concatenate([q[..., :dn], rotary(q[..., dn:], positions, inv_freq)], axis=-1)
+        k_rope = rotary(ckv[:, :, None, rkv:], positions, inv_freq)  # [batch, len, 1, dr]: one for every head
+        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))], axis=-1)
+        return q, k, kv[..., dn:]
 
 
 class MLP(nnx.Module):
@@ -294,7 +364,8 @@ class Block(nnx.Module):
 
     def __init__(self, cfg, rngs, ops, *, moe: bool):
         self.dropout, self.ops = cfg.dropout, ops
-        self.ln1, self.attn = Norm(cfg), Attention(cfg, rngs, ops)
+        self.ln1 = Norm(cfg)
+        self.attn = (LatentAttention if cfg.multi_latent_attention else Attention)(cfg, rngs, ops)
         self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if moe else MLP(cfg, rngs, ops))
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):

@@ -258,7 +258,7 @@ def local_attention(q, k, v, q_positions, kv_positions, kernel, q_segment_ids=No
     qc = q.reshape(b, m, chunk, h, d).swapaxes(0, 1)
     pc, sc = (None if a is None else a.reshape(b, m, chunk).swapaxes(0, 1) for a in (q_positions, q_segment_ids))
     out, lse = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), (qc, pc, sc))
-    return out.swapaxes(0, 1).reshape(b, sq, h, d), lse.transpose(1, 2, 0, 3).reshape(b, h, sq)
+    return out.swapaxes(0, 1).reshape(b, sq, h, v.shape[-1]), lse.transpose(1, 2, 0, 3).reshape(b, h, sq)
 
 
 def _allgather(q, k, v, pos, seg=None, *, axis, kernel):

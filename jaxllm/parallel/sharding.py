@@ -1,9 +1,9 @@
 """The device mesh and the one table that maps the model's logical axes to mesh axes.
 
 The model names logical axes only.  Weights: ``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``head_dim``, ``mlp``, ``layers``, and a mixture of experts' ``experts``,
-``expert_embed``, ``expert_mlp``.  Activations: ``batch``, ``length``
-(the sequence inside attention and MLP), ``residual`` (the sequence of the residual
+``kv_heads``, ``head_dim``, ``mlp``, ``layers``, multi-head latent attention's ``q_lora`` and
+``kv_lora``, and a mixture of experts' ``experts``, ``expert_embed``, ``expert_mlp``.  Activations:
+``batch``, ``length`` (the sequence inside attention and MLP), ``residual`` (the sequence of the residual
 stream between blocks), ``act_embed``, the head and MLP axes as for weights, and
 ``stage`` (the pipeline stages, see :mod:`jaxllm.parallel.pipeline`).  :data:`RULES` says which
 mesh axes each one is split over, and every sharding of the program (parameters,
@@ -70,6 +70,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),  # the experts of a mixture of experts
     "expert_embed": ("fsdp",),  # an expert's embed dimension (ZeRO splits it over fewer axes than embed)
     "expert_mlp": ("tensor",),
+    # multi-head latent attention's latent widths (q_lora_rank, kv_lora_rank + the rotary key's): small, and
+    # their projections' embed is split already, so whole on every device
+    "q_lora": (),
+    "kv_lora": (),
     # activations (heads, kv_heads, head_dim, mlp and vocab as for weights)
     "batch": ("data", "fsdp", "expert"),
     "length": ("sequence",),

@@ -57,7 +57,8 @@ library = python_logging.getLogger("jaxllm.library")
 # The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size",
                "vocab_size", "max_position_embeddings", "position_embedding", "norm", "activation", "use_bias",
-               "tie_embeddings")
+               "tie_embeddings", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+               "qk_pos_emb_head_dim", "v_head_dim")
 
 
 class CheckpointError(RuntimeError):

@@ -24,7 +24,8 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     ``V`` = vocabulary, ``s`` = sequence length, ``L`` = layers, the forward FLOPs per
     token are, per layer:
 
-    * QKV projections: ``2*h*(n + 2*k)*d``
+    * QKV projections: ``2*h*(n + 2*k)*d`` (multi-head latent attention's: :func:`_qkv_flops`; its scores
+      and values then with the query/key and value widths ``dq``, ``dv`` in place of ``d``)
     * attention scores ``Q K^T`` and ``probs @ V``: ``2 * 2*s*n*d``, halved for the
       causal mask, i.e. ``2*s*n*d`` (each query attends to ~s/2 keys on average; this is
       the work a causal kernel does, and the convention of FlashAttention's benchmarks); with
@@ -107,17 +108,34 @@ def _mlp_flops(m, moe: bool) -> tuple[float, float]:
             2 * (k * f + shared) * m.hidden_size)
 
 
+def _qkv_flops(m) -> float:
+    """Forward matmul FLOPs per token of one layer's query, key and value projections: ``2*h*(n + 2*k)*d``; for
+    multi-head latent attention (``dq`` = ``qk_head_dim + qk_pos_emb_head_dim``, ``dn`` = ``qk_head_dim``, ``dr`` =
+    ``qk_pos_emb_head_dim``, ``dv`` = ``v_head_dim``) the queries' ``2*h*n*dq`` or, through the rank ``rq``
+    latent, ``2*rq*(h + n*dq)``, plus the keys' and values' latent ``2*h*(rkv + dr)`` and its decompression
+    ``2*rkv*n*(dn + dv)`` (Megatron-LM's ``num_floating_point_operations`` counts the same matmuls)."""
+    h, n = m.hidden_size, m.num_attention_heads
+    if not m.multi_latent_attention:
+        return 2 * h * (n + 2 * m.num_kv_heads) * m.head_dim
+    dq, dv = m.attention_head_dims
+    rq, rkv = m.q_lora_rank, m.kv_lora_rank
+    q = 2 * rq * (h + n * dq) if rq else 2 * h * n * dq
+    return q + 2 * h * (rkv + m.qk_pos_emb_head_dim) + 2 * rkv * n * (m.qk_head_dim + dv)
+
+
 def _stack_forward_flops(m, s: int) -> dict[str, float]:
     """Forward matmul FLOPs per token of all the layers together, by named activation (as
-    :func:`flops_per_token` counts them): ``qkv``, ``scores`` (``Q K^T``), ``values`` (``probs @ V``; both
-    causal-halved), ``out_proj``, ``mlp_in`` (up, and gate for swiglu), ``mlp_out`` (each layer's MLP by its
-    kind, :attr:`jaxllm.config.Model.moe_layers`)."""
-    h, n, k, L, w = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.num_layers, m.sliding_window
-    d = m.head_dim
+    :func:`flops_per_token` counts them): ``qkv`` (:func:`_qkv_flops`), ``scores`` (``Q K^T``), ``values``
+    (``probs @ V``; both causal-halved), ``out_proj``, ``mlp_in`` (up, and gate for swiglu), ``mlp_out`` (each
+    layer's MLP by its kind, :attr:`jaxllm.config.Model.moe_layers`).  Attention's widths are
+    :attr:`jaxllm.config.Model.attention_head_dims` (``dq`` for the scores, ``dv`` for the values and the output
+    projection; both ``d`` but with multi-head latent attention)."""
+    h, n, L, w = m.hidden_size, m.num_attention_heads, m.num_layers, m.sliding_window
+    dq, dv = m.attention_head_dims
     mlps = [_mlp_flops(m, moe) for moe in m.moe_layers]
     keys = s / 2 if not w or w >= s else w - w * w / (2 * s)  # keys a query attends to, on average
-    return {"qkv": L * 2 * h * (n + 2 * k) * d, "scores": L * 2 * keys * n * d, "values": L * 2 * keys * n * d,
-            "out_proj": L * 2 * (n * d) * h, "mlp_in": sum(x for x, _ in mlps), "mlp_out": sum(y for _, y in mlps)}
+    return {"qkv": L * _qkv_flops(m), "scores": L * 2 * keys * n * dq, "values": L * 2 * keys * n * dv,
+            "out_proj": L * 2 * (n * dv) * h, "mlp_in": sum(x for x, _ in mlps), "mlp_out": sum(y for _, y in mlps)}
 
 
 # What each ``model.remat`` policy recomputes in the backward pass (jaxllm.model.remat.POLICIES): the
@@ -197,10 +215,12 @@ def megatron_flops_per_step(cfg) -> float:
     """:func:`flops_per_step` (model FLOPs, no recomputation) in Megatron-LM's convention, whose attention
     matmuls are not halved for the causal mask (``num_floating_point_operations`` in Megatron-LM's
     ``training.py``; Narayanan et al. 2021, eq. 3): ``6 * L * s * n * d`` more per token, ``n * d`` the
-    query heads' width.  The basis of the Megatron-convention TFLOP/s and MFU in docs/performance.md."""
+    query heads' width (``3 * L * s * n * (dq + dv)`` with multi-head latent attention's widths).  The basis of the
+    Megatron-convention TFLOP/s and MFU in docs/performance.md."""
     m, seq = cfg.model, cfg.train.seq_length
     tokens = cfg.train.global_batch_size * seq
-    return flops_per_step(cfg, recompute=False) + tokens * 6 * m.num_layers * seq * m.num_attention_heads * m.head_dim
+    return flops_per_step(cfg, recompute=False) + tokens * 3 * m.num_layers * seq * m.num_attention_heads * sum(
+        m.attention_head_dims)
 
 
 def hardware_flops_by_kind(cfg) -> dict[str, float]:
