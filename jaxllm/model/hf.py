@@ -1,6 +1,6 @@
 """The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM`` and
-``Qwen3MoeForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``DeepseekV3ForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
 
 Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
 config.json keys <-> model keys, the config.json values supported, and the table of its
@@ -12,7 +12,10 @@ biases, grouped-query attention; **Qwen2** Llama's layer with query/key/value bi
 attending to a sliding window (``model.sliding_window``); **Mixtral** Llama's
 layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
 shared expert); **Qwen3-MoE** Qwen3's attention with such experts (their top k renormalized or not:
-``model.moe_router_pre_softmax``), some layers dense if ``model.moe_layer_freq`` says so; each with tied or
+``model.moe_router_pre_softmax``), some layers dense if ``model.moe_layer_freq`` says so; **DeepSeek-V3**
+multi-head latent attention (``model.multi_latent_attention``; DeepSeek's interleaved rotary rows) with dense layers
+first, then experts routed by sigmoid score with an expert bias, groups, a scaled top k and shared experts; each
+with tied or
 untied embeddings and any head size (``model.kv_channels``, HF's ``head_dim``; GPT-2's is
 ``hidden_size / heads``).  Any other model is a :class:`ConvertError` naming the keys that do not fit.
 The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the
@@ -572,7 +575,8 @@ def _unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ..
 
 def hf_architecture(m: config.Model) -> Arch:
     """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly: GPT-2, Llama,
-    Qwen2, Qwen3 or Mistral for a dense model, Mixtral or Qwen3-MoE for a mixture of experts.
+    Qwen2, Qwen3 or Mistral for a dense model, Mixtral or Qwen3-MoE for a mixture of experts, DeepSeek-V3 for one
+    with multi-head latent attention.
 
     Raises:
       ConvertError: the model fits none; ``keys`` are the keys that do not fit the closest
@@ -633,7 +637,11 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
       the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves); Qwen3-MoE's as Mixtral's under
       ``mlp.gate.weight`` and ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, and in its dense layers
       Llama's MLP (a model of dense and MoE layers holds each kind's parameters in its layer groups,
-      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`).
+      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`); DeepSeek-V3's as Qwen3-MoE's experts
+      with ``self_attn.q_proj [n*(dn+dr), h]`` (or ``q_a_proj [rq, h]``, ``q_a_layernorm``, ``q_b_proj
+      [n*(dn+dr), rq]``), ``kv_a_proj_with_mqa [rkv+dr, h]``, ``kv_a_layernorm``, ``kv_b_proj [n*(dn+dv), rkv]``,
+      ``o_proj [h, n*dv]`` (rotary rows interleaved: :func:`_interleave`), ``mlp.gate.e_score_correction_bias
+      [E]`` and ``mlp.shared_experts.gate_proj``/``up_proj``/``down_proj``.
     Raises:
       ConvertError: the model fits no architecture, or ``params`` does not match it.
     """
