@@ -442,7 +442,7 @@ def _deepseek_v3_misfits(m: config.Model) -> dict[str, Any]:
     if not m.num_experts:
         bad["model.num_experts"] = _Condition("> 0")
     shared, f = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
-    if not shared or shared % f:
+    if not shared or not f or shared % f:
         bad["model.moe_shared_expert_intermediate_size"] = _Condition(f"a multiple > 0 of moe_ffn_hidden_size={f}")
     kinds = m.moe_layers
     if not kinds[-1] or sorted(kinds) != list(kinds):
