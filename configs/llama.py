@@ -1,5 +1,5 @@
 """Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys, for Llama's, Qwen's
-(dense and mixture of experts) and Mistral's shapes.
+(dense and mixture of experts), Mistral's and DeepSeek-V3's (Moonlight's) shapes.
 
     python -m jaxllm.train --config=configs/llama.py:Llama-3-8B --config.data.tokenizer=PATH/tokenizer.json ...
     LLAMA=1 MODEL_SIZE_KEY=AuroraGPT-2B TOKENIZER_TYPE=PATH/tokenizer.json sbatch launch/frontier.sbatch
@@ -44,6 +44,17 @@ Keys (model shapes, each from the file named):
                 layers, which mlp_only_layers [] leaves none of); vocabulary 151936, 40960 positions, rope_theta 1e6,
                 rms_norm_eps 1e-6.  30.53B parameters, 3.35B of them active per token.
                 The Qwen keys are trained here at 8192 tokens; their tokenizers are Qwen's tokenizer.json.
+  Moonlight-16B-A3B  moonshotai/Moonlight-16B-A3B (DeepseekV3ForCausalLM), its config.json values as recalled, not
+                read here (no network): 27 layers, hidden 2048, 16 heads of multi-head latent attention
+                (model.multi_latent_attention; no query latent, q_lora_rank null; kv_lora_rank 512,
+                qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128); layer 0 a dense MLP of FFN 11264
+                (first_k_dense_replace 1), the others 64 experts of FFN 1408, top 6 by sigmoid score plus the
+                expert bias (e_score_correction_bias), renormalized and scaled by 2.446 (routed_scaling_factor), one
+                group (n_group 1: no group-limited routing), 2 shared experts (one shared MLP of 2816); vocabulary
+                163840, 8192 positions, rope_theta 50000, rms_norm_eps 1e-5.  15.96B parameters (as transformers'
+                DeepseekV3Config builds for these values, its expert biases counted), 2.91B of them active per
+                token (the embeddings included).  Its tokenizer (tiktoken-based, tokenization_moonshot.py) is
+                not one jaxllm reads.
   Mistral-7B    mistralai/Mistral-7B-v0.1 config.json (MistralForCausalLM): 32 layers, hidden 4096, 32 heads,
                 8 KV heads, FFN 14336, vocabulary 32000, 32768 positions, rope_theta 10000, rms_norm_eps 1e-5,
                 each token attending to the last 4096 positions (model.sliding_window).  7.24B parameters.
@@ -68,6 +79,7 @@ SIZES = {
     "Qwen3-8B": (36, 4096, 32, 8, 12288, 151936, 40960, 1e6, 8192),
     "Mistral-7B": (32, 4096, 32, 8, 14336, 32000, 32768, 10000.0, 8192),
     "Qwen3-30B-A3B": (48, 2048, 32, 4, 6144, 151936, 40960, 1e6, 8192),
+    "Moonlight-16B-A3B": (27, 2048, 16, 16, 11264, 163840, 8192, 50000.0, 8192),
 }
 # the keys' other model settings (see the module docstring)
 EXTRA = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
@@ -76,7 +88,13 @@ EXTRA = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, ro
          "Qwen3-8B": dict(qk_layernorm=True, norm_eps=1e-6),
          "Mistral-7B": dict(sliding_window=4096),
          "Qwen3-30B-A3B": dict(qk_layernorm=True, norm_eps=1e-6, kv_channels=128, num_experts=128, moe_router_topk=8,
-                               moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001)}
+                               moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001),
+         "Moonlight-16B-A3B": dict(multi_latent_attention=True, q_lora_rank=0, kv_lora_rank=512, qk_head_dim=128,
+                                   qk_pos_emb_head_dim=64, v_head_dim=128, num_experts=64, moe_router_topk=6,
+                                   moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2 * 1408,
+                                   moe_layer_freq="[" + ",".join(["0"] + ["1"] * 26) + "]",
+                                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                   moe_router_topk_scaling_factor=2.446)}
 # ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model, taken to be Llama 2's
 # tokenizer, 32000 tokens; that file was not read here).
 

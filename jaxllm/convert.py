@@ -1,5 +1,6 @@
 """Hugging Face conversion: jaxllm workdirs <-> ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` directories.
+``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
+``DeepseekV3ForCausalLM`` directories.
 
 CLI::
 
@@ -8,7 +9,8 @@ CLI::
 
 ``--to-hf`` (:func:`export_workdir`) writes the latest (or ``--step``) checkpoint of a run as
 ``OUT/config.json`` + ``OUT/model.safetensors`` (float32) for
-``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2, Llama, Qwen2, Qwen3, Mistral or (experts) Mixtral or Qwen3-MoE,
+``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2, Llama, Qwen2, Qwen3, Mistral or (experts) Mixtral, Qwen3-MoE or
+(multi-head latent attention) DeepSeek-V3,
 whichever holds the model exactly (the tables and the parameter mapping are :mod:`jaxllm.model.hf`'s;
 any other model is a :class:`~jaxllm.model.hf.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
 tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hugging Face
@@ -28,7 +30,14 @@ SentencePiece ``tokenizer.model`` gets it with a ``tokenizer_config.json`` for t
 ``ffn_hidden_size``) and ``moe_aux_loss_coeff``; Qwen3-MoE's ``num_experts``, ``num_experts_per_tok``,
 ``moe_intermediate_size``, ``intermediate_size`` (its dense layers') and ``router_aux_loss_coef`` the same keys,
 ``norm_topk_prob`` false ``model.moe_router_pre_softmax``, and its dense layers (``mlp_only_layers``,
-``decoder_sparse_step``) ``model.moe_layer_freq``; ``head_dim`` is ``model.kv_channels``.
+``decoder_sparse_step``) ``model.moe_layer_freq``; DeepSeek-V3's ``n_routed_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size``, ``intermediate_size`` the same keys, ``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` ``model.q_lora_rank``, ``kv_lora_rank``,
+``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim``, ``routed_scaling_factor``
+``model.moe_router_topk_scaling_factor``, ``n_group``, ``topk_group`` ``moe_router_num_groups``,
+``moe_router_group_topk`` (1: none), ``n_shared_experts`` x ``moe_intermediate_size``
+``moe_shared_expert_intermediate_size``, ``first_k_dense_replace`` ``moe_layer_freq`` (its sigmoid router with the
+expert bias fixed); ``head_dim`` is ``model.kv_channels``.
 Other keys are jaxllm's defaults, changed with
 ``--config.SECTION.KEY=VALUE`` (of the model keys only :data:`FREE_MODEL_KEYS`).  **The data must be
 tokenized as the model expects**: the tokenizer in ``DIR`` is copied to ``WORKDIR/tokenizer`` and used
@@ -234,8 +243,8 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
 
 
 def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[config.Resolved, dict]:
-    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral or Qwen3-MoE directory as a jaxllm config and
-    parameters.
+    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE or DeepSeek-V3 directory as a jaxllm
+    config and parameters.
 
     Args:
       directory: holds ``config.json`` and ``model.safetensors`` (or its sharded index).
@@ -365,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.convert",
         description="Convert between jaxllm checkpoints and Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mistral / "
-                    "Mixtral / Qwen3-MoE directories (safetensors; see the module docstring).",
+                    "Mixtral / Qwen3-MoE / DeepSeek-V3 directories (safetensors; see the module docstring).",
         epilog="--from-hf also takes --config.SECTION.KEY=VALUE options (e.g. --config.data.input=FILE, "
                "--config.data.tokenizer=char): the data must be tokenized with the model's tokenizer.")
     mode = p.add_mutually_exclusive_group(required=True)

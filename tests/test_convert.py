@@ -100,14 +100,32 @@ def qwen3_moe(tied=False):
         router_aux_loss_coef=0.02))
 
 
+def deepseek_v3(q_lora_rank, tied=False):
+    """Multi-head latent attention (with a query latent or, as Moonlight, without; DeepSeek's interleaved rotary rows),
+    layer 0 of 3 dense, then 4 routed experts in 2 groups (top 2 from the best group, sigmoid scores, the expert bias
+    nonzero, renormalized and scaled by 2) and a shared expert; rms_norm_eps 1e-5 as Moonlight's (transformers'
+    latent norms keep 1e-6, jaxllm's take the model's: within TOL here)."""
+    m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, vocab_size=VOCAB,
+        max_position_embeddings=SEQ, rms_norm_eps=1e-5, tie_word_embeddings=tied, rope_theta=500.0))
+    with torch.no_grad():  # a buffer, which randomize() leaves at 0
+        for layer in m.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.2 * torch.randn(4))
+    return m
+
+
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
           "llama-ropescaled-untied": lambda: llama3(False), "qwen2-gqa-untied": lambda: qwen2(False),
           "qwen3-gqa-tied": lambda: qwen3(True), "mistral-gqa-untied": lambda: mistral(False),
-          "mixtral-gqa-untied": lambda: mixtral(False), "qwen3moe-gqa-untied": lambda: qwen3_moe(False)}
+          "mixtral-gqa-untied": lambda: mixtral(False), "qwen3moe-gqa-untied": lambda: qwen3_moe(False),
+          "deepseekv3-qlora-untied": lambda: deepseek_v3(12), "deepseekv3-mla-untied": lambda: deepseek_v3(None)}
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-              "qwen3moe": "Qwen3MoeForCausalLM"}
+              "qwen3moe": "Qwen3MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM"}
 
 
 def randomize(m, seed):
@@ -166,10 +184,11 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
                                                             else ("rotary", "rmsnorm", "swiglu"))
     assert m.tie_embeddings == ("untied" not in name)
     if "gpt2" not in name:
-        assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (2, 500.0, False)
+        assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (4 if "deepseek" in name else 2, 500.0, False)
     assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name,
                                                                    8 if "mistral" in name else 0)
-    assert (m.kv_channels, m.head_dim) == ((32, 32) if "qwen3moe" in name else (0, 16))
+    if "deepseek" not in name:
+        assert (m.kv_channels, m.head_dim) == ((32, 32) if "qwen3moe" in name else (0, 16))
     scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
                m.rope_original_max_position_embeddings)
     assert scaling == ((True, 8.0, 1.0, 4.0, SEQ) if "ropescaled" in name else (False, 8.0, 1.0, 4.0, 8192))
@@ -180,6 +199,14 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 96)
         assert (m.moe_layer_freq, m.moe_router_pre_softmax, m.moe_aux_loss_coeff) == ("[1,0,1]", False, 0.02)
         assert [g.moe for g in gpt.layer_groups(m)] == [True, False, True]
+    elif "deepseek" in name:  # MLA; layer 0 dense (96), then sigmoid-routed experts of 48 and a shared one
+        assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+                m.v_head_dim, m.kv_channels, m.norm_eps) == (True, 12 if "qlora" in name else 0, 16, 8, 4, 6, 0, 1e-5)
+        assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 96)
+        assert (m.moe_layer_freq, m.moe_shared_expert_intermediate_size, m.moe_router_score_function,
+                m.moe_router_enable_expert_bias, m.moe_router_topk_scaling_factor, m.moe_router_num_groups,
+                m.moe_router_group_topk) == ("[0,1,1]", 48, "sigmoid", True, 2.0, 2, 1)
+        assert np.abs(params["layers_1"]["mlp"]["expert_bias"]).min() > 0
     else:
         assert m.num_experts == 0
     out = jax_logits(m, params, tokens())
@@ -248,6 +275,40 @@ def test_fused_experts_import(hf_dir, tmp_path):
     with pytest.raises(ConvertError, match=rf"{last}.down_proj has shape \[3, 64, 48\], "
                                            r"config.json implies \[4, 64, 48\]"):
         convert.from_hf(str(tmp_path / "fused"), F32)
+
+
+@pytest.mark.parametrize("hf_dir", ["deepseekv3-qlora-untied"], indirect=True)
+def test_deepseek_v3_rotary_routing_and_mtp_layers(hf_dir, tmp_path):
+    """What DeepSeek-V3's import gets right is not vacuous: the rotary rows read without de-interleaving, the router
+    without its groups or without its expert bias each give other logits; a checkpoint's multi-token-prediction
+    layer (model.layers.{num_hidden_layers}..., which transformers does not load) is skipped; the export says what
+    transformers reads: its dense layers first, one shared expert, the groups, the renormalized, scaled top k."""
+    from safetensors.numpy import load_file, save_file
+
+    _, d, ref = hf_dir
+    cfg, params = convert.from_hf(d, F32)
+    m = cfg.model
+    attn = params["layers_0"]["attn"]
+    interleaved = jax.tree.map(lambda x: x, params)  # our rotary rows as HF stores them: pairs (0, 1) and (2, 3)
+    interleaved["layers_0"]["attn"] = {**attn, "wq_b": attn["wq_b"][..., [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 9, 11]],
+                                       "wkv_a": attn["wkv_a"][..., [*range(16), 16, 18, 17, 19]]}
+    for wrong, changes in ((interleaved, {}), (params, dict(moe_router_num_groups=0, moe_router_group_topk=0))):
+        assert np.abs(jax_logits(dataclasses.replace(m, **changes), wrong, tokens()) - ref).max() > 100 * TOL
+    unbiased = jax.tree.map(lambda x: x, params)
+    unbiased["layers_1"]["mlp"]["expert_bias"] = np.zeros_like(params["layers_1"]["mlp"]["expert_bias"])
+    assert np.abs(jax_logits(m, unbiased, tokens()) - ref).max() > 100 * TOL
+
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if "layers.2." in k}
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads(Path(d, "config.json").read_text()),
+                                                      "num_nextn_predict_layers": 1}))
+    _, again = convert.from_hf(str(tmp_path), F32)
+    jax.tree.map(np.testing.assert_array_equal, again, params)
+    hf, _ = to_hf(m, params)
+    assert (hf["first_k_dense_replace"], hf["n_shared_experts"], hf["n_group"], hf["topk_group"],
+            hf["norm_topk_prob"], hf["routed_scaling_factor"], hf["q_lora_rank"], hf["rope_interleave"]) == (
+        1, 1, 2, 1, True, 2.0, 12, True)
 
 
 def test_qwen3_moe_unnormalized_routing_and_sparse_step(tmp_path):
@@ -553,9 +614,14 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (dict(MOE_CFG, moe_shared_expert_intermediate_size=32), ("model.moe_shared_expert_intermediate_size",)),
     (dict(num_experts=4), ("model.num_experts",)),  # GPT-2's layer with experts: no such HF model
     (dict(kv_channels=32), ("model.kv_channels",)),  # GPT-2's heads are hidden_size / heads wide
-    # multi-head latent attention: no q/k/v projections for Llama's table to write (DeepSeek-V3's is not built)
+    # multi-head latent attention: no q/k/v projections for Llama's table to write; DeepSeek-V3's needs experts
     (dict(LLAMA_CFG, num_kv_heads=0, multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
           v_head_dim=8), ("model.multi_latent_attention",)),
+    # DeepSeek-V3's shape, but groups scored by their top 1 (transformers' by their top 2)
+    (dict(MOE_CFG, num_kv_heads=0, multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+          v_head_dim=8, moe_shared_expert_intermediate_size=48, moe_router_score_function="sigmoid",
+          moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=2),
+     ("model.moe_router_group_topk",)),
 ])
 def test_unsupported_combination_names_keys(changes, keys):
     m = small_cfg(**changes).model
@@ -590,9 +656,20 @@ def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
     ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}},
      "rope_parameters.rope_type"),
+    # DeepSeek-V3's own YaRN rotary, and what jaxllm's sigmoid router or rotary does not compute
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0}}, "rope_parameters.rope_type"),
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob"),
+    ("deepseek_v3", {"topk_group": 2}, "topk_group"),
+    ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads"),
 ])
 def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
-    hf = {"gpt2": gpt2, "mixtral": mixtral, "qwen3_moe": qwen3_moe}.get(model_type, llama)().config.to_dict()
+    hf = {"gpt2": gpt2, "mixtral": mixtral, "qwen3_moe": qwen3_moe,
+          "deepseek_v3": lambda: deepseek_v3(12)}.get(model_type, llama)().config.to_dict()
     hf.update(change)
     if model_type == "gemma":
         hf["model_type"] = "gemma"

@@ -58,6 +58,14 @@ HF_CONFIGS = {
         head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, vocab_size=151936,
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0)),
+    # from memory, not read from the Hub (no network here): see configs/llama.py
+    "Moonlight-16B-A3B": ("DeepseekV3Config", dict(
+        hidden_size=2048, intermediate_size=11264, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
+        vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
 }
 
 
@@ -73,7 +81,10 @@ def test_open_model_keys_are_the_published_models(key):
     cls, values = HF_CONFIGS[key]
     hf_config = getattr(transformers, cls)(**values)
     with torch.device("meta"):
-        reference = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    # DeepSeek-V3's expert bias is a buffer there, a parameter (not trained by gradients) here
+    reference = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
     m = resolve(llama().get_config(key), num_devices=1, data_files=False).model
     assert m.padded_vocab_size == m.vocab_size  # no padding rows: the count is comparable
     assert gpt.num_params(gpt.describe(m).params) == reference

@@ -1,6 +1,6 @@
 """The Hugging Face architectures jaxllm converts to and from, as tables: ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM`` and
-``Qwen3MoeForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``DeepseekV3ForCausalLM`` in jaxllm's terms, and the pure mapping of parameters both ways.
 
 Each architecture is one :class:`Arch` that both directions read (the model keys it fixes,
 config.json keys <-> model keys, the config.json values supported, and the table of its
@@ -12,7 +12,10 @@ biases, grouped-query attention; **Qwen2** Llama's layer with query/key/value bi
 attending to a sliding window (``model.sliding_window``); **Mixtral** Llama's
 layer with a dropless top-k mixture of SwiGLU experts in place of the MLP (``model.num_experts`` > 0, no
 shared expert); **Qwen3-MoE** Qwen3's attention with such experts (their top k renormalized or not:
-``model.moe_router_pre_softmax``), some layers dense if ``model.moe_layer_freq`` says so; each with tied or
+``model.moe_router_pre_softmax``), some layers dense if ``model.moe_layer_freq`` says so; **DeepSeek-V3**
+multi-head latent attention (``model.multi_latent_attention``; DeepSeek's interleaved rotary rows) with dense layers
+first, then experts routed by sigmoid score with an expert bias, groups, a scaled top k and shared experts; each
+with tied or
 untied embeddings and any head size (``model.kv_channels``, HF's ``head_dim``; GPT-2's is
 ``hidden_size / heads``).  Any other model is a :class:`ConvertError` naming the keys that do not fit.
 The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the
@@ -100,7 +103,9 @@ class Arch:
     a bare base model's checkpoint; ``buffers``: regex of non-parameter tensors checkpoints may
     hold; ``tensors``: the table, every parameter in one row (``lm_head`` only when untied);
     ``layouts``: ``(tensors, model section) -> tensors``, a checkpoint's other layouts of the same
-    parameters renamed and split into the table's (None: the table's is the only one); ``aliases``:
+    parameters renamed and split into the table's (None: the table's is the only one); ``saves``:
+    ``(tensors, model section) -> tensors``, the table's tensors as the checkpoint holds them, the inverse of the
+    reordering ``layouts`` undoes (None: as the table lays them out); ``aliases``:
     config.json key -> the key of ``keys`` it also goes by; ``derive``: ``(config.json, model keys read
     by keys) -> more model keys``, those that are no one config.json value (None: no more)."""
 
@@ -114,6 +119,7 @@ class Arch:
     buffers: str
     tensors: tuple[Tensor, ...]
     layouts: Callable[[dict, config.Model], dict] | None = None
+    saves: Callable[[dict, config.Model], dict] | None = None
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     derive: Callable[[dict, dict], dict] | None = None
 
@@ -358,7 +364,148 @@ QWEN3_MOE = Arch(
     layouts=_fused_experts("mlp", "gate_proj", "up_proj", "down_proj"),
     derive=_qwen3_moe_keys)
 
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE)}
+def _rotary_rows(m: config.Model) -> dict[str, tuple[int, int]]:
+    """The HF tensors whose rows hold rotary dimensions, as ``name: (rows per block, rotary rows at its end)``:
+    each head's query rows (``q_proj`` or ``q_b_proj``, ``dn + dr`` per head) and ``kv_a_proj_with_mqa``'s
+    shared rotary key (its last ``dr`` of ``kv_lora + dr``)."""
+    dr, dq = m.qk_pos_emb_head_dim, m.qk_head_dim + m.qk_pos_emb_head_dim
+    return {"q_b_proj" if m.q_lora_rank else "q_proj": (dq, dr), "kv_a_proj_with_mqa": (m.kv_lora_rank + dr, dr)}
+
+
+def _interleave(tensors: dict[str, np.ndarray], m: config.Model, *, to_hf: bool) -> dict[str, np.ndarray]:
+    """DeepSeek's rotary layout (``rope_interleave``, transformers' default) from jaxllm's or back: its checkpoints
+    rotate neighbouring pairs ``(2j, 2j + 1)``, jaxllm (and HF Llama) the halves ``(j, j + dr/2)``, so jaxllm's
+    rotary row ``j`` is HF's ``2j`` for ``j < dr/2``, else ``2(j - dr/2) + 1`` (transformers'
+    ``apply_rotary_pos_emb_interleave``, which de-interleaves the same way).  Other rows and tensors unchanged."""
+    rows = _rotary_rows(m)
+    out = dict(tensors)
+    for k, x in tensors.items():
+        proj = re.fullmatch(r".*layers\.\d+\.self_attn\.(\w+)\.weight", k)
+        if not proj or proj.group(1) not in rows:
+            continue
+        block, dr = rows[proj.group(1)]
+        at = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])  # HF's row of our rotary row j
+        order = np.concatenate([np.arange(block - dr), block - dr + (np.argsort(at) if to_hf else at)])
+        out[k] = x.reshape(-1, block, x.shape[-1])[:, order].reshape(x.shape)
+    return out
+
+
+def _deepseek_v3_layouts(tensors: dict[str, np.ndarray], m: config.Model) -> dict[str, np.ndarray]:
+    """A DeepSeek-V3 checkpoint as its table: the multi-token-prediction layers some hold (``model.layers.{L}``
+    and on, ``num_nextn_predict_layers``) dropped, as transformers drops them; the experts per expert
+    (:func:`_fused_experts`), the rotary rows half-split (:func:`_interleave`)."""
+    kept = {k: x for k, x in tensors.items()
+            if not (i := re.match(r"(?:model\.)?layers\.(\d+)\.", k)) or int(i.group(1)) < m.num_layers}
+    return _interleave(_fused_experts("mlp", "gate_proj", "up_proj", "down_proj")(kept, m), m, to_hf=False)
+
+
+def _deepseek_v3_keys(hf: dict, keys: dict) -> dict:
+    """DeepSeek-V3's routing and layer kinds as model keys (transformers' ``DeepseekV3TopkRouter``,
+    ``DeepseekV3DecoderLayer``): the first ``first_k_dense_replace`` layers dense, the rest mixtures of experts
+    (``model.moe_layer_freq``); ``n_shared_experts`` shared experts of ``moe_intermediate_size`` as one shared MLP
+    (``model.moe_shared_expert_intermediate_size``); ``n_group`` > 1 groups as ``model.moe_router_num_groups``,
+    ``moe_router_group_topk`` (1: no groups).  Raises ConvertError for what jaxllm's router
+    (:func:`jaxllm.model.moe.route`) computes otherwise, or MLA with ``num_key_value_heads`` other than the heads:
+    ``norm_topk_prob`` other than ``num_experts_per_tok > 1``
+    (jaxllm renormalizes exactly the top k of more than one), no shared expert, or groups scored other than
+    by their top 2 (transformers sums each group's 2 best scores, jaxllm its ``topk / group_topk``)."""
+    layers, topk, heads = keys["num_layers"], keys["moe_router_topk"], keys["num_attention_heads"]
+    dense, shared = hf.get("first_k_dense_replace", 3), hf.get("n_shared_experts", 1)
+    groups, group_topk = hf.get("n_group", 8) or 1, hf.get("topk_group", 4) or 1
+
+    def refuse(key, value, need):
+        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
+
+    if hf.get("num_key_value_heads") not in (None, heads):  # transformers would repeat MLA's per-head keys
+        refuse("num_key_value_heads", hf["num_key_value_heads"], f"num_attention_heads={heads} (or null)")
+    if hf.get("norm_topk_prob", True) != (topk > 1):
+        refuse("norm_topk_prob", hf.get("norm_topk_prob", True), f"{topk > 1} with num_experts_per_tok={topk} "
+               "(jaxllm's sigmoid router renormalizes the top k when k > 1, and only then)")
+    if not isinstance(shared, int) or shared < 1:
+        refuse("n_shared_experts", shared, "an integer >= 1")
+    if not isinstance(dense, int) or not 0 <= dense < layers:
+        refuse("first_k_dense_replace", dense, f"an integer from 0 to num_hidden_layers - 1 = {layers - 1}")
+    if groups > 1 and topk != 2 * group_topk:
+        refuse("topk_group", group_topk, f"num_experts_per_tok / 2 = {topk / 2} with n_group={groups} (transformers "
+               "scores a group by its 2 best experts, jaxllm by its num_experts_per_tok / topk_group best)")
+    kinds = "1" if not dense else "[" + ",".join("0" if i < dense else "1" for i in range(layers)) + "]"
+    return {"kv_channels": 0, "num_kv_heads": heads, "moe_layer_freq": kinds,
+            "moe_shared_expert_intermediate_size": shared * keys["moe_ffn_hidden_size"],
+            "moe_router_num_groups": groups if groups > 1 else 0,
+            "moe_router_group_topk": group_topk if groups > 1 else 0}
+
+
+def _deepseek_v3_misfits(m: config.Model) -> dict[str, Any]:
+    """What keeps the model ``m`` from DeepSeek-V3's table beyond its ``needs`` (the refusals of
+    :func:`_deepseek_v3_keys`, the other way): model key -> what it needs."""
+    bad = {}
+    if not m.num_experts:
+        bad["model.num_experts"] = _Condition("> 0")
+    shared, f = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
+    if not shared or not f or shared % f:
+        bad["model.moe_shared_expert_intermediate_size"] = _Condition(f"a multiple > 0 of moe_ffn_hidden_size={f}")
+    kinds = m.moe_layers
+    if not kinds[-1] or sorted(kinds) != list(kinds):
+        bad["model.moe_layer_freq"] = _Condition("dense layers first, then mixtures of experts")
+    if m.moe_router_num_groups and m.moe_router_topk != 2 * m.moe_router_group_topk:
+        bad["model.moe_router_group_topk"] = _Condition(f"model.moe_router_topk / 2 = {m.moe_router_topk / 2}")
+    return bad
+
+
+# DeepSeek-V3 (and Moonlight, DeepSeek-V3-architecture): multi-head latent attention; the first
+# first_k_dense_replace layers a dense MLP, the rest a mixture of experts with sigmoid routing (its expert bias,
+# e_score_correction_bias, choosing the top k; groups; the top k renormalized and scaled) and shared experts; the
+# defaults are transformers' DeepseekV3Config's.  Not taken: YaRN rotary scaling (DeepSeek-V3's own checkpoint's),
+# refused by model_from_hf's rope check
+DEEPSEEK_V3 = Arch(
+    model_type="deepseek_v3", hf_class="DeepseekV3ForCausalLM",
+    # and num_experts > 0, shared experts, dense layers first (hf_architecture: _deepseek_v3_misfits)
+    needs={"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
+           "add_qkv_bias": False, "qk_layernorm": False, "sliding_window": 0, "multi_latent_attention": True,
+           "moe_capacity_factor": 0.0, "moe_router_score_function": "sigmoid", "moe_router_pre_softmax": False,
+           "moe_router_enable_expert_bias": True},
+    keys={"num_hidden_layers": ("num_layers", 61), "hidden_size": ("hidden_size", 7168),
+          "num_attention_heads": ("num_attention_heads", 128), "intermediate_size": ("ffn_hidden_size", 18432),
+          "moe_intermediate_size": ("moe_ffn_hidden_size", 2048),
+          "n_routed_experts": ("num_experts", 256), "num_experts_per_tok": ("moe_router_topk", 8),
+          "routed_scaling_factor": ("moe_router_topk_scaling_factor", 2.5), "q_lora_rank": ("q_lora_rank", 1536),
+          "kv_lora_rank": ("kv_lora_rank", 512), "qk_nope_head_dim": ("qk_head_dim", 128),
+          "qk_rope_head_dim": ("qk_pos_emb_head_dim", 64), "v_head_dim": ("v_head_dim", 128),
+          "vocab_size": ("vocab_size", 129280), "max_position_embeddings": ("max_position_embeddings", 4096),
+          "rms_norm_eps": ("norm_eps", 1e-6), "rope_theta": ("rotary_base", 10000.0),
+          "initializer_range": ("init_std", 0.02), "tie_word_embeddings": ("tie_embeddings", False)},
+    aliases={"num_local_experts": "n_routed_experts"},  # transformers' attribute_map
+    # scoring_func, topk_method: DeepSeek's own config.json's names of the router transformers implements
+    supports={"hidden_act": ("silu",), "attention_bias": (False,), "rope_interleave": (True,),
+              "scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    extra=lambda m: {"num_key_value_heads": m.num_attention_heads, "attention_dropout": 0.0,
+                     "n_shared_experts": m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
+                     "first_k_dense_replace": m.moe_layers.index(True),
+                     "n_group": m.moe_router_num_groups or 1, "topk_group": m.moe_router_group_topk or 1,
+                     "norm_topk_prob": m.moe_router_topk > 1, "routed_scaling_factor": m.moe_router_topk_scaling_factor
+                     or 1.0, "q_lora_rank": m.q_lora_rank or None, "num_nextn_predict_layers": 0,
+                     "output_router_logits": False, **_rope_parameters(m)},
+    **_LLAMA_FILES,
+    tensors=(
+        _LLAMA_ATTENTION[0], _LLAMA_ATTENTION[1],  # embeddings, input_layernorm
+        *(Tensor(f"model.layers.{{i}}.self_attn.{hf}.weight", (f"layers/attn/{ours}",), linear=True)
+          for hf, ours in (("q_proj", "wq"), ("q_a_proj", "wq_a"), ("q_b_proj", "wq_b"),  # [n*(dn+dr), h or rq]
+                           ("kv_a_proj_with_mqa", "wkv_a"), ("kv_b_proj", "wkv_b"))),  # [rkv+dr, h], [n*(dn+dv), rkv]
+        Tensor("model.layers.{i}.self_attn.q_a_layernorm.weight", ("layers/attn/q_a_norm/scale",), VEC),
+        Tensor("model.layers.{i}.self_attn.kv_a_layernorm.weight", ("layers/attn/kv_a_norm/scale",), VEC),
+        Tensor("model.layers.{i}.self_attn.o_proj.weight", ("layers/attn/wo",), 2, linear=True),  # [h, n*dv]
+        _LLAMA_ATTENTION[-1],  # post_attention_layernorm
+        *_LLAMA_MLP, *_expert_rows("mlp", "gate_proj", "up_proj", "down_proj"),
+        Tensor("model.layers.{i}.mlp.gate.e_score_correction_bias", ("layers/mlp/expert_bias",), VEC, moe=True),
+        *(Tensor(f"model.layers.{{i}}.mlp.shared_experts.{hf}.weight", (f"layers/mlp/shared/{ours}",), linear=True,
+                 moe=True) for hf, ours in (("gate_proj", "wg"), ("up_proj", "w1"), ("down_proj", "w2"))),
+        *_LLAMA_OUTPUT),
+    layouts=_deepseek_v3_layouts,
+    saves=lambda tensors, m: _interleave(tensors, m, to_hf=True),
+    derive=_deepseek_v3_keys)
+
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE,
+                                                    DEEPSEEK_V3)}
 
 
 class _Condition(str):
@@ -428,7 +575,8 @@ def _unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ..
 
 def hf_architecture(m: config.Model) -> Arch:
     """The Hugging Face architecture that holds the (resolved) model section ``m`` exactly: GPT-2, Llama,
-    Qwen2, Qwen3 or Mistral for a dense model, Mixtral or Qwen3-MoE for a mixture of experts.
+    Qwen2, Qwen3 or Mistral for a dense model, Mixtral or Qwen3-MoE for a mixture of experts, DeepSeek-V3 for one
+    with multi-head latent attention.
 
     Raises:
       ConvertError: the model fits none; ``keys`` are the keys that do not fit the closest
@@ -443,10 +591,13 @@ def hf_architecture(m: config.Model) -> Arch:
             bad["model.num_experts"] = _Condition("> 0")
         if arch is MISTRAL and not m.sliding_window:
             bad["model.sliding_window"] = _Condition("> 0")
+        if arch is DEEPSEEK_V3:
+            bad.update(_deepseek_v3_misfits(m))
         if not bad:
             return arch
         misfits[arch.model_type] = bad
-    likely = ("qwen3_moe" if m.num_experts and m.qk_layernorm else "mixtral" if m.num_experts
+    likely = ("deepseek_v3" if m.multi_latent_attention
+              else "qwen3_moe" if m.num_experts and m.qk_layernorm else "mixtral" if m.num_experts
               else "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias else "mistral" if m.sliding_window
               else "llama" if m.position_embedding == "rotary" else "gpt2")
     dense = {a for a in misfits if "num_experts" in ARCHITECTURES[a].needs} if m.num_experts else set()
@@ -486,7 +637,11 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
       the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves); Qwen3-MoE's as Mixtral's under
       ``mlp.gate.weight`` and ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, and in its dense layers
       Llama's MLP (a model of dense and MoE layers holds each kind's parameters in its layer groups,
-      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`).
+      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`); DeepSeek-V3's as Qwen3-MoE's experts
+      with ``self_attn.q_proj [n*(dn+dr), h]`` (or ``q_a_proj [rq, h]``, ``q_a_layernorm``, ``q_b_proj
+      [n*(dn+dr), rq]``), ``kv_a_proj_with_mqa [rkv+dr, h]``, ``kv_a_layernorm``, ``kv_b_proj [n*(dn+dv), rkv]``,
+      ``o_proj [h, n*dv]`` (rotary rows interleaved: :func:`_interleave`), ``mlp.gate.e_score_correction_bias
+      [E]`` and ``mlp.shared_experts.gate_proj``/``up_proj``/``down_proj``.
     Raises:
       ConvertError: the model fits no architecture, or ``params`` does not match it.
     """
@@ -509,6 +664,8 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
             arrays = [flat[p] for p in paths]
             for i, j, e in where:
                 tensors[t.name.format(i=i, e=e)] = _to_hf_layout(t, [_slice(a, j, e) for a in arrays])
+    if arch.saves is not None:
+        tensors = arch.saves(tensors, m)
     hf = {"architectures": [arch.hf_class], "model_type": arch.model_type,
           **{key: allowed[0] for key, allowed in arch.supports.items()},
           **{key: getattr(m, ours) for key, (ours, _) in arch.keys.items()}, **arch.extra(m),
