@@ -15,8 +15,7 @@ shared expert); **Qwen3-MoE** Qwen3's attention with such experts (their top k r
 ``model.moe_router_pre_softmax``), some layers dense if ``model.moe_layer_freq`` says so; **DeepSeek-V3**
 multi-head latent attention (``model.multi_latent_attention``; DeepSeek's interleaved rotary rows) with dense layers
 first, then experts routed by sigmoid score with an expert bias, groups, a scaled top k and shared experts; each
-with tied or
-untied embeddings and any head size (``model.kv_channels``, HF's ``head_dim``; GPT-2's is
+with tied or untied embeddings and any head size (``model.kv_channels``, HF's ``head_dim``; GPT-2's is
 ``hidden_size / heads``).  Any other model is a :class:`ConvertError` naming the keys that do not fit.
 The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the
 logits of its padding rows, so without them HF's logits and softmax are exactly jaxllm's.
