@@ -171,6 +171,13 @@ def test_hf_tokenizer_file_or_directory(hf_dir, gpt2, prose, tmp_path):
         HFTokenizer(str(tmp_path / "noeod.json"))
     with pytest.raises(DataError, match="no tokenizer.json there"):
         HFTokenizer(str(tmp_path))
+    # transformers 5 ignores GPT2TokenizerFast's vocab_file=: a tokenizer of no vocabulary but its added token
+    from transformers import GPT2TokenizerFast
+
+    GPT2TokenizerFast(vocab_file=str(GPT2_DIR / "encoder.json"), merges_file=str(GPT2_DIR / "vocab.bpe")
+                      ).save_pretrained(tmp_path / "empty")
+    with pytest.raises(DataError, match="has no vocabulary"):
+        HFTokenizer(str(tmp_path / "empty"))
 
 
 @pytest.fixture(scope="module")

@@ -252,7 +252,8 @@ class HFTokenizer:
     Args:
       path: a ``tokenizer.json`` file or a directory holding one.
     Raises:
-      DataError: no tokenizer.json there, it does not load, or its end-of-document token cannot be told.
+      DataError: no tokenizer.json there, it does not load, its model has no vocabulary, or its end-of-document
+        token cannot be told.
     """
 
     name = "hf"
@@ -271,6 +272,10 @@ class HFTokenizer:
         except Exception as e:  # the library raises bare Exceptions on unparsable files
             raise DataError(f"data.tokenizer={self.path}: not a Hugging Face tokenizer.json ({str(e)[:200]}); give the "
                             f"tokenizer.json of the model's Hugging Face repository") from None
+        if self._tok.get_vocab_size(with_added_tokens=False) == 0:  # e.g. transformers 5's GPT2TokenizerFast(
+            # vocab_file=...), which ignores the file: every text would encode to no token at all
+            raise DataError(f"data.tokenizer={self.path}: its model has no vocabulary (only added tokens), so every "
+                            f"text encodes to nothing; save the tokenizer again from its vocabulary files")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eot_id = self._eod_id()
         self.sha256 = sha256_file(self.path)
