@@ -10,8 +10,10 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
    ml_collections), the devices JAX sees, ``nvidia-smi``/``rocm-smi`` and the GPU settings of
    :mod:`jaxllm.platform.gpu_env`;
 2. the GPU tests (not with ``--part=speed``): ``tests/test_kernels.py`` compiled Pallas, Triton (where
-   ``jax_triton`` imports) and cuDNN attention against the XLA reference, forward and backward (the tests
-   that skip on a CPU);
+   ``jax_triton`` imports) and cuDNN attention against the XLA reference, forward and backward, cuDNN with
+   Megatron's packed documents too (segment ids as cuDNN's lengths and offsets; Hopper and later), and
+   ``tests/test_documents.py``'s five bfloat16 train steps with ``data.reset_attention_mask`` whose losses
+   with ``attention_impl=cudnn`` must be the ``xla`` reference's (the tests that skip on a CPU);
 3. ``benchmarks/attention.py --check`` (not with ``--part=speed``): every attention implementation,
    sequence 1k, 4k, 16k, bfloat16, 16 heads of 128, causal;
 4. ``python -m jaxllm.bench`` (``--models``, default all three), bfloat16, sequence 2048, one device, 10 timed
@@ -184,10 +186,10 @@ def steps(a, env) -> list[dict]:
     py = sys.executable
     out = []
     if a.part == "all":
-        tests = [py, "-m", "pytest", "tests/test_kernels.py", "-q", "-rA", "-p", "no:cacheprovider",
-                 "-k", "gpu_matches or triton_matches or cudnn_matches"]
-        out.append(run_step("GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
-                            tests, env, a.timeout))
+        tests = [py, "-m", "pytest", "tests/test_kernels.py", "tests/test_documents.py", "-q", "-rA", "-p",
+                 "no:cacheprovider", "-k", "gpu_matches or triton_matches or cudnn_matches or cudnn_packed"]
+        out.append(run_step("GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference, "
+                            "cuDNN's packed documents in training", tests, env, a.timeout))
         attn = [py, "benchmarks/attention.py", "--check"]
         attn += (["--seqs", "128", "--heads", "2", "--iters", "1", "--warmup", "0", "--impls", "xla,pallas"]
                  if a.dry_run else ["--seqs", "1024,4096,16384"])

@@ -135,8 +135,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         "params": sharding.per_device_bytes(state["params"]),
         "grads": sharding.per_device_bytes(grads),
         "opt_state": sharding.per_device_bytes(state["opt_state"]),
-        "batch": 2 * sharding.per_device_bytes(jax.ShapeDtypeStruct(cfg.batch_shape, "int32",
-                                                                    sharding=run.batch_sharding)),
+        "batch": sum(sharding.per_device_bytes(a) for a in jax.tree.leaves(run.abstract_batch())),
         "temp": mem["temp"],
         "total": mem["total"],
         "host": host,
@@ -179,13 +178,12 @@ def cpu_compile(cfg, num_devices: int, backend: str | None):
         half.model.dtype = "float16"
         cfg = resolved(half, num_devices, backend)
     run = Run(cfg, devices=jax.devices()[:num_devices])
-    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     # a GPU's flash attention keeps memory linear in the sequence: planned with the interpreted kernel
     target = attention.lowering_target(cfg.backend, interpret=True) if cfg.backend in attention.TARGET_FAMILY \
         else contextlib.nullcontext()
     t0 = time.perf_counter()
     with target:
-        compiled = run.train_step.lower(run.abstract_state, batch, batch).compile()
+        compiled = run.train_step.lower(run.abstract_state, *run.abstract_batch()).compile()
     return run, compiled, time.perf_counter() - t0
 
 
@@ -202,10 +200,9 @@ def gpu_compile(cfg, num_devices: int, gpu: str):
     if cfg.model.fp8 and arch == "ampere":
         raise config.ConfigError("model.fp8", True, f"{gpu} has no FP8 matmuls (H100, H200 have); set model.fp8=False")
     run = Run(cfg, devices=xla_gpu.devices(gpu, num_devices))
-    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
     t0 = time.perf_counter()
     with attention.lowering_target("cuda", arch):
-        lowered = run.train_step.lower(run.abstract_state, batch, batch)
+        lowered = run.train_step.lower(run.abstract_state, *run.abstract_batch())
     compiled = lowered.compile(compiler_options=xla_gpu.compiler_options())
     return run, compiled, time.perf_counter() - t0
 

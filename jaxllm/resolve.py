@@ -253,11 +253,17 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
 
 def _check_documents(cfg: Resolved) -> None:
     """Megatron's document options run on every mesh axis but ``pipeline`` (its schedules take one
-    set of positions for all microbatches, and no segment ids or loss mask yet).
+    set of positions for all microbatches, and no segment ids or loss mask yet).  ``data.max_documents_per_sample``
+    is at most ``train.seq_length``.
 
     Raises:
-      ConfigError: one of the options with ``mesh.pipeline`` (ICI x DCN) > 1.
+      ConfigError: one of the options with ``mesh.pipeline`` (ICI x DCN) > 1; ``data.max_documents_per_sample``
+        above ``train.seq_length``.
     """
+    bound, seq = cfg.data.max_documents_per_sample, cfg.train.seq_length
+    if bound > seq:
+        raise ConfigError("data.max_documents_per_sample", bound, f"a sample of train.seq_length={seq} tokens holds "
+                          f"at most {seq} documents; set it to <= {seq} (0: {seq})")
     on = [key for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg.data, key)]
     if on and cfg.stages > 1:
         raise ConfigError(f"data.{on[0]}", True, f"not supported with pipeline parallelism yet (mesh.pipeline over "

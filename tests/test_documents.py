@@ -20,7 +20,8 @@ import pytest
 from harness import assert_same_training, run_layouts
 
 from jaxllm import config
-from jaxllm.data.loader import document_masks
+from jaxllm.data.loader import document_masks, documents
+from jaxllm.errors import DataError
 from jaxllm.model import gpt
 from jaxllm.resolve import resolve
 from jaxllm.runtime import optim, step
@@ -167,6 +168,52 @@ def test_pipeline_parallelism_refuses_the_options():
     with pytest.raises(config.ConfigError) as e:
         resolve(c, num_devices=2)
     assert e.value.key == "data.reset_attention_mask" and "mesh.pipeline=1" in str(e.value)
+
+
+def test_max_documents_per_sample_is_checked():
+    """``data.max_documents_per_sample``: at most ``train.seq_length`` (before anything compiles), and a
+    batch with a sample of more documents stops the run before its step (the bound is cuDNN's shapes')."""
+    c = config.get_config()
+    c.data.max_documents_per_sample = c.train.seq_length + 1
+    with pytest.raises(config.ConfigError) as e:
+        resolve(c, num_devices=1)
+    assert e.value.key == "data.max_documents_per_sample" and f"<= {c.train.seq_length}" in str(e.value)
+    tokens = np.array([[5, EOD, 6, EOD, 7, 7], [5, 5, 5, 5, EOD, EOD]], np.int32)  # 3 documents, then 2
+    options = config.Data(reset_attention_mask=True, max_documents_per_sample=3)
+    np.testing.assert_array_equal(documents(tokens, EOD, options)["segment_ids"], [[0, 0, 1, 1, 2, 2],
+                                                                                  [0, 0, 0, 0, 0, 1]])
+    options.max_documents_per_sample = 2
+    with pytest.raises(DataError, match="holds 3 documents, more than data.max_documents_per_sample=2"):
+        documents(tokens, EOD, options)
+
+
+HOPPER = jax.default_backend() == "gpu" and tuple(
+    int(p) for p in str(getattr(jax.devices()[0], "compute_capability", "0.0")).split(".")[:2]) >= (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN's packed attention needs an NVIDIA GPU of compute capability 9.0")
+def test_cudnn_packed_documents_train_as_the_xla_reference():
+    """``data.reset_attention_mask`` in bfloat16 on the GPU: five Adam steps with ``attention_impl=cudnn``
+    (its compiled step calls cuDNN's attention and no Triton kernel) give the ``xla`` reference's losses."""
+    losses = {}
+    batches = [packed_batch(seed, seq=256) for seed in range(5)]
+    for impl in ("xla", "cudnn"):
+        cfg = small_cfg({"reset_attention_mask": True}, {"seq_length": 256}, attention_impl=impl, hidden_size=256,
+                        num_attention_heads=4, num_kv_heads=2, dtype="bfloat16")
+        spec = gpt.describe(cfg.model)
+        opt = optim.make_optimizer(cfg.train, spec.decay)
+        train_step = jax.jit(step.make_train_step(cfg, spec, opt))
+        state = step.init_state(gpt.init(cfg.model, 0), opt)
+        args = [(t[None, :, :-1], t[None, :, 1:], {"segment_ids": document_masks(t[:, :-1], EOD, False, True,
+                                                                               False)[1][None]}) for t in batches]
+        if impl == "cudnn":
+            hlo = train_step.lower(state, *args[0]).compile().as_text()
+            assert "__cudnn$fmha" in hlo and "triton" not in hlo.lower()
+        losses[impl] = []
+        for batch in args:
+            state, metrics = train_step(state, *batch)
+            losses[impl].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["cudnn"], losses["xla"], rtol=1e-2)
 
 
 LAYOUTS = {

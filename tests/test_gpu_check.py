@@ -36,10 +36,12 @@ def test_dry_run_writes_the_report(tmp_path):
     assert "| jax | " in text and "| ml-collections | " in text and "GPU settings of every" in text
     steps = [ln for ln in text.splitlines() if ln.startswith("| ") and ln.endswith(" | ok |")]
     assert [s.split(" | ")[0][2:] for s in steps] == [
-        "devices", "GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference",
+        "devices", "GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference, cuDNN's "
+        "packed documents in training",
         "attention benchmark", "jaxllm.bench GPT125M", "torch reference GPT125M", "jaxllm.bench GPT1_5B",
         "torch reference GPT1_5B"]  # not GPT2_7B: --models
-    assert "16 skipped" in text  # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN
+    # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN + 2 cuDNN packed + 1 packed training
+    assert "19 skipped" in text
     assert "| 128 | xla | " in text and "| 128 | pallas | " in text  # the attention table, both rows measured
     assert text.count("| config | mesh | tokens/s |") == 2 and "| model.layer_loop=scan | 1 device |" in text
     assert not list(out.parent.glob("*.tmp"))

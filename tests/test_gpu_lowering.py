@@ -4,8 +4,9 @@
 * Pallas flash attention, forward and backward, over the features (causal/full, GQA/MQA, segment
   ids, window, explicit positions, uneven lengths, bfloat16/float16/float32, head_dim 64/128):
   exactly the three Triton kernels, with the GPU family's tiles, warps, stages and grid;
-* cuDNN attention (``cuda``): the cuDNN fused-attention calls, forward and backward, and the
-  Pallas fallback where cuDNN cannot express the call; refused for ``rocm``;
+* cuDNN attention (``cuda``): the cuDNN fused-attention calls, forward and backward (packed
+  documents too, for Hopper), and the Pallas fallback where cuDNN cannot express the call;
+  refused for ``rocm``;
 * the whole train step of a small GPT with ``attention_impl`` ``pallas`` and ``cudnn``, on one
   device and on 8-device meshes (FSDP x tensor, and ring sequence parallelism), exported in a
   subprocess (``tests/gpu_lowering_steps.py``) because the CPU device count is fixed at start-up;
@@ -152,8 +153,42 @@ def test_cudnn_lowers(variant, cudnn_version):
     assert lowering.custom_call_targets(exported) == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
 
 
+@pytest.mark.parametrize("kv_heads,bound", [(4, None), (2, 8)], ids=["mha-bound-seq", "gqa-bound-8"])
+def test_cudnn_lowers_packed_documents_for_hopper(kv_heads, bound, cudnn_version):
+    """Segment ids (the same for queries and keys, as the model passes them) reach cuDNN as packed
+    documents for Hopper: its forward and backward with the lengths and offsets, no Triton kernel;
+    before Hopper (jax's packed layout needs compute capability 9.0) they go to the Pallas kernel."""
+    b, s, heads, d = 2, 256, 4, 64
+
+    def f(q, k, v, ids):
+        def loss(q, k, v):
+            out = attention.attention(q, k, v, impl="cudnn", q_segment_ids=ids, kv_segment_ids=ids,
+                                      max_documents=bound)
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    args = [jax.ShapeDtypeStruct((b, s, heads, d), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((b, s, kv_heads, d), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((b, s), jnp.int32)]
+    with attention.lowering_target("cuda", "hopper"):
+        exported = lowering.export_for(f, args, "cuda")
+    assert lowering.custom_call_targets(exported) == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
+    text, m = exported.mlir_module(), bound or s
+    # both calls take per row m document lengths and m + 1 offsets, K/V repeated to the query heads, and the
+    # softmax statistics float32 [batch * m, heads, seq]
+    for call in ("fmhaSoftmax(", "fmhaSoftmaxBackward("):
+        line = next(x for x in text.splitlines() if f"@__cudnn${call}" in x)
+        assert ((f"tensor<{b}x{s}x{heads}x{d}xbf16>, " * 3) in line
+                and f"tensor<{b}x{m}xi32>, tensor<{b}x{m}xi32>, tensor<{b}x{m + 1}xi32>, tensor<{b}x{m + 1}xi32>)"
+                in line and f"tensor<{b * m}x{heads}x{s}xf32>" in line
+                and f"max_seg_per_batch\\22: {m}" in line), line[-600:]
+    with attention.lowering_target("cuda", "ampere"):
+        exported = lowering.export_for(f, args, "cuda")
+    assert lowering.custom_call_targets(exported) == {lowering.TRITON_CALL: 3}
+
+
 def test_cudnn_falls_back_to_pallas_and_is_refused_on_rocm(cudnn_version):
-    f, args = _fwd_bwd(Variant("bf16-segments", segments=True), impl="cudnn")  # cuDNN: no segment ids
+    f, args = _fwd_bwd(Variant("bf16-segments", segments=True), impl="cudnn")  # different q and kv ids
     with attention.lowering_target("cuda"):
         exported = lowering.export_for(f, args, "cuda")
     assert lowering.custom_call_targets(exported) == {lowering.TRITON_CALL: 3}

@@ -2,7 +2,8 @@
 (:mod:`jaxllm.platform.xla_gpu`, ``jaxllm.plan --device=H100``), its kernels by kind and its memory.
 
 * a bfloat16 step has no float32 GEMM, and its attention is cuDNN's (per layer and micro batch, with full
-  remat: the forward twice, the backward once);
+  remat: the forward twice, the backward once), with Megatron's packed documents (``data.reset_attention_mask``)
+  too;
 * every layer matmul of a ``model.fp8`` step is an FP8 GEMM (e4m3 x e4m3 forward, e4m3 x e5m2 for both
   gradients), with remat and without: only the loss head's GEMMs stay bfloat16; with
   ``--xla_gpu_enable_triton_gemm=false`` in ``XLA_FLAGS`` they are cuBLASLt's ``__cublas$lt$matmul$f8``;
@@ -45,7 +46,7 @@ def _programs(*cases, xla_flags=""):
 
 @pytest.fixture(scope="module")
 def programs():
-    return _programs("bf16", "fp8", "fp8_none", *MEASURED)
+    return _programs("bf16", "bf16_packed", "fp8", "fp8_none", *MEASURED)
 
 
 def _gemms(p, dtype=None) -> int:
@@ -63,6 +64,16 @@ def test_bfloat16_step_has_no_float32_gemm_and_cudnn_attention(programs):
     assert attention == {"attention|cuDNN forward (__cudnn$fmhaSoftmax)": 2 * runs,  # and recomputed
                          "attention|cuDNN backward (__cudnn$fmhaSoftmaxBackward)": runs}, attention
     assert not [k for k in p["kernels"] if k.startswith("other|custom call")], p["kernels"]  # no Pallas/Triton calls
+
+
+@needs_plugin
+def test_packed_documents_step_keeps_cudnn_attention(programs):
+    """``data.reset_attention_mask`` (segment ids) on an H100: cuDNN's packed-layout attention (forward and
+    backward), as many calls as the plain step, and no Pallas/Triton kernel."""
+    p, plain = programs["bf16_packed"], programs["bf16"]
+    attention = {k: c for k, c in p["kernels"].items() if k.startswith("attention|")}
+    assert attention == {k: c for k, c in plain["kernels"].items() if k.startswith("attention|")}, attention
+    assert not [k for k in p["kernels"] if k.startswith("other|custom call")], p["kernels"]
 
 
 @needs_plugin

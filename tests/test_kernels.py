@@ -257,6 +257,37 @@ def test_cudnn_matches_reference(case):
     _assert_close("out", got, reference.attention(*qkv, **kw), TOL[case.dtype])
 
 
+HOPPER = ON_GPU and hardware.backend_kind() == "cuda" and tuple(
+    int(p) for p in str(getattr(jax.devices()[0], "compute_capability", "0.0")).split(".")[:2]) >= (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN's packed attention needs an NVIDIA GPU of compute capability 9.0")
+@pytest.mark.parametrize("bound", [None, 4], ids=["bound-seq", "bound-4"])
+def test_cudnn_matches_reference_with_packed_documents(bound):
+    """Megatron's segment ids through cuDNN's packed layout (the same array for queries and keys, as the
+    model passes them): output and gradients against the reference, grouped-query heads, two rows of
+    different documents (one ending at the last token, one-token documents)."""
+    c = Case("bf16-packed", sq=512, heads=4, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+    (q, k, v), do, _, kw = _inputs(c)
+    q, k, v, do = (jnp.concatenate([a, a[:, ::-1]]) for a in (q, k, v, do))
+    eod = np.zeros((2, 512), bool)
+    eod[0, [99, 100, 300, 511]] = True
+    eod[1, [0, 1, 2]] = True
+    ids = jnp.asarray(np.concatenate([np.zeros((2, 1), np.int32), np.cumsum(eod[:, :-1], 1)], 1), jnp.int32)
+
+    def run(fn):
+        def loss(q, k, v):
+            out = fn(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+            return jnp.sum(out.astype(jnp.float32) * do), out
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (_, out), grads = run(lambda *a, **kw_: dispatch.attention(*a, impl="cudnn", max_documents=bound, **kw_))
+    (_, r_out), r_grads = run(reference.attention)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (r_out, *r_grads)):
+        _assert_close(name, got, want, TOL[c.dtype])
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -307,11 +338,18 @@ def test_cudnn_falls_back_to_pallas_where_it_differs(monkeypatch):
     """Calls cuDNN cannot express exactly go to the Pallas kernel (interpret mode here)."""
     c = Case("fallback", sq=64, heads=2, kv_heads=1, segments=(20, 44), dtype=jnp.bfloat16)
     qkv, _, _, kw = _inputs(c)
-    base = dict(causal=True, q_segment_ids=None, window=None, q_positions=None, kv_positions=None, return_lse=False)
+    base = dict(causal=True, q_segment_ids=None, kv_segment_ids=None, window=None, q_positions=None,
+                kv_positions=None, return_lse=False)
     q, k = qkv[0], qkv[1]
+    ids = kw["q_segment_ids"]
     assert dispatch.cudnn_unsupported(q, k, **base) is None
     assert "return_lse" in dispatch.cudnn_unsupported(q, k, **{**base, "return_lse": True})
-    assert "segment" in dispatch.cudnn_unsupported(q, k, **{**base, "q_segment_ids": kw["q_segment_ids"]})
+    assert "different query and key segment ids" in dispatch.cudnn_unsupported(
+        q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids + 0})
+    assert "window with segment ids" in dispatch.cudnn_unsupported(
+        q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids, "window": 8})
+    assert "before Hopper" in dispatch.cudnn_unsupported(  # this CPU has no compute capability
+        q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids})
     assert "positions" in dispatch.cudnn_unsupported(q, k, **{**base, "q_positions": jnp.zeros((1, 64), int)})
     assert "dtype" in dispatch.cudnn_unsupported(q.astype(jnp.float32), k, **base)
     assert "q_len != kv_len" in dispatch.cudnn_unsupported(q[:, :32], k, **base)
@@ -323,6 +361,61 @@ def test_cudnn_falls_back_to_pallas_where_it_differs(monkeypatch):
     r_out, r_lse = reference.attention(*qkv, return_lse=True, **kw)
     _assert_close("out", out, r_out, 2e-2)
     _assert_close("lse", lse, r_lse, 1e-5)
+
+
+def _runs(ids):
+    """(lengths, offsets) of the runs of equal ids in one row, by a plain loop."""
+    starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]]
+    return [e - b for b, e in zip(starts, starts[1:] + [len(ids)])], starts
+
+
+def _eod_ids(rows, eod=0):
+    """Megatron's segment ids (data.reset_attention_mask) of token rows, EOD token ``eod``."""
+    from jaxllm.data.loader import document_masks
+    return document_masks(np.array(rows, np.int32), eod, False, True, False)[1]
+
+
+PACKED = {  # name -> segment ids [batch, seq]
+    "one document; a document per token": np.array([[3] * 8, list(range(8))]),
+    "uneven; a document ending at the last token": _eod_ids([[5, 0, 7, 7, 7, 0, 9, 0], [7, 7, 7, 7, 7, 7, 0, 0]]),
+    "EODs padding the end; a one-token first document": _eod_ids([[7, 7, 0, 0, 0, 0, 0, 0], [0, 7, 7, 7, 0, 7, 7, 7]]),
+}
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_segments_are_the_segment_mask_cudnn_is_given(name):
+    """:func:`packed_segments` against a plain loop over each row's runs, and the token ranges cuDNN reads
+    (jax's own conversion to cuDNN's flattened element offsets, ``_fix_seqlen_offsets``) give exactly the
+    reference's segment mask (causal and full) for Megatron's segment ids."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    ids = jnp.asarray(PACKED[name], jnp.int32)
+    b, s = ids.shape
+    lengths, offsets = dispatch.packed_segments(ids)
+    assert lengths.shape == (b, s) and offsets.shape == (b, s + 1) and lengths.dtype == offsets.dtype == jnp.int32
+    most = max(len(_runs(list(row))[0]) for row in np.asarray(ids))  # data.max_documents_per_sample, exactly
+    bounded = dispatch.packed_segments(ids, most)
+    np.testing.assert_array_equal(bounded[0], lengths[:, :most])
+    np.testing.assert_array_equal(bounded[1], np.concatenate([offsets[:, :most], -np.ones((b, 1), int)], 1))
+    for row, (got_len, got_off) in enumerate(zip(np.asarray(lengths), np.asarray(offsets))):
+        want_len, want_off = _runs(list(np.asarray(ids[row])))
+        n = len(want_len)
+        assert list(got_len[:n]) == want_len and list(got_off[:n]) == want_off, (row, got_len, got_off)
+        assert (got_len[n:] == -1).all() and (got_off[n:] == -1).all(), (row, got_len, got_off)
+    heads, d = 2, 8
+    q = jnp.zeros((b, s, heads, d), jnp.bfloat16)
+    cu_len, _, cu_off, _ = fa._fix_seqlen_offsets(lengths, lengths, offsets, offsets, q, q)
+    doc = np.full(b * s, -1)  # document of each flattened token, from cuDNN's (element offset, length) pairs
+    for j, (o, n) in enumerate(zip(np.asarray(cu_off).ravel(), np.asarray(cu_len).ravel())):
+        if n > 0:
+            doc[o // (heads * d):o // (heads * d) + n] = j
+    doc = doc.reshape(b, s)
+    assert (doc >= 0).all()
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    for causal in (True, False):
+        want = reference.attention_mask(pos, pos, causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
+        got = reference.attention_mask(pos, pos, causal=causal, q_segment_ids=doc, kv_segment_ids=doc)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # ----------------------------------------------------------------------------- benchmark

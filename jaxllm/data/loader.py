@@ -100,6 +100,7 @@ class Data:
                             f"token, and the {self.tokenizer.name} tokenizer has none; use gpt2, a Hugging Face "
                             f"tokenizer or a SentencePiece model, or turn them off")
         self.reset_position_ids, self.reset_attention_mask = d.reset_position_ids, d.reset_attention_mask
+        self.max_documents_per_sample = d.max_documents_per_sample
         self.eod_mask_loss = d.eod_mask_loss
         self.num_samples = dict(zip(samples.SPLITS, samples.num_samples_per_split(
             t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)))
@@ -309,12 +310,22 @@ def documents(inputs: np.ndarray, eod_id: int | None, options) -> dict:
     """The arrays of :func:`document_masks` that the options of ``options`` (the ``data`` config section,
     or :class:`Data`) ask for, by the names the train step takes them (:data:`DOCUMENT_ARRAYS`):
     ``positions`` (reset_position_ids), ``segment_ids`` (reset_attention_mask), ``loss_mask``
-    (eod_mask_loss), each ``[rows, seq]`` as ``inputs``; ``{}`` for none."""
+    (eod_mask_loss), each ``[rows, seq]`` as ``inputs``; ``{}`` for none.
+
+    Raises:
+      DataError: with reset_attention_mask, a row holds more documents than ``max_documents_per_sample``
+        (when not 0), the bound cuDNN's packed attention was compiled for."""
     wanted = document_arrays(options)
     if not wanted:
         return {}
     arrays = dict(zip(DOCUMENT_ARRAYS.values(), document_masks(
         inputs, eod_id, options.reset_position_ids, options.reset_attention_mask, options.eod_mask_loss)))
+    bound = options.max_documents_per_sample
+    if options.reset_attention_mask and bound and arrays["segment_ids"].size:
+        most = int(arrays["segment_ids"][:, -1].max()) + 1  # a row's ids count its documents from 0
+        if most > bound:
+            raise DataError(f"a sample holds {most} documents, more than data.max_documents_per_sample={bound} "
+                            f"(the bound of cuDNN's packed attention); raise it, or set it to 0 (seq_length)")
     return {name: np.ascontiguousarray(arrays[name]) for name in wanted}
 
 

@@ -11,10 +11,19 @@ Implementations (keys of :data:`IMPLS`; with ``auto`` the choices of ``model.att
     accepts fewer key/value heads).  Calls that API cannot express with the reference's
     semantics go to the ``pallas`` kernel instead (see :func:`cudnn_unsupported`):
     ``return_lse`` (jax returns cuDNN's softmax statistics only cast to the output dtype
-    and not differentiably; ring attention needs float32 and its gradient), segment ids,
-    explicit positions, causal with ``q_len != kv_len`` (cuDNN's causal mask is aligned
-    top-left, the reference's bottom-right), a window without causal, float32 inputs, and
-    head_dim not a multiple of 8 or above 128.
+    and not differentiably; ring attention needs float32 and its gradient), explicit
+    positions, causal with ``q_len != kv_len`` (cuDNN's causal mask is aligned top-left, the
+    reference's bottom-right), a window without causal, float32 inputs, head_dim not a
+    multiple of 8 or above 128, and segment ids but in the one form cuDNN takes (below).
+
+    Segment ids (packed documents, ``data.reset_attention_mask``) go to cuDNN's packed
+    layout (:func:`packed_segments`: each row's document lengths and offsets) when the
+    same array is given for queries and keys, without a window, on Hopper or later (jax's
+    packed cuDNN attention requires compute capability 9.0).  jax sizes cuDNN's softmax
+    statistics by a static bound on documents per row: float32 ``[batch * bound, heads,
+    seq]``.  The bound is ``data.max_documents_per_sample``, by default the sequence length
+    (the only one that holds for any data), which makes them as large as the ``xla`` path's
+    scores; a smaller bound is checked on every batch by the loader.
 ``pallas``
     :func:`jaxllm_kernels.pallas_attention.flash_attention`: FlashAttention-2 in Pallas,
     lowered through Triton; NVIDIA and AMD (ROCm) GPUs.  Supports everything the reference
@@ -40,6 +49,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
 from jaxllm.errors import ConfigError
 from jaxllm.platform.hardware import backend_kind
@@ -49,6 +59,8 @@ AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: x
 # Pallas tiles when lowering for a GPU that is not here: Pallas itself then lowers for compute
 # capability 9.0 (its fallback without a GPU), so Hopper's; CDNA's for ROCm.
 TARGET_FAMILY = {"cuda": "hopper", "rocm": "cdna"}
+# compute capability of a GPU family (as jax's cuDNN checks compare it), for lowering without that GPU
+CAPABILITY = {"hopper": (9, 0), "ampere": (8, 0)}
 # (kind, family) inside lowering_target; family None: compiled here, the Pallas kernel interpreted
 _TARGET: contextvars.ContextVar[tuple[str, str | None] | None] = contextvars.ContextVar("jaxllm_attention_target",
                                                                                   default=None)
@@ -74,6 +86,10 @@ def lowering_target(kind: str, family: str | None = None, *, interpret: bool = F
     linearly with the sequence as on the GPU, not with its square as the ``xla`` path's scores do.
     ``family`` is ignored (a tile's registers are not device memory).
 
+    jax's cuDNN attention checks the compute capability of the default backend's GPU while tracing
+    (packed documents need 9.0); inside the block, for ``kind="cuda"`` and ``interpret=False``, it
+    is answered for ``family`` (:data:`CAPABILITY`) instead.
+
     Raises:
       ValueError: ``kind`` is not ``"cuda"`` or ``"rocm"``, or ``family`` is unknown.
     """
@@ -83,9 +99,13 @@ def lowering_target(kind: str, family: str | None = None, *, interpret: bool = F
                          f"family of {', '.join(pallas_attention.DEFAULT_BLOCK_SIZES)}")
     jax.clear_caches()
     token = _TARGET.set((kind, None if interpret else family))
+    check = cudnn_fa.check_compute_capability
+    if kind == "cuda" and not interpret:
+        cudnn_fa.check_compute_capability = lambda c: CAPABILITY[family] >= tuple(int(p) for p in c.split("."))
     try:
         yield
     finally:
+        cudnn_fa.check_compute_capability = check
         _TARGET.reset(token)
         jax.clear_caches()
 
@@ -171,13 +191,19 @@ def check_config(cfg, backend=None) -> None:
                           f"model.attention_impl=xla")
 
 
-def cudnn_unsupported(q, k, *, causal, q_segment_ids, window, q_positions, kv_positions, return_lse):
+def cudnn_unsupported(q, k, *, causal, q_segment_ids, kv_segment_ids, window, q_positions, kv_positions,
+                      return_lse):
     """None if the cuDNN path computes exactly the reference's attention for this call, else the reason."""
     d = q.shape[-1]
     if return_lse:
         return "return_lse (cuDNN's softmax statistics come back in the output dtype, not differentiable)"
     if q_segment_ids is not None:
-        return "segment ids"
+        if kv_segment_ids is not q_segment_ids:
+            return "different query and key segment ids (cuDNN's packed layout: the same documents for both)"
+        if window is not None:
+            return "a window with segment ids"
+        if not cudnn_fa.check_compute_capability("9.0"):
+            return "segment ids before Hopper (jax's packed cuDNN attention needs compute capability 9.0)"
     if q_positions is not None or kv_positions is not None:
         return "explicit positions"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -189,6 +215,47 @@ def cudnn_unsupported(q, k, *, causal, q_segment_ids, window, q_positions, kv_po
     if d % 8 or d > 128:
         return f"head_dim={d}"
     return None
+
+
+def packed_segments(segment_ids, max_documents=None):
+    """Segment ids as cuDNN's packed layout takes them: each row's documents as (length, offset).
+
+    A document is a run of equal ids (Megatron's segment ids, :func:`jaxllm.data.loader.document_masks`,
+    never repeat an id after a change, so this is the reference's mask: tokens attend within their id).
+    The bound on documents per row is static: ``max_documents``, default ``seq`` (the only one that holds for
+    any data); a row with more has its documents past the bound merged into its last counted one.
+
+    Args:
+      segment_ids: int ``[batch, seq]``.
+      max_documents: the static bound ``m`` (``data.max_documents_per_sample``; None: ``seq``).
+    Returns:
+      ``(lengths [batch, m], offsets [batch, m + 1])`` int32, in the form of
+      ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``'s ``q_seqlen`` and ``q_offsets``:
+      row ``b``'s documents in order, the ``j``-th from token ``offsets[b, j]`` for ``lengths[b, j]``
+      tokens; -1 after the row's last document (and always in the last offset column).
+    """
+    b, s = segment_ids.shape
+    m = max_documents or s
+    first = jnp.ones((b, 1), bool)
+    starts_here = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    # start of each row's j-th document, s past the last one
+    starts = jax.vmap(lambda x: jnp.nonzero(x, size=m, fill_value=s)[0])(starts_here).astype(jnp.int32)
+    ends = jnp.concatenate([starts[:, 1:], jnp.full((b, 1), s, jnp.int32)], axis=1)
+    real = starts < s
+    lengths = jnp.where(real, ends - starts, -1)
+    offsets = jnp.concatenate([jnp.where(real, starts, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return lengths, offsets
+
+
+def _cudnn_packed(q, k, v, segment_ids, causal, max_documents):
+    """cuDNN attention within the documents of ``segment_ids`` (:func:`packed_segments`), BTNH layout."""
+    lengths, offsets = packed_segments(segment_ids, max_documents)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads != heads:  # jax strides the key offsets by the query heads (_fix_seqlen_offsets): repeat K/V
+        k, v = (jnp.repeat(a, heads // kv_heads, axis=2) for a in (k, v))
+    return cudnn_fa.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=q.shape[-1] ** -0.5, mask_type=cudnn_fa.MaskType.CAUSAL if causal else cudnn_fa.MaskType.NO_MASK)
 
 
 def _xla(q, k, v, **kw):
@@ -216,13 +283,17 @@ def _triton(q, k, v, **kw):
     return triton_attention.flash_attention(q, k, v, **kw)
 
 
-def _cudnn(q, k, v, *, causal, q_segment_ids, kv_segment_ids, window, q_positions, kv_positions, return_lse):
-    reason = cudnn_unsupported(q, k, causal=causal, q_segment_ids=q_segment_ids, window=window,
-                               q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+def _cudnn(q, k, v, *, causal, q_segment_ids, kv_segment_ids, window, q_positions, kv_positions, return_lse,
+           max_documents=None):
+    reason = cudnn_unsupported(q, k, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                               window=window, q_positions=q_positions, kv_positions=kv_positions,
+                               return_lse=return_lse)
     # the documented fallback (the Pallas kernel has the reference's exact semantics), and a plan's stand-in
     if reason is not None or _interpreted():
         return _pallas(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                        window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+    if q_segment_ids is not None:
+        return _cudnn_packed(q, k, v, q_segment_ids, causal, max_documents)
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn",
         local_window_size=None if window is None else (int(window) - 1, 0))
@@ -233,7 +304,7 @@ CHOICES = ("auto", *IMPLS)  # model.attention_impl's
 
 
 def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segment_ids=None, window=None,
-              q_positions=None, kv_positions=None, return_lse=False):
+              q_positions=None, kv_positions=None, return_lse=False, max_documents=None):
     """Attention by the implementation ``impl`` names.
 
     Args:
@@ -241,6 +312,8 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
         ``v_dim`` <= ``head_dim`` (multi-head latent attention's narrower values; the flash kernels, which take one
         width, get them padded with zeros to ``head_dim`` and their output cut back).
       impl: a key of :data:`IMPLS` (``model.attention_impl`` resolved; not ``"auto"``).
+      max_documents: ``cudnn`` with segment ids: the most documents (runs of equal ids) a row holds, the static
+        bound of :func:`packed_segments` (None: q_len); the other implementations need none.
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
       ``[batch, q_len, heads, v_dim]``, and with ``return_lse`` the float32
@@ -256,8 +329,10 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
             raise ValueError(f"attention(impl={impl!r}): value heads ({dv}) wider than query/key heads ({dq}); "
                              "only xla takes them")
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, dq - dv)])
+    bound = {"max_documents": max_documents} if impl == "cudnn" else {}
     out = IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                      window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse)
+                      window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse,
+                      **bound)
     if dv == dq:
         return out
     return (out[0][..., :dv], out[1]) if return_lse else out[..., :dv]
@@ -271,10 +346,13 @@ class Implementation:
     Attributes:
       name: a key of :data:`IMPLS` (not ``"auto"``: :func:`resolve_impl` decides that once).
       window: ``model.sliding_window`` (None: no window), every call's ``window`` unless it passes one.
+      max_documents: ``data.max_documents_per_sample`` (None: the sequence length), every call's bound on
+        documents per row for cuDNN's packed layout (:func:`packed_segments`).
     """
 
     name: str = "xla"
     window: int | None = None
+    max_documents: int | None = None
 
     @property
     def flash(self) -> bool:
@@ -284,10 +362,11 @@ class Implementation:
 
     def __call__(self, q, k, v, **kw):
         """:func:`attention` by this implementation: same arguments but ``impl``, same result and errors."""
-        return attention(q, k, v, impl=self.name, **{"window": self.window, **kw})
+        return attention(q, k, v, impl=self.name, **{"window": self.window, "max_documents": self.max_documents, **kw})
 
 
-def implementation(cfg) -> Implementation:
+def implementation(cfg, max_documents: int = 0) -> Implementation:
     """The attention of the resolved ``model`` section ``cfg`` (:class:`jaxllm.config.Model`): its
-    ``attention_impl``, concrete after :func:`jaxllm.resolve.resolve_model`, and ``sliding_window`` bound."""
-    return Implementation(cfg.attention_impl, cfg.sliding_window or None)
+    ``attention_impl``, concrete after :func:`jaxllm.resolve.resolve_model`, and ``sliding_window`` bound;
+    ``max_documents``: ``data.max_documents_per_sample`` (0: the sequence length)."""
+    return Implementation(cfg.attention_impl, cfg.sliding_window or None, max_documents or None)

@@ -117,6 +117,14 @@ class Run:
         batch = [put(inputs), put(targets)]
         return batch + [{k: put(v) for k, v in docs.items()}] if docs else batch
 
+    def abstract_batch(self) -> list:
+        """The train step's batch arguments as :meth:`global_batch` gives them, abstract (``jax.ShapeDtypeStruct``
+        ``[microbatches, rows/microbatches, seq]``, :attr:`batch_sharding`): for compiling ahead of time."""
+        shape = lambda dtype: jax.ShapeDtypeStruct(self.cfg.batch_shape, dtype, sharding=self.batch_sharding)  # noqa: E731
+        dtypes = {"positions": "int32", "segment_ids": "int32", "loss_mask": "float32"}  # document_masks' dtypes
+        docs = {name: shape(dtypes[name]) for name in self.documents}
+        return [shape("int32"), shape("int32")] + ([docs] if docs else [])
+
     def evaluate(self, params, loader, progress=None) -> float:
         """Mean loss (nats/token) over the ``train.eval_iters`` fixed validation batches, as few
         compiled programs over stacks of batches (:func:`jaxllm.runtime.evaluation.mean_loss`; ``progress``
@@ -141,7 +149,8 @@ def _ops(cfg, layout: sharding.Layout) -> gpt.Ops:
     ops = gpt.Ops(constrain=layout.constrain,
                     attention=context_parallel.Attention(layout, cfg.parallel.sequence_impl,
                                                          cfg.parallel.ulysses_degree,
-                                                         attention.implementation(cfg.model)),
+                                                         attention.implementation(
+                                                             cfg.model, cfg.data.max_documents_per_sample)),
                     embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
                     param=sharding.Layout(layout.mesh, sharding.zero_tables(cfg).params).constrain,
                     experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
