@@ -317,9 +317,9 @@ class Data(Section):
     cache_dir: str = ""  # sample indices (Megatron's --data-cache-path); "": index-cache/ beside the data
     reset_position_ids: bool = False  # positions restart after each end-of-document token
     reset_attention_mask: bool = False  # attention stays within documents (segment ids)
-    # with reset_attention_mask: the most documents a sample may hold, the static bound of cuDNN's packed
-    # attention (its softmax statistics are float32 [micro batch x this, heads, seq]); 0: seq_length, which
-    # holds for any data. A sample with more stops the run (DataError) before its step.
+    # with reset_attention_mask: the most documents a sample may hold, the static bound cuDNN's packed
+    # attention needs on NVIDIA (its softmax statistics are float32 [micro batch x this, heads, seq]); a sample
+    # with more stops the run (DataError) before its step. 0: no bound, segment ids go to the Pallas kernel
     max_documents_per_sample: int = _key(0, ">=0")
     eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
     # text inputs: the largest fraction of an input's characters that may fail to decode as UTF-8

@@ -34,7 +34,8 @@ GPT1_5B = {  # the H200 runs of 2026-11-26 (tests/test_gpu_program.py: MEASURED)
 CASES = {
     "bf16": ("GPT125M", "H100", {**SMALL, "model": dict(num_layers=4, remat="full")}),
     "bf16_packed": ("GPT125M", "H100", {**SMALL, "model": dict(num_layers=4, remat="full"),
-                                        "data": dict(reset_attention_mask=True)}),
+                                        "data": dict(reset_attention_mask=True,
+                                                                     max_documents_per_sample=16)}),
     "fp8": ("GPT125M", "H100", {**SMALL, "model": dict(num_layers=4, remat="full", fp8=True)}),
     "fp8_none": ("GPT125M", "H100", {**SMALL, "model": dict(num_layers=4, remat="none", fp8=True)}),
     "fp8_swiglu": ("GPT125M", "H100", {**SMALL, "model": dict(num_layers=4, remat="none", fp8=True,

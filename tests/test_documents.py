@@ -22,7 +22,7 @@ from harness import assert_same_training, run_layouts
 from jaxllm import config
 from jaxllm.data.loader import document_masks, documents
 from jaxllm.errors import DataError
-from jaxllm.model import gpt
+from jaxllm.model import attention, gpt
 from jaxllm.resolve import resolve
 from jaxllm.runtime import optim, step
 from jaxllm.runtime.run import Run
@@ -193,14 +193,16 @@ HOPPER = jax.default_backend() == "gpu" and tuple(
 
 @pytest.mark.skipif(not HOPPER, reason="cuDNN's packed attention needs an NVIDIA GPU of compute capability 9.0")
 def test_cudnn_packed_documents_train_as_the_xla_reference():
-    """``data.reset_attention_mask`` in bfloat16 on the GPU: five Adam steps with ``attention_impl=cudnn``
-    (its compiled step calls cuDNN's attention and no Triton kernel) give the ``xla`` reference's losses."""
+    """``data.reset_attention_mask`` in bfloat16 on the GPU: five Adam steps with ``attention_impl=cudnn`` and
+    a bound on documents per sample (its compiled step calls cuDNN's packed attention and no Triton kernel)
+    give the ``xla`` reference's losses."""
     losses = {}
     batches = [packed_batch(seed, seq=256) for seed in range(5)]
     for impl in ("xla", "cudnn"):
-        cfg = small_cfg({"reset_attention_mask": True}, {"seq_length": 256}, attention_impl=impl, hidden_size=256,
-                        num_attention_heads=4, num_kv_heads=2, dtype="bfloat16")
-        spec = gpt.describe(cfg.model)
+        cfg = small_cfg({"reset_attention_mask": True, "max_documents_per_sample": 256}, {"seq_length": 256},
+                        attention_impl=impl, hidden_size=256, num_attention_heads=4, num_kv_heads=2, dtype="bfloat16")
+        kernel = attention.implementation(cfg.model, cfg.data.max_documents_per_sample)  # as Run's ops bind it
+        spec = gpt.describe(cfg.model, gpt.Ops(attention=gpt.PlainAttention(kernel)))
         opt = optim.make_optimizer(cfg.train, spec.decay)
         train_step = jax.jit(step.make_train_step(cfg, spec, opt))
         state = step.init_state(gpt.init(cfg.model, 0), opt)

@@ -20,6 +20,7 @@ A kernel change that cannot lower or compile for a GPU fails here, without a GPU
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -153,14 +154,15 @@ def test_cudnn_lowers(variant, cudnn_version):
     assert lowering.custom_call_targets(exported) == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
 
 
-@pytest.mark.parametrize("kv_heads,bound", [(4, None), (2, 8)], ids=["mha-bound-seq", "gqa-bound-8"])
+@pytest.mark.parametrize("kv_heads,bound", [(4, 256), (2, 8)], ids=["mha-bound-seq", "gqa-bound-8"])
 def test_cudnn_lowers_packed_documents_for_hopper(kv_heads, bound, cudnn_version):
     """Segment ids (the same for queries and keys, as the model passes them) reach cuDNN as packed
-    documents for Hopper: its forward and backward with the lengths and offsets, no Triton kernel;
-    before Hopper (jax's packed layout needs compute capability 9.0) they go to the Pallas kernel."""
+    documents for Hopper with a bound on documents per row: its forward and backward with the lengths and
+    offsets, no Triton kernel; before Hopper (jax's packed layout needs compute capability 9.0), or without a
+    bound (cuDNN's statistics would grow with the sequence's square), they go to the Pallas kernel."""
     b, s, heads, d = 2, 256, 4, 64
 
-    def f(q, k, v, ids):
+    def f(q, k, v, ids, bound=bound):
         def loss(q, k, v):
             out = attention.attention(q, k, v, impl="cudnn", q_segment_ids=ids, kv_segment_ids=ids,
                                       max_documents=bound)
@@ -173,7 +175,7 @@ def test_cudnn_lowers_packed_documents_for_hopper(kv_heads, bound, cudnn_version
     with attention.lowering_target("cuda", "hopper"):
         exported = lowering.export_for(f, args, "cuda")
     assert lowering.custom_call_targets(exported) == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
-    text, m = exported.mlir_module(), bound or s
+    text, m = exported.mlir_module(), bound
     # both calls take per row m document lengths and m + 1 offsets, K/V repeated to the query heads, and the
     # softmax statistics float32 [batch * m, heads, seq]
     for call in ("fmhaSoftmax(", "fmhaSoftmaxBackward("):
@@ -184,6 +186,9 @@ def test_cudnn_lowers_packed_documents_for_hopper(kv_heads, bound, cudnn_version
                 and f"max_seg_per_batch\\22: {m}" in line), line[-600:]
     with attention.lowering_target("cuda", "ampere"):
         exported = lowering.export_for(f, args, "cuda")
+    assert lowering.custom_call_targets(exported) == {lowering.TRITON_CALL: 3}
+    with attention.lowering_target("cuda", "hopper"):
+        exported = lowering.export_for(functools.partial(f, bound=None), args, "cuda")
     assert lowering.custom_call_targets(exported) == {lowering.TRITON_CALL: 3}
 
 

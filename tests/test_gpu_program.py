@@ -68,8 +68,8 @@ def test_bfloat16_step_has_no_float32_gemm_and_cudnn_attention(programs):
 
 @needs_plugin
 def test_packed_documents_step_keeps_cudnn_attention(programs):
-    """``data.reset_attention_mask`` (segment ids) on an H100: cuDNN's packed-layout attention (forward and
-    backward), as many calls as the plain step, and no Pallas/Triton kernel."""
+    """``data.reset_attention_mask`` (segment ids) with ``data.max_documents_per_sample`` on an H100: cuDNN's
+    packed-layout attention (forward and backward), as many calls as the plain step, and no Pallas/Triton kernel."""
     p, plain = programs["bf16_packed"], programs["bf16"]
     attention = {k: c for k, c in p["kernels"].items() if k.startswith("attention|")}
     assert attention == {k: c for k, c in plain["kernels"].items() if k.startswith("attention|")}, attention

@@ -262,7 +262,7 @@ HOPPER = ON_GPU and hardware.backend_kind() == "cuda" and tuple(
 
 
 @pytest.mark.skipif(not HOPPER, reason="cuDNN's packed attention needs an NVIDIA GPU of compute capability 9.0")
-@pytest.mark.parametrize("bound", [None, 4], ids=["bound-seq", "bound-4"])
+@pytest.mark.parametrize("bound", [512, 4], ids=["bound-seq", "bound-4"])
 def test_cudnn_matches_reference_with_packed_documents(bound):
     """Megatron's segment ids through cuDNN's packed layout (the same array for queries and keys, as the
     model passes them): output and gradients against the reference, grouped-query heads, two rows of
@@ -348,8 +348,10 @@ def test_cudnn_falls_back_to_pallas_where_it_differs(monkeypatch):
         q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids + 0})
     assert "window with segment ids" in dispatch.cudnn_unsupported(
         q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids, "window": 8})
-    assert "before Hopper" in dispatch.cudnn_unsupported(  # this CPU has no compute capability
+    assert "without data.max_documents_per_sample" in dispatch.cudnn_unsupported(
         q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids})
+    assert "before Hopper" in dispatch.cudnn_unsupported(  # this CPU has no compute capability
+        q, k, **{**base, "q_segment_ids": ids, "kv_segment_ids": ids, "max_documents": 2})
     assert "positions" in dispatch.cudnn_unsupported(q, k, **{**base, "q_positions": jnp.zeros((1, 64), int)})
     assert "dtype" in dispatch.cudnn_unsupported(q.astype(jnp.float32), k, **base)
     assert "q_len != kv_len" in dispatch.cudnn_unsupported(q[:, :32], k, **base)

@@ -19,11 +19,12 @@ Implementations (keys of :data:`IMPLS`; with ``auto`` the choices of ``model.att
     Segment ids (packed documents, ``data.reset_attention_mask``) go to cuDNN's packed
     layout (:func:`packed_segments`: each row's document lengths and offsets) when the
     same array is given for queries and keys, without a window, on Hopper or later (jax's
-    packed cuDNN attention requires compute capability 9.0).  jax sizes cuDNN's softmax
-    statistics by a static bound on documents per row: float32 ``[batch * bound, heads,
-    seq]``.  The bound is ``data.max_documents_per_sample``, by default the sequence length
-    (the only one that holds for any data), which makes them as large as the ``xla`` path's
-    scores; a smaller bound is checked on every batch by the loader.
+    packed cuDNN attention requires compute capability 9.0), and with a static bound on
+    documents per row, ``data.max_documents_per_sample`` (checked on every batch by the
+    loader).  jax sizes cuDNN's softmax statistics by it, float32 ``[batch * bound, heads,
+    seq]``; the only bound that holds for any data, the sequence length, would make them as
+    large as the ``xla`` path's scores, so without one (0, the default) segment ids stay
+    with the Pallas kernel, whose memory is linear in the sequence.
 ``pallas``
     :func:`jaxllm_kernels.pallas_attention.flash_attention`: FlashAttention-2 in Pallas,
     lowered through Triton; NVIDIA and AMD (ROCm) GPUs.  Supports everything the reference
@@ -192,8 +193,9 @@ def check_config(cfg, backend=None) -> None:
 
 
 def cudnn_unsupported(q, k, *, causal, q_segment_ids, kv_segment_ids, window, q_positions, kv_positions,
-                      return_lse):
-    """None if the cuDNN path computes exactly the reference's attention for this call, else the reason."""
+                      return_lse, max_documents=None):
+    """None if the cuDNN path computes exactly the reference's attention for this call (in memory linear in
+    the sequence), else the reason."""
     d = q.shape[-1]
     if return_lse:
         return "return_lse (cuDNN's softmax statistics come back in the output dtype, not differentiable)"
@@ -202,6 +204,9 @@ def cudnn_unsupported(q, k, *, causal, q_segment_ids, kv_segment_ids, window, q_
             return "different query and key segment ids (cuDNN's packed layout: the same documents for both)"
         if window is not None:
             return "a window with segment ids"
+        if not max_documents:
+            return ("segment ids without data.max_documents_per_sample (cuDNN's statistics would be "
+                    "[batch x seq, heads, seq])")
         if not cudnn_fa.check_compute_capability("9.0"):
             return "segment ids before Hopper (jax's packed cuDNN attention needs compute capability 9.0)"
     if q_positions is not None or kv_positions is not None:
@@ -287,7 +292,7 @@ def _cudnn(q, k, v, *, causal, q_segment_ids, kv_segment_ids, window, q_position
            max_documents=None):
     reason = cudnn_unsupported(q, k, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                window=window, q_positions=q_positions, kv_positions=kv_positions,
-                               return_lse=return_lse)
+                               return_lse=return_lse, max_documents=max_documents)
     # the documented fallback (the Pallas kernel has the reference's exact semantics), and a plan's stand-in
     if reason is not None or _interpreted():
         return _pallas(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -313,7 +318,7 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
         width, get them padded with zeros to ``head_dim`` and their output cut back).
       impl: a key of :data:`IMPLS` (``model.attention_impl`` resolved; not ``"auto"``).
       max_documents: ``cudnn`` with segment ids: the most documents (runs of equal ids) a row holds, the static
-        bound of :func:`packed_segments` (None: q_len); the other implementations need none.
+        bound of :func:`packed_segments` (None: the call goes to the Pallas kernel); the others need none.
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
       ``[batch, q_len, heads, v_dim]``, and with ``return_lse`` the float32
@@ -346,8 +351,8 @@ class Implementation:
     Attributes:
       name: a key of :data:`IMPLS` (not ``"auto"``: :func:`resolve_impl` decides that once).
       window: ``model.sliding_window`` (None: no window), every call's ``window`` unless it passes one.
-      max_documents: ``data.max_documents_per_sample`` (None: the sequence length), every call's bound on
-        documents per row for cuDNN's packed layout (:func:`packed_segments`).
+      max_documents: ``data.max_documents_per_sample`` (None: none, and segment ids stay with Pallas), every
+        call's bound on documents per row for cuDNN's packed layout (:func:`packed_segments`).
     """
 
     name: str = "xla"
@@ -368,5 +373,5 @@ class Implementation:
 def implementation(cfg, max_documents: int = 0) -> Implementation:
     """The attention of the resolved ``model`` section ``cfg`` (:class:`jaxllm.config.Model`): its
     ``attention_impl``, concrete after :func:`jaxllm.resolve.resolve_model`, and ``sliding_window`` bound;
-    ``max_documents``: ``data.max_documents_per_sample`` (0: the sequence length)."""
+    ``max_documents``: ``data.max_documents_per_sample`` (0: none)."""
     return Implementation(cfg.attention_impl, cfg.sliding_window or None, max_documents or None)
