@@ -164,6 +164,10 @@ class Model(Section):
     moe_aux_loss_coeff: float = _key(0.0, ">=0")  # the Switch/GShard load-balancing loss's weight
     moe_z_loss_coeff: float = _key(0.0, ">=0")  # the router z-loss's weight (ST-MoE)
     moe_capacity_factor: float = _key(0.0, ">=0")
+    # how expert parallelism (mesh.expert) brings tokens to their experts (Megatron-LM's dispatchers;
+    # jaxllm.parallel.experts): allgather, every token to every device of the expert group; alltoall, each token
+    # copy only to its expert's device, in buffers sized for the worst case; auto, the one that sends fewer rows
+    moe_token_dispatcher_type: str = _key("allgather", choices=("allgather", "alltoall", "auto"))
     moe_shared_expert_intermediate_size: int = _key(0, ">=0")  # a dense MLP every token also takes; 0: none
     # the router (Megatron-LM's names and topk_routing_with_score_function): softmax or sigmoid scores (DeepSeek-V3;
     # the k chosen ones renormalized); pre_softmax: the softmax over all experts before the top k, not renormalized

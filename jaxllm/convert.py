@@ -93,7 +93,7 @@ from jaxllm.runtime import checkpoint, optim, step
 
 # Model keys --from-hf lets the user set; the others come from config.json.
 FREE_MODEL_KEYS = ("dtype", "remat", "attention_impl", "dropout", "init_std", "make_vocab_size_divisible_by",
-                   "moe_aux_loss_coeff", "moe_z_loss_coeff")
+                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type")
 
 
 # --------------------------------------------------------------------------- export

@@ -14,7 +14,7 @@ from jaxllm import config
 from jaxllm.config import MESH_AXES, TYPE_NAMES, Config, Data, Mesh, Model, Resolved
 from jaxllm.errors import ConfigError
 from jaxllm.model import attention, gpt
-from jaxllm.parallel import context_parallel, pipeline, schedules, sharding
+from jaxllm.parallel import context_parallel, experts, pipeline, schedules, sharding
 from jaxllm.platform import hardware
 
 __all__ = ["layer_loop", "mesh_shape", "padded_vocab", "resolve", "resolve_dtype", "resolve_model"]
@@ -394,6 +394,13 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
             setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))
     if cfg.parallel.sequence_impl == "usp" and not cfg.parallel.ulysses_degree:
         cfg.parallel.ulysses_degree = mesh.sequence  # the all-to-all inside a node, the ring across nodes
+    if m.num_experts:  # "auto" decided once, for the mesh and the micro batch (experts.choose)
+        split = lambda names: math.prod(shape[a] for a in sharding.RULES[names])  # noqa: E731
+        micro_tokens = t.micro_batch_size * split("batch") * t.seq_length
+        m.moe_token_dispatcher_type = experts.choose(
+            m.moe_token_dispatcher_type, tokens=micro_tokens // (split("batch") * split("length")),
+            micro_tokens=micro_tokens, experts=m.num_experts, expert_size=split("experts"), topk=m.moe_router_topk,
+            capacity_factor=m.moe_capacity_factor)
     cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"],
                                   backend=backend)
     t.lr_decay_iters = t.lr_decay_iters or t.train_iters

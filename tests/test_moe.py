@@ -10,23 +10,26 @@ over the same tokens.
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import ROOT, run_python
 from harness import assert_same_training, run_layouts
 
 from jaxllm import config, tune
 from jaxllm.config import ConfigError
 from jaxllm.model import gpt, layers, moe
-from jaxllm.parallel import layouts
+from jaxllm.parallel import experts, layouts
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 SWIGLU = {**MOE, "activation": "swiglu", "use_bias": False, "moe_shared_expert_intermediate_size": 64}
+A2A = {"moe_token_dispatcher_type": "alltoall"}
 
 
 def layout(mesh, micro, model_extra=None, **parallel):
@@ -48,8 +51,16 @@ LAYOUTS = {
     "expert2_pipeline2_data2_zb_h1": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, pipeline_schedule="zb_h1"),
     "expert2_sequence2_data2_ring": layout({"expert": 2, "sequence": 2, "data": 2}, 2, sequence_impl="ring"),
     "expert4_data2_capacity": layout({"expert": 4, "data": 2}, 1, {"moe_capacity_factor": 1.0}),
+    # the alltoall dispatcher (jaxllm.parallel.experts)
+    "single_experts8": layout({}, 8, {"num_experts": 8}),
+    "expert8_alltoall_experts8": layout({"expert": 8}, 1, {**A2A, "num_experts": 8}),
+    "expert4_data2_alltoall": layout({"expert": 4, "data": 2}, 1, A2A),
+    "expert2_tensor2_data2_alltoall": layout({"expert": 2, "tensor": 2, "data": 2}, 2, A2A),
+    "expert2_pipeline2_data2_1f1b_alltoall": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, A2A,
+                                                    pipeline_schedule="1f1b"),
+    "expert4_data2_alltoall_capacity": layout({"expert": 4, "data": 2}, 1, {**A2A, "moe_capacity_factor": 1.0}),
 }
-REFERENCE = {"swiglu": "single_swiglu", "capacity": "single_capacity"}
+REFERENCE = {"swiglu": "single_swiglu", "capacity": "single_capacity", "experts8": "single_experts8"}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +79,15 @@ def test_expert_parallel_layout_matches_single_device(results, name):
             np.testing.assert_allclose(g[k], r[k], rtol=1e-5, atol=1e-7, err_msg=k)
     if got["eval_loss"] is not None:
         np.testing.assert_allclose(got["eval_loss"], ref["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("allgather", ["expert4_data2", "expert4_data2_capacity"])
+def test_alltoall_and_allgather_dispatchers_train_alike(results, allgather):
+    """The two dispatchers on the same layout: the same losses and routing statistics."""
+    alltoall = results[allgather.replace("data2", "data2_alltoall")]
+    np.testing.assert_allclose(alltoall["losses"], results[allgather]["losses"], rtol=1e-5)
+    for a, b in zip(alltoall["moe"], results[allgather]["moe"], strict=True):
+        np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-7)
 
 
 def test_capacity_drops_tokens(results):
@@ -222,3 +242,105 @@ def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
     assert [r["step"] for r in train] == [2, 4]
     assert all(set(gpt.MOE_STATS) <= set(r) and r["moe_dropped"] == 0 and r["moe_max_load"] >= 1 for r in train)
     assert any(r["kind"] == "eval" and r["step"] == 4 and np.isfinite(r["eval_loss"]) for r in records)
+
+
+DISPATCH = """
+import json, os, re, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxllm import config
+from jaxllm.model import layers, moe
+from jaxllm.parallel import experts, sharding
+from jaxllm.resolve import resolve
+from jaxllm.runtime.run import Run
+
+
+def resolved(mesh, **model):  # 8 experts of hidden 32, top-2; 8 rows of 8 tokens
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, dtype="float32",
+                   num_experts=8, moe_router_topk=2, **model)
+    c.train.update(seq_length=8, micro_batch_size=1, global_batch_size=8)
+    c.mesh.update(**mesh)
+    return resolve(c, num_devices=8)
+
+
+out = {}
+keys = jax.random.split(jax.random.key(0), 6)
+x, cot = jax.random.normal(keys[0], (8, 8, 32)), jax.random.normal(keys[5], (8, 8, 32))
+params = (jax.random.normal(keys[1], (8, 32, 48)) * 0.2, jax.random.normal(keys[2], (8, 48, 32)) * 0.2,
+          jax.random.normal(keys[3], (8, 48)), jax.random.normal(keys[4], (8, 32)))
+# skewed: most copies to expert 0, none to experts 5-7
+logits = jax.random.normal(jax.random.key(1), (8, 8, 8)) + jnp.asarray([4.0, 1, 1, 0, 0, -30, -30, -30])
+for name, mesh in {"expert8": {"expert": 8}, "expert2_tensor2_data2": {"expert": 2, "tensor": 2, "data": 2}}.items():
+    for factor in (0.0, 1.0):
+        cfg = resolved(mesh, moe_capacity_factor=factor)
+        layout = sharding.Layout(sharding.make_mesh(cfg), sharding.rules(cfg))
+        ids, weights, stats = moe.route(logits, 2, factor)
+
+        def loss(op, x, w1, w2, b1, b2):
+            y = op(x, ids, weights, w1, None, w2, b1, b2, activation=layers.gelu, dtype=jnp.float32)
+            return (y * cot).sum(), y
+
+        grad = lambda op: jax.value_and_grad(lambda *a: loss(op, *a), (0, 1, 2, 3, 4), has_aux=True)  # noqa: E731
+        (_, got), got_grads = jax.jit(grad(experts.Experts(layout, "alltoall", factor)))(x, *params)
+        (_, ref), ref_grads = grad(moe.local_experts)(x, *params)
+        out[f"{name}_capacity{factor}"] = {
+            "load": np.bincount(np.asarray(ids).ravel(), minlength=9).tolist(), "dropped": float(stats["dropped"]),
+            "error": max(float(np.max(np.abs(g - r)) / np.max(np.abs(r)))
+                         for g, r in zip((got, *got_grads), (ref, *ref_grads)))}
+for dispatcher in ("allgather", "alltoall"):  # the compiled train step's all-gathers and all-to-alls
+    cfg = resolved({"expert": 8}, moe_token_dispatcher_type=dispatcher)
+    run = Run(cfg)
+    batch = jax.ShapeDtypeStruct(cfg.batch_shape, "int32", sharding=run.batch_sharding)
+    hlo = run.train_step.lower(run.abstract_state, batch, batch).compile().as_text()
+    output = r"^\\s*%\\S+ = \\(?(\\w+\\[[\\d,]*\\])[^\\n]* "  # an instruction's (first) output shape
+    out[dispatcher] = {kind: re.findall(output + kind + r"(?:-start)?\\(", hlo, re.M)
+                       for kind in ("all-gather", "all-to-all")}
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def dispatched():
+    r = subprocess.run([sys.executable, "-c", DISPATCH], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("case", ["expert8_capacity0.0", "expert8_capacity1.0", "expert2_tensor2_data2_capacity0.0",
+                                  "expert2_tensor2_data2_capacity1.0"])
+def test_alltoall_dispatch_matches_one_device_under_a_skewed_router(dispatched, case):
+    """The alltoall experts operation on 8 devices: its output and gradients (input, weights, biases) those of one
+    device's, with most copies routed to expert 0 and none to experts 5-7, dropless and with the router's drops."""
+    got = dispatched[case]
+    load = got["load"]  # copies per expert, then dropped ones
+    assert load[0] == max(load[:8]) and load[5:8] == [0, 0, 0]
+    assert (got["dropped"] > 0) == case.endswith("1.0")
+    assert got["error"] < 1e-5
+
+
+def test_alltoall_step_exchanges_copies_not_gathered_tokens(dispatched):
+    """In the compiled train step (expert 8, hidden 32), the tokens [.., 32] go by all-to-all, never all-gathered;
+    the allgather dispatcher gathers them."""
+    gathered = lambda shapes: [s for s in shapes if s.endswith(",32]")]  # noqa: E731
+    assert gathered(dispatched["alltoall"]["all-to-all"]) and not gathered(dispatched["alltoall"]["all-gather"])
+    assert gathered(dispatched["allgather"]["all-gather"]) and not dispatched["allgather"]["all-to-all"]
+
+
+@pytest.mark.parametrize("factor, expected", [(0.0, "allgather"), (0.5, "allgather"), (0.25, "alltoall")])
+def test_auto_dispatcher_sends_fewer_rows(factor, expected):
+    """64 experts, top-2, expert 8, 16 tokens per device: alltoall's buffer per rank is the 8 local experts'
+    capacities, 8 x ceil(factor x 128 x 2 / 64), against allgather's 16 tokens: 16 and 8 at factors 0.5 and
+    0.25; dropless it is 16 x min(topk, 8) = 32."""
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, num_experts=64,
+                   moe_router_topk=2, moe_capacity_factor=factor, moe_token_dispatcher_type="auto")
+    c.train.update(seq_length=16, micro_batch_size=1, global_batch_size=8)
+    c.mesh.update(expert=8)
+    assert resolve(c, num_devices=8, vocab_size=64).model.moe_token_dispatcher_type == expected
+    rows = {d: experts.dispatch_rows(d, tokens=16, micro_tokens=128, experts=64, expert_size=8, topk=2,
+                                     capacity_factor=factor) for d in ("allgather", "alltoall")}
+    assert rows == {"allgather": 7 * 16, "alltoall": 7 * {0.0: 32, 0.5: 16, 0.25: 8}[factor]}

@@ -153,7 +153,9 @@ def _ops(cfg, layout: sharding.Layout) -> gpt.Ops:
                                                              cfg.model, cfg.data.max_documents_per_sample)),
                     embed=vocab_parallel.Embed(layout), cross_entropy=vocab_parallel.CrossEntropy(layout),
                     param=sharding.Layout(layout.mesh, sharding.zero_tables(cfg).params).constrain,
-                    experts=experts.Experts(layout), router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
+                    experts=experts.Experts(layout, cfg.model.moe_token_dispatcher_type,
+                                            cfg.model.moe_capacity_factor),
+                    router_loss=moe.loss_scaler(1.0 / cfg.microbatches))
     if cfg.model.fp8:
         ops = dataclasses.replace(ops, dense=fp8.dense)
     if cfg.backend == "cpu":  # the CPU's operations (docs/performance.md has what each buys)
