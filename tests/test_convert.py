@@ -614,6 +614,7 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (dict(MOE_CFG, moe_shared_expert_intermediate_size=32), ("model.moe_shared_expert_intermediate_size",)),
     (dict(num_experts=4), ("model.num_experts",)),  # GPT-2's layer with experts: no such HF model
     (dict(kv_channels=32), ("model.kv_channels",)),  # GPT-2's heads are hidden_size / heads wide
+    (dict(mtp_num_layers=1), ("model.mtp_num_layers",)),  # its modules would be left out of the export
     # multi-head latent attention: no q/k/v projections for Llama's table to write; DeepSeek-V3's needs experts
     (dict(LLAMA_CFG, num_kv_heads=0, multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
           v_head_dim=8), ("model.multi_latent_attention",)),

@@ -592,6 +592,8 @@ def hf_architecture(m: config.Model) -> Arch:
             bad["model.sliding_window"] = _Condition("> 0")
         if arch is DEEPSEEK_V3:
             bad.update(_deepseek_v3_misfits(m))
+        if m.mtp_num_layers:  # no table writes multi-token prediction modules (transformers skips them) yet
+            bad["model.mtp_num_layers"] = 0
         if not bad:
             return arch
         misfits[arch.model_type] = bad
