@@ -692,6 +692,11 @@ def test_import_options_are_checked(hf_dir, tmp_path):
     cfg, params = convert.from_hf(d, {"train.seq_length": str(SEQ // 2)})
     assert (cfg.train.seq_length, cfg.model.max_position_embeddings) == (SEQ // 2, SEQ)
     assert params["wpe"].shape[0] == SEQ if "gpt2" in name else "wpe" not in params
+    # multi-token prediction on an imported model: its modules fresh, every other parameter the import's
+    cfg, mtp = convert.from_hf(d, {"train.seq_length": str(SEQ // 2), "model.mtp_num_layers": "1"})
+    h = cfg.model.hidden_size
+    assert mtp["mtp"]["eh_proj"].shape == (1, 2, h, h) and np.abs(mtp["mtp"]["eh_proj"]).max() > 0
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in mtp.items() if k != "mtp"}, params)
     with pytest.raises(config.ConfigError, match="data.nope.*no such key"):
         convert.from_hf(d, {"data.nope": "1"})
     with pytest.raises(config.ConfigError, match="train.train_iters.*must be an integer"):
