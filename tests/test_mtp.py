@@ -51,12 +51,12 @@ def reference_objective(cfg, p, tokens, targets, mask):
     return main + m.mtp_loss_scaling_factor * mtp, mtp
 
 
-@pytest.mark.parametrize(("overrides", "masked"), zip(VARIANTS, (False, True)),
-                         ids=["gpt2-style-all-tokens", "llama-style-loss-mask"])
+@pytest.mark.parametrize(("overrides", "masked"), zip((VARIANTS[0], dict(VARIANTS[1], remat="full")), (False, True)),
+                         ids=["gpt2-style-all-tokens", "llama-style-loss-mask-remat"])
 def test_objective_and_gradients_match_the_formula(overrides, masked):
     """Two depths, scaling 0.3: the train step's micro batch objective (main loss + mtp) and the logged mtp_loss
     against :func:`reference_objective`, values and every parameter's gradient; with a loss mask the depths'
-    counts are their rolled masks'."""
+    counts are their rolled masks' (and the layers, the depths' too, recomputed: model.remat=full)."""
     cfg = small_cfg(mtp_num_layers=2, mtp_loss_scaling_factor=0.3, **overrides)
     spec, params = gpt.describe(cfg.model), gpt.init(cfg.model, 0)
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 97)

@@ -34,9 +34,11 @@ LAYOUTS = {
     # the heads over tensor, the latent projections' embed over fsdp
     "single_mla": {"model": MLA},
     "tensor2_fsdp2_data2_mla": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": MLA},
-    # multi-token prediction's two depths (their modules' parameters, the rolled tokens over the batch's layout)
-    "single_mtp": {"model": {"mtp_num_layers": 2}},
-    "tensor2_fsdp2_data2_mtp": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": {"mtp_num_layers": 2}},
+    # multi-token prediction's two depths (their modules' parameters, the rolled tokens over the batch's layout,
+    # their dropout keys)
+    "single_mtp": {"model": {"mtp_num_layers": 2, "dropout": 0.1}},
+    "tensor2_fsdp2_data2_mtp": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2},
+                                "model": {"mtp_num_layers": 2, "dropout": 0.1}},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
