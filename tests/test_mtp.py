@@ -88,6 +88,17 @@ def test_flops_count_each_depth_as_a_layer_a_projection_and_an_output_layer():
     assert flops.hardware_flops_by_kind(mtp)["loss"] == pytest.approx(2 * flops.hardware_flops_by_kind(plain)["loss"])
 
 
+def test_active_parameters_count_a_mixture_depths_chosen_experts():
+    """A depth of a mixture of experts (4 experts, top 2, swiglu, no biases: w1, wg, w2 [4, 64, 32]) adds all its
+    parameters to the count and half of its experts' to the active ones."""
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, activation="swiglu", use_bias=False)
+    plain, mtp = small_cfg(**moe), small_cfg(mtp_num_layers=1, **moe)
+    p, q = gpt.describe(plain.model).params, gpt.describe(mtp.model).params
+    added = gpt.num_params(q) - gpt.num_params(p)
+    assert added == gpt.num_params(q["mtp"]) and q["mtp"]["block"]["mlp"]["w1"].shape == (1, 4, 64, 32)
+    assert gpt.active_params(mtp.model, q) - gpt.active_params(plain.model, p) == added - 3 * 4 * 64 * 32 // 2
+
+
 @pytest.mark.parametrize("overrides", [{"mesh": {"pipeline": 2}},
                                        {"mesh": {"sequence": 2}, "parallel": {"sequence_impl": "ring"}}],
                          ids=["pipeline", "ring"])

@@ -554,11 +554,13 @@ def num_params(params, *, exclude_positions: bool = False) -> int:
 
 def active_params(cfg: ModelConfig, params) -> int:
     """Parameters one token uses (:func:`num_params` for a dense model): a mixture of experts' weights count
-    ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
+    ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B), the multi-token
+    prediction modules' too when their layers are mixtures."""
     n = num_params(params)
-    for group in layer_groups(cfg):
-        if group.moe:
-            mlp = params[group.name]["mlp"]
-            experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
-            n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
+    mlps = [params[g.name]["mlp"] for g in layer_groups(cfg) if g.moe]
+    if cfg.mtp_num_layers and cfg.moe_layers[-1]:
+        mlps.append(params["mtp"]["block"]["mlp"])
+    for mlp in mlps:
+        experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
+        n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
     return n
