@@ -283,19 +283,25 @@ def _check_fp8(cfg: Resolved, backend: str | None) -> None:
 
 
 def _check_mtp(cfg: Resolved) -> None:
-    """Multi-token prediction runs without pipeline stages (the modules are not placed on the last stage yet) and
-    without ring attention (whose reordered sequence the depths' roll to the next token does not follow).
+    """Multi-token prediction runs with the gpipe and interleaved pipeline schedules (after the forward loop, as the
+    output loss: :func:`jaxllm.parallel.pipeline.loss`), of dense layers there (the forward loop detaches a router's
+    loss from the layer), and without ring attention (whose reordered sequence the depths' roll to the next token
+    does not follow).
 
     Raises:
-      ConfigError: ``model.mtp_num_layers`` > 0 with ``mesh.pipeline`` (ICI x DCN) > 1, or with
-        ``parallel.sequence_impl`` ring or usp over more than one ring device.
+      ConfigError: ``model.mtp_num_layers`` > 0 with ``mesh.pipeline`` (ICI x DCN) > 1 and a 1F1B-family schedule or
+        mixture-of-experts last layers, or with ``parallel.sequence_impl`` ring or usp over more than one ring device.
     """
     m, p = cfg.model, cfg.parallel
     if not m.mtp_num_layers:
         return
-    if cfg.stages > 1:
-        raise ConfigError("model.mtp_num_layers", m.mtp_num_layers, f"not supported with pipeline parallelism yet "
-                          f"(mesh.pipeline over {cfg.stages} devices); set mesh.pipeline=1 or model.mtp_num_layers=0")
+    if cfg.stages > 1 and (p.pipeline_schedule in schedules.FUSED or m.moe_layers[-1]):
+        why = (f"parallel.pipeline_schedule={p.pipeline_schedule}: its loop computes no multi-token prediction yet; "
+               f"use gpipe or interleaved" if p.pipeline_schedule in schedules.FUSED else
+               "its layers would be mixtures of experts, whose router loss the pipeline's forward loop detaches")
+        raise ConfigError("model.mtp_num_layers", m.mtp_num_layers, f"not supported with pipeline parallelism (mesh."
+                          f"pipeline over {cfg.stages} devices) and {why}, or set mesh.pipeline=1 or "
+                          f"model.mtp_num_layers=0")
     length = math.prod(cfg.mesh_shape[a] for a in sharding.rules(cfg)["length"])
     if context_parallel.groups(p.sequence_impl, length, p.ulysses_degree)[1] > 1:
         raise ConfigError("model.mtp_num_layers", m.mtp_num_layers, f"not supported with ring attention "

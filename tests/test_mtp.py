@@ -1,6 +1,6 @@
 """Multi-token prediction (``model.mtp_num_layers``; DeepSeek-V3 section 2.2, Megatron-LM's
 ``multi_token_prediction.py``): its objective against the formula written out with jax.numpy, its FLOPs, its
-refusals, and a model with it training as one without."""
+refusals, and a model with it training as one without (its layouts: tests/test_sharding.py, tests/test_pipeline.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -99,10 +99,11 @@ def test_active_parameters_count_a_mixture_depths_chosen_experts():
     assert gpt.active_params(mtp.model, q) - gpt.active_params(plain.model, p) == added - 3 * 4 * 64 * 32 // 2
 
 
-@pytest.mark.parametrize("overrides", [{"mesh": {"pipeline": 2}},
+@pytest.mark.parametrize("overrides", [{"mesh": {"pipeline": 2}, "parallel": {"pipeline_schedule": "1f1b"}},
+                                       {"mesh": {"pipeline": 2}, "model": {"num_experts": 4}},
                                        {"mesh": {"sequence": 2}, "parallel": {"sequence_impl": "ring"}}],
-                         ids=["pipeline", "ring"])
-def test_pipeline_and_ring_attention_are_refused(overrides):
+                         ids=["pipeline-1f1b", "pipeline-experts", "ring"])
+def test_1f1b_experts_in_a_pipeline_and_ring_attention_are_refused(overrides):
     c = config.get_config()
     c.model.update(mtp_num_layers=1, vocab_size=128)
     c.train.update(micro_batch_size=1, global_batch_size=4)

@@ -287,7 +287,7 @@ class GPT(nnx.Module):
             ``[batch, len, embed]``.
           tokens, targets, positions: int32 ``[batch, len]``, as :meth:`loss`.
           keys: dropout keys ``[mtp_num_layers, batch]`` (the embedding's and the layer's of each depth), or None.
-          order, segment_ids, loss_mask: as :meth:`loss` (``order`` must be None: resolve refuses ring attention).
+          order, segment_ids, loss_mask: as :meth:`loss` (``order`` the sequence's: resolve refuses ring attention's).
         """
         cfg = self.cfg
         mask = jnp.ones(targets.shape, jnp.float32) if loss_mask is None else loss_mask
@@ -325,14 +325,18 @@ class GPT(nnx.Module):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
         dropout, and the per-layer dropout keys ``[layers + mtp_num_layers, batch]`` (the multi-token
         prediction modules' last; None without ``dropout_key``; the arguments as :meth:`__call__`)."""
-        cfg = self.cfg
         x, keys = self.token_embedding(tokens, positions), None
         if dropout_key is not None:
-            if dropout_key.ndim == 0:
-                dropout_key = layers.row_keys(dropout_key, jnp.arange(tokens.shape[0]))
-            keys = layers.split_rows(dropout_key, cfg.num_layers + 1 + cfg.mtp_num_layers)
-            x, keys = layers.dropout(x, cfg.dropout, keys[0], order), keys[1:]
+            keys = self.dropout_keys(dropout_key, tokens.shape[0])
+            x, keys = layers.dropout(x, self.cfg.dropout, keys[0], order), keys[1:]
         return self.ops.constrain(x, layers.RESIDUAL), keys
+
+    def dropout_keys(self, dropout_key, rows: int):
+        """The embedding's, each layer's and each multi-token prediction module's dropout keys, ``[1 + layers +
+        mtp_num_layers, rows]``, from one key per row ``[rows]`` or one key (folded with each row's index)."""
+        if dropout_key.ndim == 0:
+            dropout_key = layers.row_keys(dropout_key, jnp.arange(rows))
+        return layers.split_rows(dropout_key, 1 + self.cfg.num_layers + self.cfg.mtp_num_layers)
 
     def token_embedding(self, tokens, positions):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout."""

@@ -209,16 +209,18 @@ def _spread(setup: StepSetup, grads):
 
 
 def _replicas_pipelined(setup: StepSetup, params, inputs, targets, order, docs, keys):
-    """Each replica's rows through the pipeline: per replica its mean loss, 1/n of the batch's, and gradients."""
+    """Each replica's rows through the pipeline: per replica its mean loss (and multi-token prediction's), 1/n of the
+    batch's, and gradients."""
     n = setup.cfg.mesh_shape["data"]
 
     def replica(x, y, o, k):
-        return jax.value_and_grad(lambda p: pipeline.loss(
-            setup.cfg, setup.replica_layout, setup.replica_spec, p, x, y, o, k)[0] / n)(params)
+        (loss, stats), grads = jax.value_and_grad(lambda p: pipeline.loss(
+            setup.cfg, setup.replica_layout, setup.replica_spec, p, x, y, o, k), has_aux=True)(params)
+        return jax.tree.map(lambda a: a / n, {"loss": loss, **stats}), jax.tree.map(lambda g: g / n, grads)
 
     losses, grads = jax.vmap(replica, in_axes=1, spmd_axis_name="data")(
         *(_by_replica(a, n) for a in (inputs, targets, order, keys)))
-    return {"loss": losses}, _spread(setup, grads)
+    return losses, _spread(setup, grads)
 
 
 def _replicas_accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
