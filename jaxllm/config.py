@@ -187,6 +187,12 @@ class Model(Section):
     # which layers are mixtures of experts (Megatron-LM's --moe-layer-freq): k, every k-th layer from the first
     # (1: all); or one 0/1 per layer, "[0,0,1,1]" or Megatron's "([0]*3+[1]*58)" (DeepSeek-V3's 3 dense layers)
     moe_layer_freq: str = _key("1")
+    # multi-token prediction (DeepSeek-V3 section 2.2; Megatron-LM's --mtp-num-layers, --mtp-loss-scaling-factor):
+    # mtp_num_layers modules after the model, module k predicting each position's token k+1 ahead from module k-1's
+    # hidden states and the embedding of the token k ahead through one layer of the last layer's kind; their mean loss
+    # x mtp_loss_scaling_factor joins the objective (the logged loss stays the main one's, mtp_loss theirs)
+    mtp_num_layers: int = _key(0, ">=0")
+    mtp_loss_scaling_factor: float = _key(0.1, ">=0")
     padded_vocab_size: int = _derived()  # rows of the embedding and output tables
 
     @property

@@ -92,8 +92,10 @@ from jaxllm.resolve import resolve, resolve_model
 from jaxllm.runtime import checkpoint, optim, step
 
 # Model keys --from-hf lets the user set; the others come from config.json.
+# (mtp_num_layers: modules that start fresh, jaxllm.model.hf.params_from_hf)
 FREE_MODEL_KEYS = ("dtype", "remat", "attention_impl", "dropout", "init_std", "make_vocab_size_divisible_by",
-                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type")
+                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "mtp_num_layers",
+                   "mtp_loss_scaling_factor")
 
 
 # --------------------------------------------------------------------------- export

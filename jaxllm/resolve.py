@@ -288,6 +288,34 @@ def _check_fp8(cfg: Resolved, backend: str | None) -> None:
                           "parallel.pipeline_schedule=1f1b (or interleaved_1f1b), or model.fp8=False")
 
 
+def _check_mtp(cfg: Resolved) -> None:
+    """Multi-token prediction runs with the gpipe and interleaved pipeline schedules (after the forward loop, as the
+    output loss: :func:`jaxllm.parallel.pipeline.loss`), of dense layers there (the forward loop detaches a router's
+    loss from the layer), and without ring attention (whose reordered sequence the depths' roll to the next token
+    does not follow).
+
+    Raises:
+      ConfigError: ``model.mtp_num_layers`` > 0 with ``mesh.pipeline`` (ICI x DCN) > 1 and a 1F1B-family schedule or
+        mixture-of-experts last layers, or with ``parallel.sequence_impl`` ring or usp over more than one ring device.
+    """
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_num_layers:
+        return
+    if cfg.stages > 1 and (p.pipeline_schedule in schedules.FUSED or m.moe_layers[-1]):
+        why = (f"parallel.pipeline_schedule={p.pipeline_schedule}: its loop computes no multi-token prediction yet; "
+               f"use gpipe or interleaved" if p.pipeline_schedule in schedules.FUSED else
+               "its layers would be mixtures of experts, whose router loss the pipeline's forward loop detaches")
+        raise ConfigError("model.mtp_num_layers", m.mtp_num_layers, f"not supported with pipeline parallelism (mesh."
+                          f"pipeline over {cfg.stages} devices) and {why}, or set mesh.pipeline=1 or "
+                          f"model.mtp_num_layers=0")
+    length = math.prod(cfg.mesh_shape[a] for a in sharding.rules(cfg)["length"])
+    if context_parallel.groups(p.sequence_impl, length, p.ulysses_degree)[1] > 1:
+        raise ConfigError("model.mtp_num_layers", m.mtp_num_layers, f"not supported with ring attention "
+                          f"(parallel.sequence_impl={p.sequence_impl} over {length} sequence devices) yet: its "
+                          f"reordered sequence breaks the roll to the next token; use parallel.sequence_impl="
+                          f"ulysses or allgather, or model.mtp_num_layers=0")
+
+
 def _check_offload(cfg: Resolved, backend: str | None) -> None:
     remat = cfg.model.remat
     why = (remat == "offload" or remat.endswith("_offloaded")) and hardware.host_offload_unsupported(backend)
@@ -428,6 +456,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
     attention.check_config(out, backend)
     _check_fp8(out, backend)
     _check_offload(out, backend)
+    _check_mtp(out)
     for section in out.sections().values():
         section._freeze()
     out._freeze()

@@ -9,7 +9,7 @@ end-of-document token :data:`EOD` in five, and the steps take their ``docs`` arr
 ``"eval": True`` adds the validation loss of 200 batches after training, as
 the training loop evaluates: one compiled program over the stacked batches, the case that deadlocked
 XLA:CPU when each batch was its own execution); the result holds the three losses (and a mixture of
-experts' logged routing statistics, ``moe``, per step), the parameters after
+experts' logged routing statistics and multi-token prediction's ``mtp_loss``, ``moe``, per step), the parameters after
 three steps (compared by the caller against the single-device run), whether
 every parameter's sharding is the one the rules table declares, and the bytes
 per device of parameters and optimizer state.  ``"hlo": True`` only compiles the train step and
@@ -125,7 +125,7 @@ def run_layout(layout, batches, doc_batches):
     for x, y in batches:
         state, m = run.train_step(state, *run.global_batch(x[rows], y[rows], *documents(cfg, x[rows])))
         losses.append(float(m["loss"]))
-        moe.append({k: float(v) for k, v in m.items() if k.startswith("moe_")})
+        moe.append({k: float(v) for k, v in m.items() if k.startswith("moe_") or k == "mtp_loss"})
     declared = sharding.param_specs(run.spec.axes, sharding.zero_tables(cfg).params)
     mismatched = [
         jax.tree_util.keystr(path)

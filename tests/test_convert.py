@@ -614,6 +614,7 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (dict(MOE_CFG, moe_shared_expert_intermediate_size=32), ("model.moe_shared_expert_intermediate_size",)),
     (dict(num_experts=4), ("model.num_experts",)),  # GPT-2's layer with experts: no such HF model
     (dict(kv_channels=32), ("model.kv_channels",)),  # GPT-2's heads are hidden_size / heads wide
+    (dict(mtp_num_layers=1), ("model.mtp_num_layers",)),  # its modules would be left out of the export
     # multi-head latent attention: no q/k/v projections for Llama's table to write; DeepSeek-V3's needs experts
     (dict(LLAMA_CFG, num_kv_heads=0, multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
           v_head_dim=8), ("model.multi_latent_attention",)),
@@ -691,6 +692,11 @@ def test_import_options_are_checked(hf_dir, tmp_path):
     cfg, params = convert.from_hf(d, {"train.seq_length": str(SEQ // 2)})
     assert (cfg.train.seq_length, cfg.model.max_position_embeddings) == (SEQ // 2, SEQ)
     assert params["wpe"].shape[0] == SEQ if "gpt2" in name else "wpe" not in params
+    # multi-token prediction on an imported model: its modules fresh, every other parameter the import's
+    cfg, mtp = convert.from_hf(d, {"train.seq_length": str(SEQ // 2), "model.mtp_num_layers": "1"})
+    h = cfg.model.hidden_size
+    assert mtp["mtp"]["eh_proj"].shape == (1, 2, h, h) and np.abs(mtp["mtp"]["eh_proj"]).max() > 0
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in mtp.items() if k != "mtp"}, params)
     with pytest.raises(config.ConfigError, match="data.nope.*no such key"):
         convert.from_hf(d, {"data.nope": "1"})
     with pytest.raises(config.ConfigError, match="train.train_iters.*must be an integer"):

@@ -39,19 +39,20 @@ def loss_and_grads(graphdef, params, tokens):
     return jax.value_and_grad(loss_fn)(params)
 
 
-def reference_logits(cfg, p, tokens):
-    """GPT forward written out with jax.numpy, layer by layer, sharing no code with jaxllm.model;
-    logits over the ``vocab_size`` real tokens (the tables' padded rows left out)."""
-    m = cfg.model
-    h, nh, nkv = m.hidden_size, m.num_attention_heads, m.num_kv_heads
-    d, s = h // nh, tokens.shape[1]
+def reference_norm(m, x, w):
+    """``model.norm`` of ``x`` with the parameters ``w`` (``scale``, ``bias``), written out."""
+    if m.norm == "layernorm":
+        x = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + m.norm_eps)
+    else:
+        x = x / jnp.sqrt((x**2).mean(-1, keepdims=True) + m.norm_eps)
+    return x * w["scale"] + (w["bias"] if "bias" in w else 0)
 
-    def norm(x, w):
-        if m.norm == "layernorm":
-            x = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + m.norm_eps)
-        else:
-            x = x / jnp.sqrt((x**2).mean(-1, keepdims=True) + m.norm_eps)
-        return x * w["scale"] + (w["bias"] if "bias" in w else 0)
+
+def reference_layer(m, L, x):
+    """One pre-norm transformer layer (parameters ``L``: ``attn``, ``mlp``, ``ln1``, ``ln2``) of ``x`` [batch, seq,
+    hidden] at positions ``arange(seq)``, written out with jax.numpy."""
+    h, nh, nkv = m.hidden_size, m.num_attention_heads, m.num_kv_heads
+    d, s = h // nh, x.shape[1]
 
     def rope(x):
         half = d // 2
@@ -61,30 +62,48 @@ def reference_logits(cfg, p, tokens):
         a, b = x[..., :half], x[..., half:]
         return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
+    causal = np.tril(np.ones((s, s), bool))
+    a, y = L["attn"], reference_norm(m, x, L["ln1"])
+    q = jnp.einsum("bse,ehd->bshd", y, a["wq"]) + a.get("bq", 0)
+    k = jnp.einsum("bse,ehd->bshd", y, a["wk"]) + a.get("bk", 0)
+    v = jnp.einsum("bse,ehd->bshd", y, a["wv"]) + a.get("bv", 0)
+    if m.position_embedding == "rotary":
+        q, k = rope(q), rope(k)
+    k, v = jnp.repeat(k, nh // nkv, axis=2), jnp.repeat(v, nh // nkv, axis=2)
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+    x = x + jnp.einsum("bshd,hde->bse", o, a["wo"]) + a.get("bo", 0)
+    f, y = L["mlp"], reference_norm(m, x, L["ln2"])
+    u = y @ f["w1"] + f.get("b1", 0)
+    u = jax.nn.silu(y @ f["wg"]) * u if m.activation == "swiglu" else 0.5 * u * (
+        1 + jnp.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+    return x + u @ f["w2"] + f.get("b2", 0)
+
+
+def reference_hidden(cfg, p, tokens):
+    """The GPT's last layer's output [batch, seq, hidden], written out with jax.numpy, sharing no code with
+    jaxllm.model."""
+    m = cfg.model
     x = p["wte"][tokens]
     if m.position_embedding == "learned":
-        x = x + p["wpe"][:s]
-    causal = np.tril(np.ones((s, s), bool))
+        x = x + p["wpe"][:tokens.shape[1]]
     for i in range(m.num_layers):
-        L = jax.tree.map(lambda a, i=i: a[i], p["layers"])
-        a, y = L["attn"], norm(x, L["ln1"])
-        q = jnp.einsum("bse,ehd->bshd", y, a["wq"]) + a.get("bq", 0)
-        k = jnp.einsum("bse,ehd->bshd", y, a["wk"]) + a.get("bk", 0)
-        v = jnp.einsum("bse,ehd->bshd", y, a["wv"]) + a.get("bv", 0)
-        if m.position_embedding == "rotary":
-            q, k = rope(q), rope(k)
-        k, v = jnp.repeat(k, nh // nkv, axis=2), jnp.repeat(v, nh // nkv, axis=2)
-        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-        att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
-        o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
-        x = x + jnp.einsum("bshd,hde->bse", o, a["wo"]) + a.get("bo", 0)
-        f, y = L["mlp"], norm(x, L["ln2"])
-        u = y @ f["w1"] + f.get("b1", 0)
-        u = jax.nn.silu(y @ f["wg"]) * u if m.activation == "swiglu" else 0.5 * u * (
-            1 + jnp.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
-        x = x + u @ f["w2"] + f.get("b2", 0)
-    x = norm(x, p["ln_f"])
+        x = reference_layer(m, jax.tree.map(lambda a, i=i: a[i], p["layers"]), x)
+    return x
+
+
+def reference_output(cfg, p, x):
+    """The output layer's logits over the ``vocab_size`` real tokens (the tables' padded rows left out) of the
+    final-normed ``x``."""
+    m = cfg.model
     return (x @ (p["wte"].T if m.tie_embeddings else p["lm_head"]))[..., :m.vocab_size]
+
+
+def reference_logits(cfg, p, tokens):
+    """GPT forward written out with jax.numpy, layer by layer, sharing no code with jaxllm.model;
+    logits over the ``vocab_size`` real tokens (the tables' padded rows left out)."""
+    return reference_output(cfg, p, reference_norm(cfg.model, reference_hidden(cfg, p, tokens), p["ln_f"]))
 
 
 VARIANTS = [

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from harness import assert_same_training, run_layouts
 
@@ -28,6 +29,12 @@ LAYOUTS = {
                                     "parallel": {"megatron_sp": True}, "model": L4},
     "single_dropout": {"model": {**L4, "dropout": 0.1}},
     "pipeline2_dropout": {"mesh": {"pipeline": 2}, "model": {**L4, "dropout": 0.1}},
+    # multi-token prediction's two depths after the forward loop, spread over the stages; with data 2 each replica's
+    "single_mtp": {"model": {**L4, "mtp_num_layers": 2, "dropout": 0.1}},
+    "pipeline2_tensor2_data2_mtp": {"mesh": {"pipeline": 2, "tensor": 2, "data": 2},
+                                    "model": {**L4, "mtp_num_layers": 2, "dropout": 0.1}},
+    "pipeline2_interleaved2_mtp": {"mesh": {"pipeline": 2}, "parallel": INTERLEAVED2,
+                                   "model": {**L4, "mtp_num_layers": 2, "dropout": 0.1}},
 }
 
 
@@ -60,8 +67,11 @@ def results():
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
 def test_pipeline_matches_single_device(results, name):
-    ref, got = results["single_dropout" if "dropout" in name else "single"], results[name]
+    ref, got = results["single_mtp" if "mtp" in name else "single_dropout" if "dropout" in name else "single"], results[
+        name]
     assert_same_training(got, ref)
+    np.testing.assert_allclose([m.get("mtp_loss", 0) for m in got["moe"]], [m.get("mtp_loss", 0) for m in ref["moe"]],
+                               rtol=1e-5)
 
 
 def test_pipelined_eval_step_matches_single_device(results):

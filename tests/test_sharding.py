@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from harness import MLA, assert_same_training, run_layouts
 
@@ -33,6 +34,11 @@ LAYOUTS = {
     # the heads over tensor, the latent projections' embed over fsdp
     "single_mla": {"model": MLA},
     "tensor2_fsdp2_data2_mla": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2}, "model": MLA},
+    # multi-token prediction's two depths (their modules' parameters, the rolled tokens over the batch's layout,
+    # their dropout keys)
+    "single_mtp": {"model": {"mtp_num_layers": 2, "dropout": 0.1}},
+    "tensor2_fsdp2_data2_mtp": {"mesh": {"tensor": 2, "fsdp": 2, "data": 2},
+                                "model": {"mtp_num_layers": 2, "dropout": 0.1}},
     "hybrid_dcn_data2_tensor2_fsdp2": {"mesh": {"dcn_data": 2, "tensor": 2, "fsdp": 2}},
     "tensor8_kv2": {"mesh": {"tensor": 8}, "model": {"num_kv_heads": 2}},
     # a kernel (here Pallas, interpreted on CPU) runs per shard under shard_map, against XLA attention on one device
@@ -50,9 +56,11 @@ def results():
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith(("single", "hlo")) and n != "tensor8_kv2"])
 def test_layout_matches_single_device(results, name):
-    single = next((f"single_{kind}" for kind in ("gqa", "qwen", "mla") if kind in name), "single")
+    single = next((f"single_{kind}" for kind in ("gqa", "qwen", "mla", "mtp") if kind in name), "single")
     ref, got = results[single], results[name]
     assert_same_training(got, ref)
+    np.testing.assert_allclose([m.get("mtp_loss", 0) for m in got["moe"]], [m.get("mtp_loss", 0) for m in ref["moe"]],
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["data8", "zero3_data8", "tensor2_fsdp2_data2_megatron_sp"])

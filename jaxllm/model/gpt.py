@@ -196,6 +196,8 @@ class GPT(nnx.Module):
         self.lm_head = (None if cfg.tie_embeddings else
                         layers.param(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, ("embed", "vocab"),
                                      (1, padded)))
+        # drawn last: the other parameters are those of the same model without them
+        self.mtp = self._stack_mtp(rngs) if cfg.mtp_num_layers else None
 
     def _stack(self, group: Group, rngs):
         """The layers of ``group``, each parameter stacked on a leading ``layers`` axis."""
@@ -203,6 +205,16 @@ class GPT(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stack(rngs):
             return layers.Block(self.cfg, rngs, self.ops, moe=group.moe)
+
+        return stack(rngs)
+
+    def _stack_mtp(self, rngs):
+        """The ``mtp_num_layers`` multi-token prediction modules (:class:`jaxllm.model.layers.MTPLayer`, each with
+        a layer of the last layer's kind, as DeepSeek-V3's), stacked on a leading ``mtp_layers`` axis."""
+        @nnx.split_rngs(splits=self.cfg.mtp_num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "mtp_layers"})
+        def stack(rngs):
+            return layers.MTPLayer(self.cfg, rngs, self.ops, moe=self.cfg.moe_layers[-1])
 
         return stack(rngs)
 
@@ -242,13 +254,61 @@ class GPT(nnx.Module):
         """Summed next-token cross entropy (nats, float32 scalar) of ``targets`` int32 ``[batch, len]``
         after ``tokens``, each token's loss times ``loss_mask`` float32 ``[batch, len]`` (None: 1), the
         other arguments as :meth:`__call__`, without the logits (:meth:`output_loss`).  ``with_stats``:
-        ``(loss, stats)`` with the mixture of experts' statistics (:meth:`moe_stats`; ``{}`` when dense)."""
+        ``(loss, stats)`` with the mixture of experts' statistics (:meth:`moe_stats`; ``{}`` when dense) and, with
+        ``model.mtp_num_layers``, ``stats["mtp"]``: the multi-token prediction depths' summed losses, float32
+        ``[mtp_num_layers]`` (:meth:`mtp_losses`; computed only here: training's objective)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x, keys = self.embed(tokens, positions, dropout_key, order)
         x, stats = self.run_groups(x, positions, self.layer_params(), keys, order=order, segment_ids=segment_ids)
         loss = self.output_loss(x, targets, loss_mask)
-        return (loss, self.moe_stats(stats)) if with_stats else loss
+        if not with_stats:
+            return loss
+        stats = self.moe_stats(stats)
+        if self.mtp is not None:
+            stats["mtp"] = self.mtp_losses(self.ln_f(x), tokens, targets, positions,
+                                           None if keys is None else keys[self.cfg.num_layers:], order=order,
+                                           segment_ids=segment_ids, loss_mask=loss_mask)
+        return loss, stats
+
+    def mtp_losses(self, h, tokens, targets, positions, keys=None, *, order=None, segment_ids=None, loss_mask=None):
+        """The multi-token prediction depths' summed cross entropies, float32 ``[mtp_num_layers]`` (DeepSeek-V3
+        section 2.2; Megatron-LM's ``MultiTokenPredictionBlock`` and ``process_mtp_loss``).
+
+        Depth ``k`` (1..N) rolls the tokens, positions, targets and loss mask one more place to the left (Megatron's
+        ``roll_tensor``: the last ``k`` places zero): its module (:class:`jaxllm.model.layers.MTPLayer`) joins the
+        previous depth's hidden states with the embedding (and learned position) of the token ``k`` ahead, and the
+        shared output layer's loss predicts the token ``k + 1`` ahead, the last ``k`` places masked.  The layer
+        attends at the unrolled ``positions`` (Megatron's rotary embedding is the main model's); documents
+        (``segment_ids``) are rolled across as Megatron's unpacked batches are.
+
+        Args:
+          h: the main model's hidden states after its final norm (``h^0``; Megatron-LM's decoder output),
+            ``[batch, len, embed]``.
+          tokens, targets, positions: int32 ``[batch, len]``, as :meth:`loss`.
+          keys: dropout keys ``[mtp_num_layers, batch]`` (the embedding's and the layer's of each depth), or None.
+          order, segment_ids, loss_mask: as :meth:`loss` (``order`` the sequence's: resolve refuses ring attention's).
+        """
+        cfg = self.cfg
+        mask = jnp.ones(targets.shape, jnp.float32) if loss_mask is None else loss_mask
+        graphdef, stack = nnx.graphdef(self.mtp), nnx.to_pure_dict(nnx.state(self.mtp))
+        roll = lambda a: jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)  # noqa: E731
+        shifted, sums = positions, []
+        for k in range(cfg.mtp_num_layers):
+            tokens, shifted, targets, mask = roll(tokens), roll(shifted), roll(targets), roll(mask)
+            module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], stack))
+            e_key, block_key = (None, None) if keys is None else layers.split_rows(keys[k], 2)
+            e = layers.dropout(self.token_embedding(tokens, shifted), cfg.dropout, e_key, order)
+            block_def = nnx.graphdef(module.block)
+
+            def block(x, params, key, block_def=block_def):
+                return nnx.merge(block_def, params)(x, positions, key, None, order, segment_ids)[0]
+
+            x = self._remat(block, prevent_cse=True)(module.project(h, e), nnx.to_pure_dict(nnx.state(module.block)),
+                                                     block_key)
+            h = module.norm(x)
+            sums.append(self.output_loss(h, targets, mask, norm=lambda x: x))
+        return jnp.stack(sums)
 
     @staticmethod
     def moe_stats(stats) -> dict:
@@ -263,20 +323,29 @@ class GPT(nnx.Module):
 
     def embed(self, tokens, positions, dropout_key=None, order=None):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, with
-        dropout, and the per-layer dropout keys ``[layers, batch]`` (None without ``dropout_key``;
-        the arguments as :meth:`__call__`)."""
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        dropout, and the per-layer dropout keys ``[layers + mtp_num_layers, batch]`` (the multi-token
+        prediction modules' last; None without ``dropout_key``; the arguments as :meth:`__call__`)."""
+        x, keys = self.token_embedding(tokens, positions), None
+        if dropout_key is not None:
+            keys = self.dropout_keys(dropout_key, tokens.shape[0])
+            x, keys = layers.dropout(x, self.cfg.dropout, keys[0], order), keys[1:]
+        return self.ops.constrain(x, layers.RESIDUAL), keys
+
+    def dropout_keys(self, dropout_key, rows: int):
+        """The embedding's, each layer's and each multi-token prediction module's dropout keys, ``[1 + layers +
+        mtp_num_layers, rows]``, from one key per row ``[rows]`` or one key (folded with each row's index)."""
+        if dropout_key.ndim == 0:
+            dropout_key = layers.row_keys(dropout_key, jnp.arange(rows))
+        return layers.split_rows(dropout_key, 1 + self.cfg.num_layers + self.cfg.mtp_num_layers)
+
+    def token_embedding(self, tokens, positions):
+        """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout."""
+        dt = jnp.dtype(self.cfg.dtype)
         x = self.ops.embed(self.ops.param(self.wte[...].astype(dt), ("vocab", "embed")), tokens)
         if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)
             wpe = self.ops.param(self.wpe[...].astype(dt), (None, "embed"))
             x = x + self.ops.constrain(wpe, (None, None))[positions]
-        keys = None
-        if dropout_key is not None:
-            if dropout_key.ndim == 0:
-                dropout_key = layers.row_keys(dropout_key, jnp.arange(tokens.shape[0]))
-            keys = layers.split_rows(dropout_key, cfg.num_layers + 1)
-            x, keys = layers.dropout(x, cfg.dropout, keys[0], order), keys[1:]
-        return self.ops.constrain(x, layers.RESIDUAL), keys
+        return x
 
     def run_groups(self, x, positions, params, keys=None, cache=None, *, groups=None, order=None,
                    segment_ids=None):
@@ -324,10 +393,7 @@ class GPT(nnx.Module):
             params, key, layer_cache = xs
             return nnx.merge(graphdef, params)(x, positions, key, layer_cache, order, segment_ids)
 
-        if self.cfg.remat != "none":
-            # outside a scan XLA's common-subexpression elimination would merge the recomputation back
-            layer = jax.checkpoint(layer, policy=remat.POLICIES[self.cfg.remat],
-                                   prevent_cse=self.cfg.layer_loop == "unrolled")
+        layer = self._remat(layer, prevent_cse=self.cfg.layer_loop == "unrolled")
         if self.cfg.layer_loop != "unrolled":
             return jax.lax.scan(layer, x, (layer_params, keys, cache))
         # unstacked in one split: its gradient is one stack. Indexing a[i] per layer made each layer's
@@ -340,6 +406,13 @@ class GPT(nnx.Module):
             x, out = layer(x, treedef.unflatten([c[i] for c in columns]))
             outs.append(out)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    def _remat(self, layer, *, prevent_cse: bool):
+        """``layer`` under ``model.remat``'s policy (unchanged for ``none``); ``prevent_cse`` outside a scan,
+        where XLA's common-subexpression elimination would merge the recomputation back."""
+        if self.cfg.remat == "none":
+            return layer
+        return jax.checkpoint(layer, policy=remat.POLICIES[self.cfg.remat], prevent_cse=prevent_cse)
 
     def head(self, x):
         """Final norm and output layer: float32 logits ``[batch, len, padded_vocab]`` from ``[batch, len,
@@ -356,19 +429,20 @@ class GPT(nnx.Module):
             logits = jnp.where(ids < cfg.vocab_size, logits, MASKED)
         return self.ops.constrain(logits, ("batch", "length", "vocab"))
 
-    def output_loss(self, x, targets, loss_mask=None):
+    def output_loss(self, x, targets, loss_mask=None, norm=None):
         """Final norm, output layer and summed cross entropy (nats, float32 scalar) of ``targets``
         int32 ``[..., batch, len]`` from the last layer's ``x`` ``[..., batch, len, embed]``, each
         token's loss times ``loss_mask`` float32 ``[..., batch, len]`` (None: 1): the loss of
         :meth:`head`'s logits (padded ids masked alike), computed in chunks with its gradient
-        (:func:`jaxllm.model.fused_loss.cross_entropy`)."""
+        (:func:`jaxllm.model.fused_loss.cross_entropy`).  ``norm``: the final norm (None: ``ln_f``; a
+        multi-token prediction module has normed its output already)."""
         dt = jnp.dtype(self.cfg.dtype)
         with jax.named_scope("output_loss"):  # the profile's category (jaxllm.runtime.profile)
             if self.lm_head is None:
                 table = self.ops.param(self.wte[...].astype(dt), ("vocab", "embed"))
             else:
                 table = self.ops.param(self.lm_head[...].astype(dt), ("embed", "vocab")).T
-            return self.ops.cross_entropy(self.ln_f(x), table, targets, self.cfg.vocab_size, loss_mask)
+            return self.ops.cross_entropy((norm or self.ln_f)(x), table, targets, self.cfg.vocab_size, loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +472,7 @@ def describe(cfg: ModelConfig, ops: Ops = LOCAL) -> Spec:
         lambda v: tuple(v.get_metadata()["out_sharding"] or (None,) * v.value.ndim), state,
         is_leaf=lambda v: isinstance(v, nnx.Variable)))
     decay = jax.tree.map(lambda a: bool({"embed", "expert_embed", "q_lora", "kv_lora"} & set(a))
-                         and len([n for n in a if n not in ("layers", "experts")]) >= 2, axes,
+                         and len([n for n in a if n not in ("layers", "mtp_layers", "experts")]) >= 2, axes,
                          is_leaf=lambda x: isinstance(x, tuple))
     return Spec(graphdef, nnx.to_pure_dict(state), axes, decay)
 
@@ -484,11 +558,13 @@ def num_params(params, *, exclude_positions: bool = False) -> int:
 
 def active_params(cfg: ModelConfig, params) -> int:
     """Parameters one token uses (:func:`num_params` for a dense model): a mixture of experts' weights count
-    ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B)."""
+    ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B), the multi-token
+    prediction modules' too when their layers are mixtures."""
     n = num_params(params)
-    for group in layer_groups(cfg):
-        if group.moe:
-            mlp = params[group.name]["mlp"]
-            experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
-            n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
+    mlps = [params[g.name]["mlp"] for g in layer_groups(cfg) if g.moe]
+    if cfg.mtp_num_layers and cfg.moe_layers[-1]:
+        mlps.append(params["mtp"]["block"]["mlp"])
+    for mlp in mlps:
+        experts = sum(mlp[k].size for k in ("w1", "wg", "w2", "b1", "b2") if mlp.get(k) is not None)
+        n -= experts * (cfg.num_experts - cfg.moe_router_topk) // cfg.num_experts
     return n

@@ -592,6 +592,8 @@ def hf_architecture(m: config.Model) -> Arch:
             bad["model.sliding_window"] = _Condition("> 0")
         if arch is DEEPSEEK_V3:
             bad.update(_deepseek_v3_misfits(m))
+        if m.mtp_num_layers:  # no table writes multi-token prediction modules (transformers skips them) yet
+            bad["model.mtp_num_layers"] = 0
         if not bad:
             return arch
         misfits[arch.model_type] = bad
@@ -755,7 +757,8 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
     """jaxllm's nested float32 parameters (``gpt.describe(m).params``) from HF's tensors, by
     ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's and Qwen3-MoE's experts also
     fused, as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
-    ``down_proj [E, h, f]``). Raises ConvertError."""
+    ``down_proj [E, h, f]``); with ``m.mtp_num_layers`` the multi-token prediction modules initialized as
+    :func:`jaxllm.model.gpt.init` (seed 0) initializes them. Raises ConvertError."""
     if arch.layouts is not None:
         tensors = arch.layouts(tensors, m)
     spec = gpt.describe(m)
@@ -785,6 +788,8 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
                       for i, _, e in where]
             for k, p in enumerate(paths):
                 out[p] = np.stack([s[k] for s in slices]).reshape(shapes[p]) if lead else slices[0][k]
+    if m.mtp_num_layers:  # no table holds multi-token prediction modules (transformers skips them): fresh ones
+        out.update(_by_path({"mtp": jax.tree.map(np.asarray, jax.jit(lambda: gpt.init(m, 0)["mtp"])())}))
     left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
     if left:
         raise ConvertError(f"model.safetensors: tensors jaxllm has no place for: {', '.join(left[:6])}"

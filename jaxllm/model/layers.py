@@ -383,3 +383,33 @@ class Block(nnx.Module):
 
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
+
+
+class MTPLayer(nnx.Module):
+    """One multi-token prediction module (DeepSeek-V3, DeepSeek-AI 2024, arXiv:2412.19437, section 2.2, eqs. 21-22;
+    Megatron-LM's ``MultiTokenPredictionLayer``, ``megatron/core/transformer/multi_token_prediction.py``):
+    ``norm(Block(eh_proj([enorm(e); hnorm(h)])))`` of the previous depth's hidden states ``h`` and the embedding
+    ``e`` of the token ``k`` ahead, both ``[batch, len, embed]``.
+
+    The concatenation comes first the embedding, then the hidden states, as Megatron-LM's and DeepSeek-V3's
+    checkpoints (``eh_proj`` ``[2 x hidden, hidden]``); it is held as ``eh_proj`` ``[2, embed, embed]``, ``[0]``
+    the embedding's half, so that the two halves are two matmuls and nothing is concatenated.  The layer is a
+    :class:`Block` of the kind ``moe``; ``norm`` is the module's own final norm (Megatron-LM's
+    ``final_layernorm``, DeepSeek-V3's ``shared_head.norm``), whose output feeds both the shared output layer and
+    the next depth.
+    """
+
+    def __init__(self, cfg, rngs, ops, *, moe: bool):
+        self.cfg, self.ops = cfg, ops
+        self.enorm, self.hnorm = Norm(cfg), Norm(cfg)
+        h = cfg.hidden_size
+        self.eh_proj = param(rngs.params(), (2, h, h), cfg.init_std, (None, "embed", None))
+        self.block = Block(cfg, rngs, ops, moe=moe)
+        self.norm = Norm(cfg)
+
+    def project(self, h, e):
+        """``eh_proj([enorm(e); hnorm(h)])``: ``[batch, len, embed]`` in ``model.dtype``."""
+        dt, w = jnp.dtype(self.cfg.dtype), self.eh_proj[...]
+        x = (self.ops.dense(self.enorm(e), w[0], None, "bse,ef->bsf", dt)
+             + self.ops.dense(self.hnorm(h), w[1], None, "bse,ef->bsf", dt))
+        return self.ops.constrain(x, RESIDUAL)

@@ -218,7 +218,9 @@ def loss(cfg, layout: Layout, spec, params, inputs, targets, positions, dropout_
       ``(loss, stats)``: float32 scalar, the mean cross entropy over every token (the model's fused
       output loss, :meth:`jaxllm.model.gpt.GPT.output_loss`), as the same batch gives without pipeline,
       and the routing statistics of :meth:`jaxllm.model.gpt.GPT.moe_stats`, averaged over the
-      microbatches (``{}`` for a dense model).  The loss's gradient (``jax.grad`` with ``has_aux``) is
+      microbatches (``{}`` for a dense model), with ``model.mtp_num_layers`` (gpipe, interleaved; :func:`_mtp_loss`)
+      also ``mtp_loss``, whose ``mtp_loss_scaling_factor`` x gradient joins the loss's as the routers' do (the
+      value stays the cross entropy).  The loss's gradient (``jax.grad`` with ``has_aux``) is
       autodiff's transpose of the forward loop for gpipe / interleaved, and the fused loop's own for
       the 1F1B family (the values are then the fused loop's too); without differentiation every
       schedule runs the forward loop.  A router's losses reach its gradients through the model's
@@ -250,7 +252,7 @@ def _embed(gpt, params, group, tokens, positions, key):
     if before:
         x, _ = gpt.run_groups(x, positions, params, None if keys is None else keys[:group.first], groups=before,
                               order=positions)
-    return x, None if keys is None else keys[group.first:]
+    return x, None if keys is None else keys[group.first:group.stop]  # (the multi-token prediction's after)
 
 
 # ----- gpipe / interleaved: the forward loop (autodiff transposes it) --------------------------
@@ -317,13 +319,37 @@ def _forward_loss(cfg, layout, spec, params, inputs, targets, positions, dropout
 
     hidden = constrain(hidden.reshape(p, m // p, mb, seq, -1), STASH)
     # each stage: the summed token losses of its m / p microbatches
-    totals = jax.vmap(gpt.output_loss, spmd_axis_name=stage_axis)(hidden, targets.reshape(p, m // p, mb, seq))
-    loss = totals.sum() / targets.size
+    by_stage = lambda a: None if a is None else a.reshape(p, m // p, *a.shape[1:])  # noqa: E731
+    totals = jax.vmap(gpt.output_loss, spmd_axis_name=stage_axis)(hidden, by_stage(targets))
+    loss, metrics = totals.sum() / targets.size, _stats_metrics(cfg, stats)
     if stats is not None:  # their gradient, not their value: the loss stays the cross entropy
         mc = cfg.model
         routers = (mc.moe_aux_loss_coeff * stats["aux_loss"].sum() + mc.moe_z_loss_coeff * stats["z_loss"].sum()) / m
         loss = loss + (routers - jax.lax.stop_gradient(routers))
-    return loss, _stats_metrics(cfg, stats)
+    if gpt.mtp is not None:  # the same, their gradient: the depths on each stage's microbatches of the last stage's
+        mtp = _mtp_loss(cfg, gpt, hidden, by_stage(inputs), by_stage(targets), positions, by_stage(dropout_keys),
+                        stage_axis)
+        loss, metrics = loss + cfg.model.mtp_loss_scaling_factor * (mtp - jax.lax.stop_gradient(mtp)), {
+            **metrics, "mtp_loss": mtp}
+    return loss, metrics
+
+
+def _mtp_loss(cfg, gpt, hidden, inputs, targets, positions, dropout_keys, stage_axis):
+    """The multi-token prediction depths' mean loss (:meth:`jaxllm.model.gpt.GPT.mtp_losses`, each depth over
+    its tokens, :func:`jaxllm.runtime.step.counts`) of the last stage's outputs ``hidden`` ``[p, m / p, mb, seq,
+    embed]``, each stage taking m / p of them as the output loss does; inputs, targets ``[p, m / p, mb, seq]``,
+    dropout keys ``[p, m / p, mb]`` or None."""
+    n, seq = cfg.model.mtp_num_layers, inputs.shape[-1]
+
+    def one(h, tokens, y, key):
+        keys = None if key is None else gpt.dropout_keys(key, tokens.shape[0])[1 + cfg.model.num_layers:]
+        return gpt.mtp_losses(gpt.ln_f(h), tokens, y, positions, keys, order=positions)
+
+    over_micro = jax.vmap(one, in_axes=(0, 0, 0, None if dropout_keys is None else 0))
+    sums = jax.vmap(over_micro, in_axes=(0, 0, 0, None if dropout_keys is None else 0), spmd_axis_name=stage_axis)(
+        hidden, inputs, targets, dropout_keys).sum((0, 1))
+    tokens = inputs.size // seq * (seq - jnp.arange(1, n + 1))  # each depth drops the last k places of each row
+    return jnp.mean(sums / tokens)
 
 
 # ----- the 1F1B family: one loop of forwards and backwards ------------------------------------

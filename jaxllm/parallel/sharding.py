@@ -67,6 +67,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor",),
     "layers": ("pipeline",),
+    "mtp_layers": (),  # the multi-token prediction modules' stack (resolve refuses them with a pipeline)
     "experts": ("expert",),  # the experts of a mixture of experts
     "expert_embed": ("fsdp",),  # an expert's embed dimension (ZeRO splits it over fewer axes than embed)
     "expert_mlp": ("tensor",),

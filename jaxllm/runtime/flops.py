@@ -37,11 +37,14 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
       the router's ``2*h*num_experts``; each layer's MLP by its kind (``model.moe_layer_freq``: dense and MoE
       layers mixed)
 
-    plus the output layer (logits) ``2*h*V``. Training is 3x the forward (the backward
+    plus the output layer (logits) ``2*h*V``; each of ``N`` = ``model.mtp_num_layers`` multi-token prediction
+    depths adds a layer of the last layer's kind (counted with the layers), its projection ``eh_proj`` ``2*2h*h``
+    and the output layer's ``2*h*V`` again (Megatron-LM's ``num_floating_point_operations`` counts the same).
+    Training is 3x the forward (the backward
     computes the gradients of both the activations and the weights, 2x). With
     ``recompute=True`` the transformer layers are counted 4x instead of 3x (the forward
-    recomputed in the backward by ``model.remat="full"``); the logits are not rematerialised
-    and stay at 3x. ``recompute=False`` gives *model* FLOPs (the basis of MFU),
+    recomputed in the backward by ``model.remat="full"``); the logits and the depths' projections are not
+    rematerialised and stay at 3x. ``recompute=False`` gives *model* FLOPs (the basis of MFU),
     ``recompute=True`` *hardware* FLOPs for ``remat="full"`` (the basis of HFU).
 
     Relation to Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model
@@ -73,8 +76,9 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
     if not m.padded_vocab_size:
         raise ValueError("model.padded_vocab_size is 0: pass a config resolved with the tokenizer's vocabulary size")
     layers = sum(_stack_forward_flops(m, seq_length).values())
-    logits = 2 * m.hidden_size * m.padded_vocab_size
-    return float((4 if recompute else 3) * layers + 3 * logits)
+    h, n = m.hidden_size, m.mtp_num_layers
+    outputs = (1 + n) * 2 * h * m.padded_vocab_size + n * 2 * 2 * h * h
+    return float((4 if recompute else 3) * layers + 3 * outputs)
 
 
 def flops_per_step(cfg, *, recompute: bool | None = None) -> float:
@@ -127,12 +131,13 @@ def _stack_forward_flops(m, s: int) -> dict[str, float]:
     """Forward matmul FLOPs per token of all the layers together, by named activation (as
     :func:`flops_per_token` counts them): ``qkv`` (:func:`_qkv_flops`), ``scores`` (``Q K^T``), ``values``
     (``probs @ V``; both causal-halved), ``out_proj``, ``mlp_in`` (up, and gate for swiglu), ``mlp_out`` (each
-    layer's MLP by its kind, :attr:`jaxllm.config.Model.moe_layers`).  Attention's widths are
+    layer's MLP by its kind, :attr:`jaxllm.config.Model.moe_layers`), the multi-token prediction depths' layers
+    (``model.mtp_num_layers``, each of the last layer's kind) with them.  Attention's widths are
     :attr:`jaxllm.config.Model.attention_head_dims` (``dq`` for the scores, ``dv`` for the values and the output
     projection; both ``d`` but with multi-head latent attention)."""
-    h, n, L, w = m.hidden_size, m.num_attention_heads, m.num_layers, m.sliding_window
+    h, n, L, w = m.hidden_size, m.num_attention_heads, m.num_layers + m.mtp_num_layers, m.sliding_window
     dq, dv = m.attention_head_dims
-    mlps = [_mlp_flops(m, moe) for moe in m.moe_layers]
+    mlps = [_mlp_flops(m, moe) for moe in m.moe_layers + m.moe_layers[-1:] * m.mtp_num_layers]
     keys = s / 2 if not w or w >= s else w - w * w / (2 * s)  # keys a query attends to, on average
     return {"qkv": L * _qkv_flops(m), "scores": L * 2 * keys * n * dq, "values": L * 2 * keys * n * dv,
             "out_proj": L * 2 * (n * dv) * h, "mlp_in": sum(x for x, _ in mlps), "mlp_out": sum(y for _, y in mlps)}
@@ -219,13 +224,15 @@ def megatron_flops_per_step(cfg) -> float:
     Megatron-convention TFLOP/s and MFU in docs/performance.md."""
     m, seq = cfg.model, cfg.train.seq_length
     tokens = cfg.train.global_batch_size * seq
-    return flops_per_step(cfg, recompute=False) + tokens * 3 * m.num_layers * seq * m.num_attention_heads * sum(
+    layers = m.num_layers + m.mtp_num_layers
+    return flops_per_step(cfg, recompute=False) + tokens * 3 * layers * seq * m.num_attention_heads * sum(
         m.attention_head_dims)
 
 
 def hardware_flops_by_kind(cfg) -> dict[str, float]:
     """:func:`hardware_flops_per_step` split by the kernels that run them: ``attention`` (the score and value
-    matmuls, forward, backward and recomputed), ``loss`` (the output layer's three matmuls) and ``gemm``
+    matmuls, forward, backward and recomputed), ``loss`` (the output layers' three matmuls, the
+    multi-token prediction depths' too) and ``gemm``
     (every other layer matmul: projections and MLP, with their recomputation); FLOPs per step, all
     devices.  The basis of a profile's FLOP rates (:mod:`jaxllm.runtime.profile`)."""
     tokens, seq, m = cfg.train.global_batch_size * cfg.train.seq_length, cfg.train.seq_length, cfg.model
@@ -234,7 +241,7 @@ def hardware_flops_by_kind(cfg) -> dict[str, float]:
     forwards = schedules.recomputed_forwards(cfg)  # the 1F1B family's: one more forward of every matmul
     recomputed = [k for k in _RECOMPUTED[m.remat] if k in attention_keys]
     attention = ((3 + forwards) * sum(stack[k] for k in attention_keys) + sum(stack[k] for k in recomputed))
-    loss = 3 * 2 * m.hidden_size * m.padded_vocab_size
+    loss = 3 * 2 * m.hidden_size * m.padded_vocab_size * (1 + m.mtp_num_layers)
     total = hardware_flops_per_step(cfg)
     return {"gemm": total - tokens * (attention + loss), "attention": tokens * attention, "loss": tokens * loss}
 

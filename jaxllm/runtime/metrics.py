@@ -42,6 +42,7 @@ _TRAIN_FORMATS = {
     "loss": lambda v: f"loss {v:.4f}",
     "lr": lambda v: f"lr {v:.1e}",
     "grad_norm": lambda v: f"grad {v:.2f}",
+    "mtp_loss": lambda v: f"mtp {v:.4f}",  # multi-token prediction's depths (jaxllm.model.gpt.GPT.mtp_losses)
     "moe_aux_loss": lambda v: f"aux {v:.3f}",  # a mixture of experts' routing (jaxllm.model.moe)
     "moe_z_loss": lambda v: f"z {v:.3g}",
     "moe_max_load": lambda v: f"max load {v:.2f}",

@@ -15,7 +15,7 @@ shape holding only what the options set on need (:data:`jaxllm.data.loader.DOCUM
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,34 @@ def token_count(targets, docs):
     if "loss_mask" not in docs:
         return targets.size
     return jnp.maximum(jnp.sum(docs["loss_mask"]), 1.0)
+
+
+class Counts(NamedTuple):
+    """The loss's denominators over the global batch (:func:`counts`).
+
+    Attributes:
+      tokens: :func:`token_count`.
+      mtp: each multi-token prediction depth's (``model.mtp_num_layers``), float32 ``[depths]``: the tokens its
+        rolled loss mask keeps (the last ``k`` places of each row dropped at depth ``k``), at least 1; None
+        without depths.
+      mtp_scale: ``model.mtp_loss_scaling_factor``.
+    """
+
+    tokens: Any
+    mtp: Any = None
+    mtp_scale: float = 0.0
+
+
+def counts(model, targets, docs) -> Counts:
+    """The :class:`Counts` of ``targets`` int32 ``[..., seq]`` and ``docs`` for the ``model`` section: depth ``k``'s
+    loss is its tokens' mean over the global batch, ``sum(loss x rolled mask) / sum(rolled mask)`` (Megatron-LM's
+    ``process_mtp_loss``, whose micro batches' means equal it where their counts are equal)."""
+    depths = range(1, model.mtp_num_layers + 1)
+    if not depths:
+        return Counts(token_count(targets, docs))
+    mask = docs.get("loss_mask", jnp.ones(targets.shape, jnp.float32))
+    mtp = jnp.stack([jnp.maximum(jnp.sum(mask[..., k:]), 1.0) for k in depths])
+    return Counts(token_count(targets, docs), mtp, model.mtp_loss_scaling_factor)
 
 
 def row_keys(key, shape):
@@ -98,12 +126,23 @@ class StepSetup:
         return grads if self.grad_sharding is None else jax.lax.with_sharding_constraint(grads, self.grad_sharding)
 
 
-def _micro_loss(graphdef, params, inputs, targets, order, docs, key, count):
-    """One micro batch's summed token losses divided by the global batch's token ``count``, and its
+def _micro_loss(graphdef, params, inputs, targets, order, docs, key, count: Counts):
+    """One micro batch's objective, ``(objective, (losses, stats))``: ``losses["loss"]``, its summed token losses
+    divided by the global batch's token ``count.tokens``, and with multi-token prediction ``losses["mtp_loss"]``,
+    the depths' mean of their summed losses over their ``count.mtp``; the objective is ``loss + mtp_scale x
+    mtp_loss`` (Megatron-LM's ``mtp_loss_scaling_factor / mtp_num_layers`` on each depth's mean); ``stats`` the
     routing statistics."""
     loss, stats = gpt.loss(graphdef, params, inputs, targets, **_model_kwargs(docs, order),
-                             dropout_key=key, with_stats=True)
-    return loss / count, stats
+                           dropout_key=key, with_stats=True)
+    losses = {"loss": loss / count.tokens}
+    if "mtp" in stats:
+        losses["mtp_loss"] = jnp.mean(stats.pop("mtp") / count.mtp)
+    return losses["loss"] + count.mtp_scale * losses.get("mtp_loss", 0.0), (losses, stats)
+
+
+def _zero_losses(cfg, shape=()) -> dict:
+    """The zero sums of :func:`_micro_loss`'s ``losses``, float32 ``shape``."""
+    return {k: jnp.zeros(shape, jnp.float32) for k in ("loss", "mtp_loss")[:1 + bool(cfg.model.mtp_num_layers)]}
 
 
 _micro_grads = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
@@ -119,22 +158,24 @@ def accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
         ``keys`` the dropout keys ``[microbatches, rows]`` (:func:`row_keys`; None without dropout).
     Returns:
       ``(loss, grads, stats)``: the float32 mean loss of the global batch, its gradients (float32 sums of
-      the micro batches', pinned by :meth:`StepSetup.pin`), and the mean of the micro batches' routing
-      statistics (:data:`jaxllm.model.gpt.MOE_STATS` with experts, else ``{}``).
+      the micro batches', pinned by :meth:`StepSetup.pin`; of the objective, with multi-token prediction's
+      loss), and the mean of the micro batches' routing statistics (:data:`jaxllm.model.gpt.MOE_STATS` with
+      experts) and the multi-token prediction loss ``mtp_loss`` (with ``model.mtp_num_layers``), else ``{}``.
     """
     cfg = setup.cfg
-    count = token_count(targets, docs)  # of the global batch: the micro batches' sums add up to its mean
+    count = counts(cfg.model, targets, docs)  # of the global batch: the micro batches' sums add up to its mean
     held = gpt.cast_layers(cfg.model, params)  # the layers in the compute dtype, cast once per step
     add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731 - float32 sums of the cast copies' gradients
 
     def micro_step(acc, xs):
-        (loss, stats), grads = _micro_grads(setup.spec.graphdef, held, *xs, count)
+        (_, (losses, stats)), grads = _micro_grads(setup.spec.graphdef, held, *xs, count)
         stats = {k: v / cfg.microbatches for k, v in stats.items()}  # their mean over the micro batches
-        return jax.tree.map(add, acc, (loss, setup.pin(grads), stats)), None
+        return jax.tree.map(add, acc, (losses, setup.pin(grads), stats)), None
 
     stats = {k: jnp.zeros((), jnp.float32) for k in (gpt.MOE_STATS if cfg.model.num_experts else ())}
-    zeros = (jnp.zeros((), jnp.float32), setup.pin(jax.tree.map(jnp.zeros_like, params)), stats)
-    return jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
+    zeros = (_zero_losses(cfg), setup.pin(jax.tree.map(jnp.zeros_like, params)), stats)
+    losses, grads, stats = jax.lax.scan(micro_step, zeros, (inputs, targets, order, docs, keys))[0]
+    return losses.pop("loss"), grads, {**stats, **losses}
 
 
 def pipelined(setup: StepSetup, params, inputs, targets, order, docs, keys):
@@ -152,7 +193,8 @@ def replicated(setup: StepSetup, params, inputs, targets, order, docs, keys):
     all-reduce per step instead of one per micro batch."""
     per_replica = _replicas_pipelined if setup.cfg.stages > 1 else _replicas_accumulated
     losses, grads = per_replica(setup, params, inputs, targets, order, docs, keys)
-    return jnp.sum(losses), setup.pin(jax.tree.map(lambda g: jnp.sum(g, 0), grads)), {}
+    losses = {k: jnp.sum(v) for k, v in losses.items()}
+    return losses.pop("loss"), setup.pin(jax.tree.map(lambda g: jnp.sum(g, 0), grads)), losses
 
 
 def _by_replica(a, n):
@@ -167,12 +209,14 @@ def _spread(setup: StepSetup, grads):
 
 
 def _replicas_pipelined(setup: StepSetup, params, inputs, targets, order, docs, keys):
-    """Each replica's rows through the pipeline: per replica its mean loss, 1/n of the batch's, and gradients."""
+    """Each replica's rows through the pipeline: per replica its mean loss (and multi-token prediction's), 1/n of the
+    batch's, and gradients."""
     n = setup.cfg.mesh_shape["data"]
 
     def replica(x, y, o, k):
-        return jax.value_and_grad(lambda p: pipeline.loss(
-            setup.cfg, setup.replica_layout, setup.replica_spec, p, x, y, o, k)[0] / n)(params)
+        (loss, stats), grads = jax.value_and_grad(lambda p: pipeline.loss(
+            setup.cfg, setup.replica_layout, setup.replica_spec, p, x, y, o, k), has_aux=True)(params)
+        return jax.tree.map(lambda a: a / n, {"loss": loss, **stats}), jax.tree.map(lambda g: g / n, grads)
 
     losses, grads = jax.vmap(replica, in_axes=1, spmd_axis_name="data")(
         *(_by_replica(a, n) for a in (inputs, targets, order, keys)))
@@ -180,15 +224,16 @@ def _replicas_pipelined(setup: StepSetup, params, inputs, targets, order, docs, 
 
 
 def _replicas_accumulated(setup: StepSetup, params, inputs, targets, order, docs, keys):
-    """Each replica's micro batches one after another: per replica its summed losses and gradients."""
-    n, count = setup.cfg.mesh_shape["data"], token_count(targets, docs)
+    """Each replica's micro batches one after another: per replica its summed losses (:func:`_micro_loss`'s) and
+    gradients."""
+    n, count = setup.cfg.mesh_shape["data"], counts(setup.cfg.model, targets, docs)
     replica = jax.vmap(_micro_grads, in_axes=(None, None, 0, 0, 0, 0, 0, None), spmd_axis_name="data")
 
     def micro_step(acc, xs):
-        (loss, _), grads = replica(setup.replica_spec.graphdef, params, *xs, count)
-        return jax.tree.map(jnp.add, acc, (loss, _spread(setup, grads))), None
+        (_, (losses, _)), grads = replica(setup.replica_spec.graphdef, params, *xs, count)
+        return jax.tree.map(jnp.add, acc, (losses, _spread(setup, grads))), None
 
-    zeros = (jnp.zeros((n,), jnp.float32),
+    zeros = (_zero_losses(setup.cfg, (n,)),
              _spread(setup, jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), params)))
     xs = jax.tree.map(lambda a: _by_replica(a, n), (inputs, targets, order, docs, keys))
     return jax.lax.scan(micro_step, zeros, xs)[0]
@@ -208,11 +253,12 @@ def _balanced(params, grads, rate):
         lambda path, g: jnp.zeros_like(g) if _is_expert_bias(path) else g, grads)
 
 
-def apply_gradients(optimizer, schedule, state, loss, grads, moe_stats, bias_update_rate=None):
+def apply_gradients(optimizer, schedule, state, loss, grads, stats, bias_update_rate=None):
     """The optimizer's update of ``state`` by ``grads``, guarded against a non-finite step.
 
     ``bias_update_rate``: with expert biases (``model.moe_router_enable_expert_bias``), their step
-    (``model.moe_router_bias_update_rate``, :func:`_balanced`); None: none.
+    (``model.moe_router_bias_update_rate``, :func:`_balanced`); None: none.  ``stats``: the step's statistics
+    (routing, ``mtp_loss``), added to the metrics.
     Returns:
       ``(new_state, metrics)`` as :func:`make_train_step`'s ``train_step`` (``schedule``: the learning
       rate per update, :func:`jaxllm.runtime.optim.lr_schedule`).
@@ -237,7 +283,7 @@ def apply_gradients(optimizer, schedule, state, loss, grads, moe_stats, bias_upd
     lr = schedule(state["step"] - state["nonfinite_steps"])
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                "nonfinite_steps": new_state["nonfinite_steps"],
-               "nonfinite_in_a_row": new_state["nonfinite_in_a_row"], **moe_stats}
+               "nonfinite_in_a_row": new_state["nonfinite_in_a_row"], **stats}
     return new_state, metrics
 
 
@@ -253,6 +299,8 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
     ``fold_in(fold_in(key(seed), step), row)`` for each row of the global batch (its
     index before the split into micro batches, see :func:`row_keys`), so a step is a pure
     function of its inputs, and its dropout masks do not depend on the layout.
+    With ``model.mtp_num_layers`` the gradients are of the objective with the multi-token prediction loss
+    (:func:`_micro_loss`), whose depths' mean is the metric ``mtp_loss``; ``loss`` stays the main one.
     Metrics (float32 scalars): ``loss`` (nats/token), ``grad_norm`` (global L2
     norm before clipping), ``lr`` (the learning rate this step applies, see
     :func:`jaxllm.runtime.optim.lr_schedule`), and the int32 counters ``nonfinite_steps`` (total
@@ -278,8 +326,8 @@ def make_train_step(cfg, spec, optimizer, layout=None, grad_sharding=None, repli
         keys = (row_keys(jax.random.fold_in(base_key, state["step"]), inputs.shape[:2])
                 if cfg.model.dropout > 0 else None)
         inputs, targets, order, docs = context_parallel.zigzag(ring, inputs, targets, docs)
-        loss, grads, moe_stats = loss_and_grads(setup, state["params"], inputs, targets, order, docs, keys)
-        return apply_gradients(optimizer, schedule, state, loss, grads, moe_stats, bias_rate)
+        loss, grads, stats = loss_and_grads(setup, state["params"], inputs, targets, order, docs, keys)
+        return apply_gradients(optimizer, schedule, state, loss, grads, stats, bias_rate)
 
     return train_step
 
