@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import assert_same_training, run_layouts
+from harness import MLA, assert_same_training, run_layouts
 
 from jaxllm import config, train
 from jaxllm.parallel import schedules
@@ -14,6 +14,7 @@ from jaxllm.resolve import resolve
 
 L4 = {"num_layers": 4}
 INTERLEAVED2 = {"pipeline_schedule": "interleaved", "pipeline_virtual_stages": 2}
+MTP = {**L4, **MLA, "mtp_num_layers": 2, "dropout": 0.1}
 # tests/multidevice.py's batch: global 16, micro batch 2, so 8 microbatches / data-parallel size.
 LAYOUTS = {
     "single": {"model": L4, "eval": True},
@@ -29,12 +30,11 @@ LAYOUTS = {
                                     "parallel": {"megatron_sp": True}, "model": L4},
     "single_dropout": {"model": {**L4, "dropout": 0.1}},
     "pipeline2_dropout": {"mesh": {"pipeline": 2}, "model": {**L4, "dropout": 0.1}},
-    # multi-token prediction's two depths after the forward loop, spread over the stages; with data 2 each replica's
-    "single_mtp": {"model": {**L4, "mtp_num_layers": 2, "dropout": 0.1}},
-    "pipeline2_tensor2_data2_mtp": {"mesh": {"pipeline": 2, "tensor": 2, "data": 2},
-                                    "model": {**L4, "mtp_num_layers": 2, "dropout": 0.1}},
-    "pipeline2_interleaved2_mtp": {"mesh": {"pipeline": 2}, "parallel": INTERLEAVED2,
-                                   "model": {**L4, "mtp_num_layers": 2, "dropout": 0.1}},
+    # multi-token prediction's two depths after the forward loop, spread over the stages, with DeepSeek-V3's
+    # attention (multi-head latent attention) in the stages and the depths
+    "single_mtp": {"model": MTP},
+    "pipeline2_tensor2_data2_mtp": {"mesh": {"pipeline": 2, "tensor": 2, "data": 2}, "model": MTP},
+    "pipeline2_interleaved2_mtp": {"mesh": {"pipeline": 2}, "parallel": INTERLEAVED2, "model": MTP},
 }
 
 
