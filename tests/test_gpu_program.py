@@ -152,11 +152,13 @@ def test_fp8_on_an_a100_and_a_gpu_compile_without_a_target_are_one_line():
 
 
 def test_compile_options_are_a_gpu_runs_flags_less_the_users():
-    """The deviceless compile gets gpu_env's CUDA flags, typed as compile options take them, except those the
-    user's XLA_FLAGS sets (XLA reads those itself)."""
+    """The deviceless compile gets gpu_env's CUDA flags and XLA's own sort in place of CUB's, typed as compile
+    options take them, except those the user's XLA_FLAGS sets (XLA reads those itself)."""
     opts = xla_gpu.compiler_options({"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"})
     flags = {s.name[2:] for s in gpu_env.settings_for("cuda") if s.is_flag}
-    assert set(opts) == flags - {"xla_gpu_enable_latency_hiding_scheduler"}
+    assert set(opts) == flags - {"xla_gpu_enable_latency_hiding_scheduler"} | {"xla_gpu_deviceless_cub_mode"}
+    assert "xla_gpu_deviceless_cub_mode" not in xla_gpu.compiler_options(
+        {"XLA_FLAGS": "--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_WITH_FALLBACK"})
     assert opts["xla_gpu_enable_pipelined_all_gather"] is True
     assert opts["xla_gpu_enable_all_gather_combine_by_dim"] is False
     assert opts["xla_gpu_all_reduce_combine_threshold_bytes"] == 8 * 2**30

@@ -7,6 +7,7 @@ on: each layout's step has the single-device run's micro batches (2 per step), s
 over the same tokens.
 """
 
+import functools
 import json
 import math
 import os
@@ -204,6 +205,67 @@ def test_flops_count_the_active_experts():
     h, f, k, e, layers = 32, 96, 2, 4, 2
     extra = 3 * layers * ((k - 1) * (2 * h * f + 2 * f * h) + 2 * h * e)
     assert flops.flops_per_token(moe_cfg.model, 16) - flops.flops_per_token(dense_cfg.model, 16) == extra
+
+
+def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
+    """Tiles of 8 rows (:func:`moe._tile_rows`): groups of 0, 1, 8, 9 and 30 rows and rows past the groups, against
+    each group's rows times its weight in jax.numpy; the gradients of both, and under vmap (the pipeline's stages)."""
+    sizes = jnp.array([9, 0, 30, 1, 8], jnp.int32)
+    rows, groups = 56, len(sizes)  # 48 rows in groups, 8 past them
+    k = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(k[0], (rows, 12)), jax.random.normal(k[1], (groups, 12, 7))
+    dy = jax.random.normal(k[2], (rows, 7))
+    group = np.repeat(np.arange(groups + 1), [*sizes.tolist(), rows - int(sizes.sum())])  # groups: past the groups
+
+    def reference(x, w):
+        return jnp.einsum("ri,rio->ro", x, jnp.concatenate([w, jnp.zeros_like(w[:1])])[group])
+
+    def value_and_grads(f, x, dy):
+        y, vjp = jax.vjp(f, x, w)
+        return y, *vjp(dy)
+
+    ours = jax.jit(jax.vmap(functools.partial(value_and_grads, lambda x, w: moe.grouped_matmul(x, w, sizes))))
+    got = ours(jnp.stack([x, -x]), jnp.stack([dy, 2 * dy]))
+    for i, (xi, dyi) in enumerate([(x, dy), (-x, 2 * dy)]):
+        for g, r in zip(got, value_and_grads(reference, xi, dyi), strict=True):
+            np.testing.assert_allclose(g[i], r, rtol=1e-5, atol=1e-4)
+
+
+def _experts_temp_bytes(num_experts: int, gpu: str | None = None) -> int:
+    """Temporary bytes of the compiled forward and backward of :func:`moe.local_experts` (2,048 tokens routed to
+    the top 8, hidden 64, SwiGLU experts of 128, float32), compiled for this CPU or by XLA:GPU for ``gpu``."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxllm.platform import xla_gpu
+
+    sharding = SingleDeviceSharding(xla_gpu.devices(gpu, 1)[0] if gpu else jax.devices("cpu")[0])
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)  # noqa: E731
+    e, t, h, f = num_experts, 2048, 64, 128
+
+    def loss(x, w1, wg, w2, logits):
+        ids, weights, _ = moe.route(logits, 8)
+        return moe.local_experts(x, ids, weights, w1, wg, w2, None, None, activation=None, dtype=jnp.float32).sum()
+
+    lowered = jax.jit(jax.grad(loss, argnums=range(4))).lower(shape(1, t, h), shape(e, h, f), shape(e, h, f),
+                                                              shape(e, f, h), shape(1, t, e))
+    compiled = lowered.compile(compiler_options=xla_gpu.compiler_options()) if gpu else lowered.compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("gpu", [None, "H100"])
+def test_experts_memory_is_linear_in_routed_tokens(gpu):
+    """From 8 to 64 experts at the same 2,048 tokens x top 8, the compiled temporaries grow by at most the
+    experts' weights (the gradients' float32 accumulators, 3 x 56 x 64 x 128 x 4 bytes) and 5 % (the tiles
+    padded per expert).  jax.lax.ragged_dot compiled to buffers of experts x routed rows: on the CPU 409 MiB
+    and 3,100 MiB."""
+    if gpu:  # XLA:GPU without a GPU: in a process that starts JAX with JAX_PLATFORMS=cpu (tests/gpu_program.py)
+        pytest.importorskip("jax_plugins.xla_cuda12", reason='JAX\'s CUDA plugin (pip install -e ".[test]")')
+        code = ("import json, sys; sys.path.insert(0, 'tests'); from test_moe import _experts_temp_bytes as b; "
+                f"print(json.dumps([b(8, {gpu!r}), b(64, {gpu!r})]))")
+        few, many = json.loads(run_python("-c", code).stdout.splitlines()[-1])
+    else:
+        few, many = _experts_temp_bytes(8), _experts_temp_bytes(64)
+    assert many - few <= 3 * 56 * 64 * 128 * 4 + 0.05 * few, (few, many)
 
 
 def test_mixtral_recipe_plans_its_parameters_on_64_h100s():

@@ -10,9 +10,10 @@ token reaches its k experts.  With a capacity factor an expert takes at most
 ``ceil(capacity_factor x tokens x k / experts)`` tokens, those of highest router probability (Megatron's
 ``--moe-token-drop-policy probs``), so which tokens are dropped does not depend on their order.
 
-The experts run as grouped matmuls (:func:`grouped_matmul`, ``jax.lax.ragged_dot``, which XLA lowers to
-grouped GEMMs on GPUs) over the token copies sorted by expert (MegaBlocks, Gale et al. 2023; MaxText's
-sparse matmul): no capacity padding and no ``[tokens, experts]`` dispatch tensor.
+The experts run as grouped matmuls (:func:`grouped_matmul`, one matmul per tile of a few rows of one expert)
+over the token copies sorted by expert (MegaBlocks, Gale et al. 2023; MaxText's sparse matmul): no capacity
+padding, no ``[tokens, experts]`` dispatch tensor, and buffers that grow with the routed tokens, not with
+experts x tokens.
 """
 
 from __future__ import annotations
@@ -22,32 +23,88 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.lax import RaggedDotDimensionNumbers
+
+
+def _tile_rows(rows: int, groups: int) -> int:
+    """Rows of one tile of :func:`grouped_matmul`: a power of two from 8 to 128, the largest whose at most
+    ``groups`` partly filled tiles add no more than an eighth to ``rows`` (or 8)."""
+    tile = 128
+    while tile > 8 and groups * tile > rows // 8:
+        tile //= 2
+    return tile
+
+
+def _tiles(group_sizes, rows: int, tile: int):
+    """The tiled layout of ``rows`` rows sorted by group: each group's rows from the start of a tile of its own.
+
+    Returns ``(pos, tile_group)``: int32 ``[rows]``, each row's place among the ``tiles x tile`` tiled rows
+    (``tiles x tile``, out of range, for the rows past ``sum(group_sizes)``); int32 ``[tiles]``, each tile's group
+    (the last group for the empty tiles at the end).  ``tiles`` is ``ceil(rows / tile) + groups``, static: a group
+    of ``s`` rows fills ``ceil(s / tile)`` tiles, at most ``s / tile + 1``."""
+    groups = group_sizes.shape[0]
+    tiles = -(-rows // tile) + groups
+    tile_end = jnp.cumsum(-(-group_sizes // tile))
+    tile_start = jnp.concatenate([jnp.zeros(1, tile_end.dtype), tile_end[:-1]])
+    row_end = jnp.cumsum(group_sizes)
+    row = jnp.arange(rows, dtype=row_end.dtype)
+    g = jnp.searchsorted(row_end, row, side="right")  # each row's group, ``groups`` past the last
+    gc = jnp.minimum(g, groups - 1)
+    pos = jnp.where(g < groups, tile_start[gc] * tile + row - (row_end[gc] - group_sizes[gc]), tiles * tile)
+    tile_group = jnp.searchsorted(tile_end, jnp.arange(tiles, dtype=tile_end.dtype), side="right")
+    return pos.astype(jnp.int32), jnp.minimum(tile_group, groups - 1).astype(jnp.int32)
+
+
+def _to_tiles(x, pos, tiles: int, tile: int):
+    """``x`` ``[rows, d]`` placed at ``pos`` (:func:`_tiles`) -> ``[tiles, tile, d]``, zeros elsewhere."""
+    out = jnp.zeros((tiles * tile, x.shape[1]), x.dtype).at[pos].set(x, mode="drop", unique_indices=True)
+    return out.reshape(tiles, tile, x.shape[1])
+
+
+def _tiled_matmul(x, w, group_sizes):
+    """:func:`grouped_matmul`'s value: one ``[tile, in] x [in, out]`` matmul per tile, float32 accumulation."""
+    tile = _tile_rows(x.shape[0], w.shape[0])
+    pos, tile_group = _tiles(group_sizes, x.shape[0], tile)
+    xt = _to_tiles(x, pos, tile_group.shape[0], tile)
+    dtype = jnp.result_type(x, w)
+    yt = jax.lax.map(lambda a: jnp.matmul(a[0], w[a[1]], preferred_element_type=jnp.float32).astype(dtype),
+                     (xt, tile_group))
+    return yt.reshape(-1, w.shape[2]).at[pos].get(mode="fill", fill_value=0)
 
 
 @jax.custom_vjp
 def grouped_matmul(x, w, group_sizes):
     """Row block ``g`` of ``x`` times ``w[g]``: ``x`` ``[rows, in]`` sorted by group, ``w`` ``[groups, in, out]``,
-    group_sizes int32 ``[groups]`` -> ``[rows, out]``, zero for the rows past ``sum(group_sizes)``.
+    group_sizes int32 ``[groups]`` -> ``[rows, out]`` (dtype: ``x``'s and ``w``'s promoted, float32
+    accumulation), zero for the rows past ``sum(group_sizes)``.
 
-    ``jax.lax.ragged_dot`` with its gradients written as ragged dots, so that it also runs under ``vmap``
-    (the pipeline's stages), where JAX 0.10 cannot batch ragged_dot's own transpose.
+    ``jax.lax.ragged_dot``'s product, computed tile by tile (MegaBlocks' block-sparse layout, Gale et al. 2023):
+    each group's rows padded to whole tiles of 8 to 128 rows (:func:`_tile_rows`), one matmul per tile with its
+    group's weight, the weight gradient summed over the tiles into ``[groups, in, out]``.  So the compiled program's
+    buffers grow with the rows plus ``groups`` tiles.  ``jax.lax.ragged_dot`` is not used: jaxlib 0.10.2's CPU and GPU
+    compilers (the GPU's with or without ``--xla_gpu_experimental_use_ragged_dot_fusion``) rewrite it into dense
+    dots over a ``[groups, rows, in]`` masked copy of ``x``, ``groups`` times the memory and the FLOPs.  The
+    gradients are the same tiled products (also under ``vmap``, the pipeline's stages).
     """
-    return jax.lax.ragged_dot(x, w, group_sizes)
+    return _tiled_matmul(x, w, group_sizes)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes):
     return grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
 
 
-_WEIGHT_GRAD = RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
-                                         rhs_group_dimensions=[])
-
-
 def _grouped_matmul_bwd(res, dy):
     x, w, group_sizes = res
-    dx = jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), group_sizes)
-    dw = jax.lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD)  # [groups, in, out]
+    dx = _tiled_matmul(dy, jnp.swapaxes(w, 1, 2), group_sizes)
+    tile = _tile_rows(x.shape[0], w.shape[0])
+    pos, tile_group = _tiles(group_sizes, x.shape[0], tile)
+    tiles = tile_group.shape[0]
+
+    def add(dw, a):  # dw[g] += x_tile^T dy_tile, in place in the loop
+        xt, dyt, g = a
+        return dw.at[g].add(jnp.matmul(xt.T, dyt, preferred_element_type=jnp.float32)), None
+
+    dw, _ = jax.lax.scan(add, jnp.zeros(w.shape, jnp.float32),
+                         (_to_tiles(x, pos, tiles, tile), _to_tiles(dy, pos, tiles, tile), tile_group))
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 

@@ -76,13 +76,20 @@ def devices(name: str, count: int) -> list:
                                              topology=f"1x1x{count}").devices)
 
 
+# XLA:GPU sorts 32,768 keys or more with CUB, whose scratch size it asks the GPU for (jaxlib 0.10.2 has no
+# deviceless data for it: cudaErrorInvalidDevice, e.g. the experts' sort of a micro batch's token copies); without
+# a GPU, XLA's own sort
+DEVICELESS = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"}
+
+
 def compiler_options(environ: Mapping[str, str] | None = None) -> dict[str, bool | int | str]:
-    """The XLA flags a CUDA run of ``python -m jaxllm.train`` gets from :mod:`jaxllm.platform.gpu_env`, as
-    ``compile(compiler_options=...)`` takes them: ``{flag without --: bool, int or text}``, less those the
-    user's ``XLA_FLAGS`` (in ``environ``, default ``os.environ``) sets, whose values XLA reads from there."""
+    """The XLA flags a CUDA run of ``python -m jaxllm.train`` gets from :mod:`jaxllm.platform.gpu_env` and
+    :data:`DEVICELESS`, as ``compile(compiler_options=...)`` takes them: ``{flag without --: bool, int or text}``,
+    less those the user's ``XLA_FLAGS`` (in ``environ``, default ``os.environ``) sets, whose values XLA reads."""
     given = gpu_env.flag_names((os.environ if environ is None else environ).get("XLA_FLAGS", ""))
     typed = lambda v: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v)  # noqa: E731
-    return {s.name[2:]: typed(s.value) for s in gpu_env.settings_for("cuda") if s.is_flag and s.name not in given}
+    options = {**DEVICELESS, **{s.name[2:]: typed(s.value) for s in gpu_env.settings_for("cuda") if s.is_flag}}
+    return {k: v for k, v in options.items() if f"--{k}" not in given}
 
 
 class Count(NamedTuple):
