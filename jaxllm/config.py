@@ -349,12 +349,20 @@ class Mesh(Section):
     tensor: int = 1
     sequence: int = 1
     expert: int = 1  # the experts' weights split over it (Megatron's --expert-model-parallel-size), batch too
+    # the experts' hidden dimension split over this many of the tensor devices (Megatron's
+    # --expert-tensor-parallel-size): 0, all of them (mesh.tensor x mesh.dcn_tensor); 1, none: the tensor devices
+    # then hold other experts and take their share of the tokens, as expert-parallel ones (jaxllm.parallel.experts)
+    expert_tensor: int = _key(0, ">=0")
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_expert: int = 1
     dcn_pipeline: int = 1
     dcn_tensor: int = 1
     dcn_sequence: int = 1
+
+    def devices(self) -> dict[str, int]:
+        """Devices along each axis, ``AXIS`` and ``dcn_AXIS`` (the keys but ``expert_tensor``)."""
+        return {k: v for k, v in self.to_dict().items() if k != "expert_tensor"}
 
 
 @dataclasses.dataclass
@@ -497,7 +505,8 @@ MEGATRON_NAMES = {
     "sequence_parallel": "parallel.megatron_sp", "zero_stage": "parallel.zero_stage",
     "num_layers_per_virtual_pipeline_stage": "parallel.pipeline_virtual_stages (virtual stages per device)",
     "virtual_pipeline_model_parallel_size": "parallel.pipeline_virtual_stages",
-    "expert_model_parallel_size": "mesh.expert", "moe_grouped_gemm": "nothing: the experts are always grouped "
+    "expert_model_parallel_size": "mesh.expert", "expert_tensor_parallel_size": "mesh.expert_tensor",
+    "moe_grouped_gemm": "nothing: the experts are always grouped "
     "matmuls",
 }
 

@@ -165,7 +165,7 @@ def mesh_shape(mesh: Mesh, num_devices: int) -> dict[str, int]:
 def _mesh_error(mesh: Mesh, num_devices: int, shape: dict[str, int]) -> ConfigError:
     """Why the mesh does not cover ``num_devices`` and what to set: the axis to change when it is one."""
     fill = [a for a in MESH_AXES if getattr(mesh, a) == -1]
-    fixed = {k: v for k, v in mesh.to_dict().items() if v not in (1, -1)}
+    fixed = {k: v for k, v in mesh.devices().items() if v not in (1, -1)}
     product = math.prod(fixed.values())
     named = " x ".join(f"mesh.{k}={v}" for k, v in fixed.items())
     divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
@@ -413,7 +413,7 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
         _check_data_files(cfg.data)
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
     if num_devices is None:
-        num_devices = math.prod(abs(n) for n in mesh.to_dict().values())
+        num_devices = math.prod(abs(n) for n in mesh.devices().values())
     shape = mesh_shape(mesh, num_devices)
     if math.prod(shape.values()) != num_devices:
         raise _mesh_error(mesh, num_devices, shape)
@@ -422,11 +422,16 @@ def resolve(spec: Config, *, num_devices: int | None, vocab_size: int | None = N
             setattr(mesh, a, shape[a] // getattr(mesh, f"dcn_{a}"))
     if cfg.parallel.sequence_impl == "usp" and not cfg.parallel.ulysses_degree:
         cfg.parallel.ulysses_degree = mesh.sequence  # the all-to-all inside a node, the ring across nodes
+    if mesh.expert_tensor not in (0, 1, shape["tensor"]):
+        raise ConfigError("mesh.expert_tensor", mesh.expert_tensor,
+                          f"the experts split over all {shape['tensor']} tensor devices (0 or {shape['tensor']}) or "
+                          "none (1), not a part of them (that would split the tensor mesh axis in two): set 0 or 1")
     if m.num_experts:  # "auto" decided once, for the mesh and the micro batch (experts.choose)
-        split = lambda names: math.prod(shape[a] for a in sharding.RULES[names])  # noqa: E731
+        table = sharding.rules(cfg)
+        split = lambda names: math.prod(shape[a] for a in table[names])  # noqa: E731
         micro_tokens = t.micro_batch_size * split("batch") * t.seq_length
         m.moe_token_dispatcher_type = experts.choose(
-            m.moe_token_dispatcher_type, tokens=micro_tokens // (split("batch") * split("length")),
+            m.moe_token_dispatcher_type, tokens=micro_tokens // (split("batch") * split("expert_length")),
             micro_tokens=micro_tokens, experts=m.num_experts, expert_size=split("experts"), topk=m.moe_router_topk,
             capacity_factor=m.moe_capacity_factor)
     cfg.model = m = resolve_model(m, seq_length=t.seq_length, vocab_size=vocab_size, tensor=shape["tensor"],

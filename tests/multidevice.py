@@ -109,7 +109,7 @@ def run_layout(layout, batches, doc_batches):
     restore_on = layout.pop("restore_on", None)  # a mesh: the trained state saved, then restored on it
     for section, values in layout.items():
         getattr(cfg, section).update(**values)
-    sizes = list(cfg.mesh.to_dict().values())
+    sizes = list(cfg.mesh.devices().values())
     n = 8 if -1 in sizes else int(np.prod(sizes))
     cfg = resolve(cfg, num_devices=n)
     run = Run(cfg, devices=jax.devices()[:n])

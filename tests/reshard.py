@@ -53,7 +53,7 @@ def same(a, b) -> bool:
 def main():
     workdir, layouts = sys.argv[1], json.loads(sys.argv[2])
     saved_cfg = checkpoint.load_config(workdir)
-    saved_mesh = {a: n for a, n in saved_cfg.mesh.to_dict().items() if n != 1}
+    saved_mesh = {a: n for a, n in saved_cfg.mesh.devices().items() if n != 1}
     reference, _, _ = restore(saved_cfg, workdir, saved_mesh)
     reference = jax.device_get(reference)
     results = {"saved_mesh": saved_mesh, "step": int(reference["step"])}

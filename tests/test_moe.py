@@ -60,6 +60,9 @@ LAYOUTS = {
     "expert2_pipeline2_data2_1f1b_alltoall": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, A2A,
                                                     pipeline_schedule="1f1b"),
     "expert4_data2_alltoall_capacity": layout({"expert": 4, "data": 2}, 1, {**A2A, "moe_capacity_factor": 1.0}),
+    # mesh.expert_tensor=1: whole experts over expert x tensor, each tensor device dispatching half its tokens
+    "expert2_tensor2_data2_etp1": layout({"expert": 2, "tensor": 2, "data": 2, "expert_tensor": 1}, 2),
+    "expert2_tensor2_data2_etp1_alltoall": layout({"expert": 2, "tensor": 2, "data": 2, "expert_tensor": 1}, 2, A2A),
 }
 REFERENCE = {"swiglu": "single_swiglu", "capacity": "single_capacity", "experts8": "single_experts8"}
 
@@ -406,3 +409,67 @@ def test_auto_dispatcher_sends_fewer_rows(factor, expected):
     rows = {d: experts.dispatch_rows(d, tokens=16, micro_tokens=128, experts=64, expert_size=8, topk=2,
                                      capacity_factor=factor) for d in ("allgather", "alltoall")}
     assert rows == {"allgather": 7 * 16, "alltoall": 7 * {0.0: 32, 0.5: 16, 0.25: 8}[factor]}
+
+
+EXPERT_TENSOR = """
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+import jax.numpy as jnp
+from jaxllm import config
+from jaxllm.model import gpt, layers, moe
+from jaxllm.parallel import experts, sharding
+from jaxllm.resolve import resolve
+
+out = {}
+x, w = jnp.ones((8, 8, 32)), jnp.ones((8, 8, 2))  # 8 rows of 8 tokens, top-2 of 8 experts of hidden 48
+ids = jax.random.randint(jax.random.key(0), (8, 8, 2), 0, 8)
+w1, w2 = jnp.ones((8, 32, 48)), jnp.ones((8, 48, 32))
+op = lambda f: jax.jit(lambda x, w1, w2: f(x, ids, w, w1, None, w2, None, None, activation=layers.gelu,  # noqa: E731
+                                                dtype=jnp.float32))
+out["single"] = op(moe.local_experts).lower(x, w1, w2).compile().cost_analysis()["flops"]
+for etp in (0, 1):
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, num_experts=8,
+                   moe_ffn_hidden_size=48)
+    c.train.update(seq_length=8, micro_batch_size=1, global_batch_size=8)
+    c.mesh.update(expert=2, tensor=2, data=2, expert_tensor=etp)
+    cfg = resolve(c, num_devices=8)
+    mesh = sharding.make_mesh(cfg)
+    w1_sharding = sharding.param_shardings(cfg, gpt.describe(cfg.model).axes, mesh)["layers"]["mlp"]["w1"]
+    layout = sharding.Layout(mesh, sharding.rules(cfg))
+    out[etp] = {"w1_shard": w1_sharding.shard_shape((2, 8, 32, 48)),  # [layers, experts, embed, expert_mlp]
+                **{d: op(experts.Experts(layout, d)).lower(x, w1, w2).compile().cost_analysis()["flops"]
+                   for d in ("allgather", "alltoall")}}
+print(json.dumps(out))
+"""
+
+
+def test_expert_tensor_1_holds_whole_experts_and_shares_the_tokens():
+    """mesh.expert_tensor=1 on expert 2 x tensor 2 x data 2 (8 experts of hidden 48): each device holds 2 whole
+    experts (experts over expert x tensor, hidden 48 unsplit) where the default splits 4 experts' hidden over
+    tensor; and the compiled experts operation's FLOPs per device, either dispatcher, are an eighth of one device's
+    (within 5% for routing and sorting): the tensor devices do not repeat each other's expert work."""
+    r = subprocess.run([sys.executable, "-c", EXPERT_TENSOR], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["0"]["w1_shard"] == [2, 4, 32, 24] and out["1"]["w1_shard"] == [2, 2, 32, 48]
+    for etp in ("0", "1"):
+        for d in ("allgather", "alltoall"):
+            assert out[etp][d] == pytest.approx(out["single"] / 8, rel=0.05), (etp, d)
+
+
+@pytest.mark.parametrize("mesh, extra, key", [
+    ({"tensor": 4, "data": 2, "expert_tensor": 2}, {}, "mesh.expert_tensor"),  # a part of tensor: not built
+    ({"expert": 4, "tensor": 2, "expert_tensor": 1}, {}, "model.num_experts"),  # 4 experts over 8 devices
+    ({"tensor": 2, "sequence": 4, "expert_tensor": 1}, {}, "train.seq_length")])  # 4 tokens over 8 devices
+def test_expert_tensor_config_errors(mesh, extra, key):
+    """One line naming the key, before anything compiles."""
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **{**MOE, **extra})
+    c.train.update(seq_length=4, micro_batch_size=1, global_batch_size=8)
+    c.mesh.update(**mesh)
+    with pytest.raises(ConfigError) as e:
+        resolve(c, num_devices=8, vocab_size=64)
+    assert e.value.key == key

@@ -496,6 +496,7 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
         "expert_embed": (cfg.hidden_size, "model.hidden_size"),
         "expert_mlp": (cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size"),
         "length": (seq_length, "train.seq_length"),
+        "expert_length": (seq_length, "train.seq_length"),
         "residual": (seq_length, "train.seq_length"),
     }
 

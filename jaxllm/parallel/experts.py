@@ -1,11 +1,14 @@
 """Expert parallelism: a mixture of experts' tokens brought to their experts' devices and back.
 
 The ``experts`` operation of :class:`jaxllm.model.gpt.Ops` on a mesh.  It runs under ``jax.shard_map``, manual
-over every mesh axis, with specs from the rules table: each device routes its own tokens (batch over the
-data axes, length over the sequence axes) and holds the experts of its ``expert`` shard, split over
+over every mesh axis, with specs from the rules table: each device dispatches its own tokens (batch over the
+data axes, ``expert_length`` over the sequence axes) and holds the experts of its ``expert`` shard, split over
 ``tensor`` along their hidden dimension (column- then row-parallel, as the dense MLP; the partial outputs are
-summed over ``tensor``).  Two of Megatron-LM's token dispatchers (``model.moe_token_dispatcher_type``,
-``megatron/core/transformer/moe/token_dispatcher.py``):
+summed over ``tensor``).  With ``mesh.expert_tensor=1`` (Megatron-LM's expert tensor-parallel size 1, its "MoE
+parallel folding") the tensor devices, which hold the same tokens, each dispatch their share of them
+(``expert_length`` also over ``tensor``) and hold whole experts (``experts`` over ``expert`` x ``tensor``, the
+group the dispatchers below run over), so no expert's work is repeated on them.  Two of Megatron-LM's token
+dispatchers (``model.moe_token_dispatcher_type``, ``megatron/core/transformer/moe/token_dispatcher.py``):
 
 ``allgather``
   1. the tokens and their routing are all-gathered over the ``expert`` axes (each device of an expert group
@@ -94,7 +97,8 @@ class Experts:
             return moe.local_experts(x, ids, weights, w1, wg, w2, b1, b2, activation=activation, dtype=dtype)
         ep, tp = _axis(layout.mesh_axes("experts")), _axis(layout.mesh_axes("expert_mlp"))
         n_ep, n_tp = layout.size("experts"), layout.size("expert_mlp")
-        tokens = layout.spec(("batch", "length", None))
+        tokens = layout.spec(("batch", "expert_length", None))  # with expert_tensor=1 a share of the tensor
+        # group's tokens, whose replicas on the other tensor devices are the others' shares (sharding.rules)
         w_in, w_out = layout.spec(("experts", None, "expert_mlp")), layout.spec(("experts", "expert_mlp", None))
         b_in, b_out = layout.spec(("experts", "expert_mlp")), layout.spec(("experts", None))
         capacity = moe.capacity(x.shape[0] * x.shape[1], w1.shape[0], ids.shape[-1], self.capacity_factor)

@@ -3,7 +3,8 @@
 The model names logical axes only.  Weights: ``vocab``, ``embed``, ``heads``,
 ``kv_heads``, ``head_dim``, ``mlp``, ``layers``, multi-head latent attention's ``q_lora`` and
 ``kv_lora``, and a mixture of experts' ``experts``, ``expert_embed``, ``expert_mlp``.  Activations:
-``batch``, ``length`` (the sequence inside attention and MLP), ``residual`` (the sequence of the residual
+``batch``, ``length`` (the sequence inside attention and MLP), ``expert_length`` (the sequence of the
+tokens dispatched to a mixture of experts), ``residual`` (the sequence of the residual
 stream between blocks), ``act_embed``, the head and MLP axes as for weights, and
 ``stage`` (the pipeline stages, see :mod:`jaxllm.parallel.pipeline`).  :data:`RULES` says which
 mesh axes each one is split over, and every sharding of the program (parameters,
@@ -16,7 +17,9 @@ Parallelism this gives, under XLA's SPMD partitioner (GSPMD):
 * expert parallelism (Lepikhin et al. 2021, GShard; Megatron-LM's expert model parallelism): a mixture
   of experts' ``experts`` dimension over ``expert``, whose devices also split the batch as data-parallel
   ones do (the other weights are replicas there); tokens reach their experts' devices in
-  :mod:`jaxllm.parallel.experts`;
+  :mod:`jaxllm.parallel.experts`, each device dispatching its ``(batch, expert_length)`` tokens; the
+  experts' ``expert_mlp`` over ``tensor``, or, with ``mesh.expert_tensor=1``, ``experts`` over ``expert`` x
+  ``tensor`` and ``expert_length`` over ``sequence`` x ``tensor`` (:func:`rules`);
 * pipeline parallelism: ``layers`` (so each stage holds its own layers) and
   ``stage`` over ``pipeline`` (:mod:`jaxllm.parallel.pipeline`);
 * ZeRO (Rajbhandari et al. 2020): stage 1 splits the optimizer state's
@@ -78,6 +81,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # activations (heads, kv_heads, head_dim, mlp and vocab as for weights)
     "batch": ("data", "fsdp", "expert"),
     "length": ("sequence",),
+    "expert_length": ("sequence",),  # the sequence of the tokens a mixture of experts' devices dispatch
     "residual": ("sequence",),
     "act_embed": (),
     "stage": ("pipeline",),
@@ -92,7 +96,11 @@ def rules(cfg, *, zero: bool = False, replica: bool = False) -> dict[str, tuple[
     """:data:`RULES` as ``cfg`` configures it.
 
     Args:
-      cfg: the run config (``parallel.megatron_sp`` adds ``tensor`` to ``residual``).
+      cfg: the run config (``parallel.megatron_sp`` adds ``tensor`` to ``residual``; ``mesh.expert_tensor=1``
+        folds ``tensor`` into the experts' parallelism, Megatron-LM's expert tensor-parallel size 1: ``experts``
+        over ``expert`` x ``tensor``, ``expert_mlp`` over nothing, and the dispatched tokens' ``expert_length``
+        over ``sequence`` x ``tensor``: each tensor device dispatches ``1 / tensor`` of the tokens its tensor
+        group holds alike, to whole experts).
       zero: the table for ZeRO-partitioned arrays: ``embed`` also over every axis whose devices hold
         replicas of the same weights (``batch``'s and ``length``'s: data, expert, sequence; pipeline and
         tensor hold other weights), an expert's ``expert_embed`` over those but ``experts``' own (data,
@@ -104,9 +112,11 @@ def rules(cfg, *, zero: bool = False, replica: bool = False) -> dict[str, tuple[
     table = dict(RULES)
     if cfg.parallel.megatron_sp:
         table["residual"] = ("sequence", "tensor")
+    if cfg.mesh.expert_tensor == 1:  # Megatron-LM's MoE parallel folding: tensor joins expert for the experts
+        table.update(experts=("expert", "tensor"), expert_mlp=(), expert_length=("sequence", "tensor"))
     if zero:
         replicas = RULES["batch"] + RULES["length"]
-        for name, taken in (("embed", ()), ("expert_embed", RULES["experts"])):
+        for name, taken in (("embed", ()), ("expert_embed", table["experts"])):
             table[name] = RULES[name] + tuple(a for a in replicas if a not in RULES[name] + taken)
     if replica:
         table["batch"] = tuple(a for a in table["batch"] if a != "data")
