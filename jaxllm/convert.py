@@ -52,7 +52,6 @@ pickle-based weights are refused unread.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -240,7 +239,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
                            f"config.json", keys=("train.seq_length",))
     # The checkpoint fits any mesh: check the config on the devices its mesh names (a -1 axis as 1),
     # whatever this machine has.
-    cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in dataclasses.asdict(given.mesh).values()))
+    cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in given.mesh.devices().values()))
     return given, cfg, params_from_hf(arch, cfg.model, read_safetensors(directory))
 
 
