@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                      # seq 1k..32k, every impl available here
     python benchmarks/attention.py --seqs 256 --impls xla --heads 2   # a CPU smoke run
+    python benchmarks/attention.py --tune --seqs 16384 --output=tune.jsonl  # the Pallas kernel's tiles (GPU)
 
 FLOPs are counted, not measured: forward = 4 * batch * seq^2 * heads * head_dim (two
 matmuls of 2 * seq^2 * head_dim each), halved when causal; backward = 2.5 x forward
@@ -18,7 +19,15 @@ Prints one Markdown table; a case that fails (out of memory, unsupported) shows 
 in its row instead of numbers.  ``--output=FILE.jsonl`` also appends one JSON record per case
 (``date``, ``device``, versions, the shape, ``impl``, ``seq``, ``fwd_tflops``,
 ``fwd_bwd_tflops``, times, memory, ``command``): the records docs/performance.md's tables
-come from (committed under ``benchmarks/results/``).
+come from (committed under ``benchmarks/results/``).  ``bwd_tflops`` is the backward alone:
+2.5 x forward FLOPs over (forward+backward time - forward time).
+
+``--tune`` sweeps the Pallas kernel's tiles and launch parameters (``jaxllm_kernels.pallas_flash.BlockSizes``)
+at each ``--seqs`` for ``--head-dim``: first the forward's (:data:`FWD_GRID`, timed forward only), then, with
+the best forward, the backward's (:data:`BWD_GRID`, timed forward+backward); a candidate that does not
+compile (too much shared memory) is recorded with its error.  One record per candidate (``block_sizes``,
+``tune``: ``"fwd"`` or ``"bwd"``), and the best as the ``BlockSizes(...)`` of ``DEFAULT_BLOCK_SIZES``'s entry for
+this GPU family (``kernels/pallas_attention.py``) printed last.
 """
 
 from __future__ import annotations
@@ -33,6 +42,13 @@ import time
 import jax
 import jax.extend
 import jax.numpy as jnp
+
+# --tune's candidates: forward (block_q, block_k, num_warps, num_stages); backward (the dK/dV kernel's
+# block_q_dkv, block_k_dkv, the dQ kernel's tiles the same two transposed, num_warps_bwd, num_stages_bwd)
+FWD_GRID = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+            for bq in (64, 128) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+BWD_GRID = [dict(block_q_dkv=bq, block_k_dkv=bk, block_q_dq=bk, block_k_dq=bq, num_warps_bwd=w, num_stages_bwd=st)
+            for bq in (32, 64) for bk in (64, 128) for w in (4, 8) for st in (2, 3)]
 
 
 def _parse():
@@ -52,6 +68,7 @@ def _parse():
     p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                    help="one subprocess per case for a clean device peak (auto: yes on GPUs)")
     p.add_argument("--output", default="", help="JSONL file: one record per case is appended")
+    p.add_argument("--tune", action="store_true", help="sweep the Pallas kernel's tiles (FWD_GRID, then BWD_GRID)")
     p.add_argument("--_case", default="", help=argparse.SUPPRESS)  # "impl,seq": child mode, prints JSON
     return p.parse_args()
 
@@ -83,9 +100,16 @@ def _peak_bytes():
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def run_case(impl, seq, a):
-    """Measure one (impl, seq) case; returns a dict of results (or ``error``)."""
+def run_case(impl, seq, a, block_sizes=None, fwd_only=False):
+    """Measure one (impl, seq) case; returns a dict of results (or ``error``).  ``block_sizes``: the Pallas
+    kernel's (``impl`` must be ``"pallas"``); ``fwd_only``: no forward+backward timing."""
     from jaxllm.model.attention import attention
+
+    if block_sizes is not None:
+        from jaxllm_kernels import pallas_attention
+
+        def attention(q, k, v, impl, **kw):  # noqa: F811 - the same call with the tiles given
+            return pallas_attention.flash_attention(q, k, v, block_sizes=block_sizes, **kw)
 
     kvh = a.kv_heads or a.heads
     dtype = jnp.dtype(a.dtype)
@@ -104,6 +128,8 @@ def run_case(impl, seq, a):
     res = {"impl": impl, "seq": seq}
     try:
         res["fwd_s"] = _time(fwd, (q, k, v), a.iters, a.warmup)
+        if fwd_only:
+            return res
         res["fwd_bwd_s"] = _time(fwd_bwd, (q, k, v), a.iters, a.warmup)
         try:
             ma = fwd_bwd.lower(q, k, v).compile().memory_analysis()
@@ -163,7 +189,10 @@ def record(r, a) -> dict:
            "command": shlex.join(["python", "benchmarks/attention.py", *sys.argv[1:]])}
     if "error" not in r:
         f_fwd, f_all = flops(a.batch, r["seq"], a.heads, a.head_dim, a.causal)
-        out.update(fwd_tflops=f_fwd / r["fwd_s"] / 1e12, fwd_bwd_tflops=f_all / r["fwd_bwd_s"] / 1e12)
+        out["fwd_tflops"] = f_fwd / r["fwd_s"] / 1e12
+        if "fwd_bwd_s" in r:
+            out["fwd_bwd_tflops"] = f_all / r["fwd_bwd_s"] / 1e12
+            out["bwd_tflops"] = (f_all - f_fwd) / (r["fwd_bwd_s"] - r["fwd_s"]) / 1e12
     return out
 
 
@@ -190,8 +219,49 @@ def table(results, a):
     return "\n".join(lines)
 
 
+def _sweep(a, seq, grid, start, stage, records):
+    """Time ``start`` changed by each of ``grid`` (``stage``: ``"fwd"`` forward only, ``"bwd"`` forward+backward),
+    append each candidate's record to ``records``; the fastest BlockSizes."""
+    import dataclasses
+
+    timed = []
+    key = "fwd_s" if stage == "fwd" else "fwd_bwd_s"
+    for change in grid:
+        bs = dataclasses.replace(start, **change)
+        r = run_case("pallas", seq, a, block_sizes=bs, fwd_only=stage == "fwd")
+        records.append(record({**r, "tune": stage, "block_sizes": dataclasses.asdict(bs)}, a))
+        if "error" not in r:
+            timed.append((r[key], bs))
+        print(f"  {stage} seq={seq} {change}: {r.get('error') or r[key]}", file=sys.stderr, flush=True)
+    if not timed:
+        sys.exit(f"error: no {stage} candidate ran at seq={seq}: {records[-1].get('error')}")
+    return min(timed, key=lambda t: t[0])[1]
+
+
+def tune(a) -> list:
+    """``--tune`` (module docstring): the records of every candidate at every ``--seqs``; prints the best."""
+    import dataclasses
+
+    from jaxllm_kernels import pallas_attention
+
+    family = pallas_attention.gpu_family()
+    base = pallas_attention.default_block_sizes(family, a.head_dim)
+    records = []
+    for seq in [int(s) for s in a.seqs.split(",") if s]:
+        best = _sweep(a, seq, BWD_GRID, _sweep(a, seq, FWD_GRID, base, "fwd", records), "bwd", records)
+        fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(best).items())
+        print(f"{family} head_dim={a.head_dim} seq={seq}: BlockSizes({fields})  (default: {base})")
+    return records
+
+
 def main():
     a = _parse()
+    if a.tune:
+        records = tune(a)
+        if a.output:
+            with open(a.output, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        return
     if a._case:
         impl, seq = a._case.split(",")
         print(json.dumps(run_case(impl, int(seq), a)))

@@ -453,3 +453,23 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert rec["fwd_tflops"] == pytest.approx(fwd / rec["fwd_s"] / 1e12)
     assert rec["fwd_bwd_tflops"] == pytest.approx(total / rec["fwd_bwd_s"] / 1e12)
     assert f"{rec['fwd_tflops']:.2f}" in row[0] and rec["command"].startswith("python benchmarks/attention.py")
+
+
+def test_benchmark_tunes_the_pallas_tiles(monkeypatch, capsys):
+    """``--tune`` (interpret mode here, two candidates a stage, one of them not a tile the kernel takes): each
+    candidate's record with its tiles, the broken one with its error, and the fastest printed."""
+    mod = _bench_module()
+    monkeypatch.setattr(mod, "FWD_GRID", [dict(block_q=48), dict(block_q=64, block_k=64)])
+    monkeypatch.setattr(mod, "BWD_GRID", [dict(block_q_dkv=32, block_k_dkv=64), dict(block_q_dkv=64, block_k_dkv=64)])
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--tune", "--seqs", "128", "--heads", "2", "--iters", "1",
+                                      "--warmup", "0"])
+    records = mod.tune(mod._parse())
+    assert [r["tune"] for r in records] == ["fwd", "fwd", "bwd", "bwd"]
+    assert "power of two" in records[0]["error"] and "fwd_tflops" not in records[0]
+    assert records[1]["block_sizes"]["block_q"] == 64 and "fwd_bwd_tflops" not in records[1]
+    for r in records[2:]:  # the backward candidates start from the forward's only working one
+        assert (r["block_sizes"]["block_q"], r["block_sizes"]["block_k"]) == (64, 64)
+        assert r["bwd_tflops"] == pytest.approx(2.5 * r["fwd_tflops"] * r["fwd_s"] / (r["fwd_bwd_s"] - r["fwd_s"]))
+    best = min(records[2:], key=lambda r: r["fwd_bwd_s"])["block_sizes"]
+    assert f"interpret head_dim=128 seq=128: BlockSizes(block_q=64, block_k=64, block_q_dkv={best['block_q_dkv']}" \
+        in capsys.readouterr().out
