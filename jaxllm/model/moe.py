@@ -37,10 +37,11 @@ def _tile_rows(rows: int, groups: int) -> int:
 def _tiles(group_sizes, rows: int, tile: int):
     """The tiled layout of ``rows`` rows sorted by group: each group's rows from the start of a tile of its own.
 
-    Returns ``(pos, tile_group)``: int32 ``[rows]``, each row's place among the ``tiles x tile`` tiled rows
+    Returns ``(pos, tile_group, used)``: int32 ``[rows]``, each row's place among the ``tiles x tile`` tiled rows
     (``tiles x tile``, out of range, for the rows past ``sum(group_sizes)``); int32 ``[tiles]``, each tile's group
-    (the last group for the empty tiles at the end).  ``tiles`` is ``ceil(rows / tile) + groups``, static: a group
-    of ``s`` rows fills ``ceil(s / tile)`` tiles, at most ``s / tile + 1``."""
+    (the last group for the empty tiles at the end); int32 scalar, the tiles the groups fill (the first ``used``).
+    ``tiles`` is ``ceil(rows / tile) + groups``, static: a group of ``s`` rows fills ``ceil(s / tile)`` tiles, at
+    most ``s / tile + 1``."""
     groups = group_sizes.shape[0]
     tiles = -(-rows // tile) + groups
     tile_end = jnp.cumsum(-(-group_sizes // tile))
@@ -51,7 +52,7 @@ def _tiles(group_sizes, rows: int, tile: int):
     gc = jnp.minimum(g, groups - 1)
     pos = jnp.where(g < groups, tile_start[gc] * tile + row - (row_end[gc] - group_sizes[gc]), tiles * tile)
     tile_group = jnp.searchsorted(tile_end, jnp.arange(tiles, dtype=tile_end.dtype), side="right")
-    return pos.astype(jnp.int32), jnp.minimum(tile_group, groups - 1).astype(jnp.int32)
+    return pos.astype(jnp.int32), jnp.minimum(tile_group, groups - 1).astype(jnp.int32), tile_end[-1].astype(jnp.int32)
 
 
 def _to_tiles(x, pos, tiles: int, tile: int):
@@ -61,13 +62,18 @@ def _to_tiles(x, pos, tiles: int, tile: int):
 
 
 def _tiled_matmul(x, w, group_sizes):
-    """:func:`grouped_matmul`'s value: one ``[tile, in] x [in, out]`` matmul per tile, float32 accumulation."""
+    """:func:`grouped_matmul`'s value: one ``[tile, in] x [in, out]`` matmul per filled tile (a loop of as many
+    steps as the groups fill: the rows past the groups, another device's experts' copies, cost nothing), float32
+    accumulation."""
     tile = _tile_rows(x.shape[0], w.shape[0])
-    pos, tile_group = _tiles(group_sizes, x.shape[0], tile)
+    pos, tile_group, used = _tiles(group_sizes, x.shape[0], tile)
     xt = _to_tiles(x, pos, tile_group.shape[0], tile)
     dtype = jnp.result_type(x, w)
-    yt = jax.lax.map(lambda a: jnp.matmul(a[0], w[a[1]], preferred_element_type=jnp.float32).astype(dtype),
-                     (xt, tile_group))
+
+    def one(i, yt):
+        return yt.at[i].set(jnp.matmul(xt[i], w[tile_group[i]], preferred_element_type=jnp.float32).astype(dtype))
+
+    yt = jax.lax.fori_loop(0, used, one, jnp.zeros((*xt.shape[:2], w.shape[2]), dtype))
     return yt.reshape(-1, w.shape[2]).at[pos].get(mode="fill", fill_value=0)
 
 
@@ -96,15 +102,14 @@ def _grouped_matmul_bwd(res, dy):
     x, w, group_sizes = res
     dx = _tiled_matmul(dy, jnp.swapaxes(w, 1, 2), group_sizes)
     tile = _tile_rows(x.shape[0], w.shape[0])
-    pos, tile_group = _tiles(group_sizes, x.shape[0], tile)
+    pos, tile_group, used = _tiles(group_sizes, x.shape[0], tile)
     tiles = tile_group.shape[0]
+    xt, dyt = _to_tiles(x, pos, tiles, tile), _to_tiles(dy, pos, tiles, tile)
 
-    def add(dw, a):  # dw[g] += x_tile^T dy_tile, in place in the loop
-        xt, dyt, g = a
-        return dw.at[g].add(jnp.matmul(xt.T, dyt, preferred_element_type=jnp.float32)), None
+    def add(i, dw):  # dw[g] += x_tile^T dy_tile over the filled tiles, in place in the loop
+        return dw.at[tile_group[i]].add(jnp.matmul(xt[i].T, dyt[i], preferred_element_type=jnp.float32))
 
-    dw, _ = jax.lax.scan(add, jnp.zeros(w.shape, jnp.float32),
-                         (_to_tiles(x, pos, tiles, tile), _to_tiles(dy, pos, tiles, tile), tile_group))
+    dw = jax.lax.fori_loop(0, used, add, jnp.zeros(w.shape, jnp.float32))
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
