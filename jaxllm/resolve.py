@@ -263,7 +263,7 @@ def _check_documents(cfg: Resolved) -> None:
     bound, seq = cfg.data.max_documents_per_sample, cfg.train.seq_length
     if bound > seq:
         raise ConfigError("data.max_documents_per_sample", bound, f"a sample of train.seq_length={seq} tokens holds "
-                          f"at most {seq} documents; set it to <= {seq} (0: {seq})")
+                          f"at most {seq} documents; set it to <= {seq} (0: no bound)")
     on = [key for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg.data, key)]
     if on and cfg.stages > 1:
         raise ConfigError(f"data.{on[0]}", True, f"not supported with pipeline parallelism yet (mesh.pipeline over "

@@ -325,7 +325,8 @@ def documents(inputs: np.ndarray, eod_id: int | None, options) -> dict:
         most = int(arrays["segment_ids"][:, -1].max()) + 1  # a row's ids count its documents from 0
         if most > bound:
             raise DataError(f"a sample holds {most} documents, more than data.max_documents_per_sample={bound} "
-                            f"(the bound of cuDNN's packed attention); raise it, or set it to 0 (seq_length)")
+                            f"(the bound of cuDNN's packed attention); raise it, or set it to 0 (no bound: the "
+                            f"Pallas kernel)")
     return {name: np.ascontiguousarray(arrays[name]) for name in wanted}
 
 
