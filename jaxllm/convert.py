@@ -1,11 +1,18 @@
-"""Hugging Face conversion: jaxllm workdirs <-> ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+"""Conversion: jaxllm workdirs <-> Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``DeepseekV3ForCausalLM`` directories.
+``DeepseekV3ForCausalLM`` directories, and <-> Megatron-LM ``torch_dist`` checkpoints with their optimizer state.
 
 CLI::
 
     python -m jaxllm.convert --to-hf WORKDIR OUT [--step N]
     python -m jaxllm.convert --from-hf DIR WORKDIR [--config.SECTION.KEY=VALUE ...]
+    python -m jaxllm.convert --to-megatron WORKDIR OUT [--step N]
+    python -m jaxllm.convert --from-megatron DIR WORKDIR [--iteration N] [--config.SECTION.KEY=VALUE ...]
+
+``--to-megatron`` / ``--from-megatron`` (:func:`export_megatron`, :func:`import_megatron`; docs/checkpoints.md,
+"Moving a Megatron run"): a run's parameters, Adam's moments and step, schedule and data position both ways,
+megatron-core ``GPTModel``'s names and layouts from :mod:`jaxllm.model.megatron`, the files from
+:mod:`jaxllm.runtime.torch_dist` (torch's weights-only and metadata-only unpicklers: no unrestricted pickle).
 
 ``--to-hf`` (:func:`export_workdir`) writes the latest (or ``--step``) checkpoint of a run as
 ``OUT/config.json`` + ``OUT/model.safetensors`` (float32) for
@@ -62,6 +69,7 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm import cli, config
 from jaxllm.data.tokenizers import (
@@ -76,7 +84,7 @@ from jaxllm.data.tokenizers import (
     gpt2_dir_or_packaged,
 )
 from jaxllm.errors import DataError
-from jaxllm.model import gpt
+from jaxllm.model import gpt, megatron
 from jaxllm.model.hf import (
     SAFETENSORS,
     ConvertError,
@@ -88,7 +96,7 @@ from jaxllm.model.hf import (
 )
 from jaxllm.parallel import sharding
 from jaxllm.resolve import resolve, resolve_model
-from jaxllm.runtime import checkpoint, optim, step
+from jaxllm.runtime import checkpoint, optim, step, torch_dist
 
 # Model keys --from-hf lets the user set; the others come from config.json.
 # (mtp_num_layers: modules that start fresh, jaxllm.model.hf.params_from_hf)
@@ -218,6 +226,24 @@ def _read_json(path: str) -> dict:
         return json.load(fp)
 
 
+def _refuse_used_workdir(workdir: str) -> None:
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise ConvertError(f"{ckpt_dir} already holds checkpoints: import into a new workdir")
+
+
+def _apply_overrides(given: config.Config, overrides: dict[str, str], source: str) -> None:
+    """``--config.SECTION.KEY=VALUE`` on top of an imported config: of the model keys only :data:`FREE_MODEL_KEYS`
+    (``source`` determines the others)."""
+    for key, text in overrides.items():
+        config.check_key(key, text)
+        section, _, name = key.partition(".")
+        if section == "model" and name not in FREE_MODEL_KEYS:
+            raise ConvertError(f"--config.{key}: the {source} determines it; only "
+                               f"{', '.join('model.' + k for k in FREE_MODEL_KEYS)} may be set", keys=(key,))
+        config.override(given, key, text)
+
+
 def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, config.Resolved, dict]:
     """``(config as given, resolved config, params)`` of a Hugging Face directory; see :func:`from_hf`."""
     path = os.path.join(directory, "config.json")
@@ -227,13 +253,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
     given = config.get_config()
     given.model.update(**keys)
     given.train.seq_length = positions = given.model.max_position_embeddings
-    for key, text in overrides.items():
-        config.check_key(key, text)
-        section, _, name = key.partition(".")
-        if section == "model" and name not in FREE_MODEL_KEYS:
-            raise ConvertError(f"--config.{key}: the Hugging Face config.json determines it; only "
-                               f"{', '.join('model.' + k for k in FREE_MODEL_KEYS)} may be set", keys=(key,))
-        config.override(given, key, text)
+    _apply_overrides(given, overrides, "Hugging Face config.json")
     if given.train.seq_length > positions:
         raise ConvertError(f"train.seq_length={given.train.seq_length} exceeds the {positions} positions of "
                            f"config.json", keys=("train.seq_length",))
@@ -313,8 +333,8 @@ def _find_model_tokenizer(directory: str, dest: str) -> bool:
         return False
 
 
-def _config_file_text(given: config.Config, directory: str) -> str:
-    return (f'"""The jaxllm config of the Hugging Face model imported from {os.path.abspath(directory)}\n'
+def _config_file_text(given: config.Config, directory: str, what: str = "Hugging Face model") -> str:
+    return (f'"""The jaxllm config of the {what} imported from {os.path.abspath(directory)}\n'
             f'by jaxllm.convert. Train on with:\n'
             f'    python -m jaxllm.train --config={{this file}} --workdir={{its directory}}\n'
             f'(--config.SECTION.KEY=VALUE flags still apply; leave the model section as it is)."""\n\n'
@@ -338,9 +358,7 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
     ``workdir`` already has checkpoints.
     """
     overrides = dict(overrides or {})
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        raise ConvertError(f"{ckpt_dir} already holds checkpoints: import into a new workdir")
+    _refuse_used_workdir(workdir)
     tok_dir = os.path.abspath(os.path.join(workdir, "tokenizer"))
     if "data.tokenizer" not in overrides and "data.gpt2_dir" not in overrides:
         hf_path = os.path.join(directory, "config.json")
@@ -367,7 +385,214 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
     return cfg
 
 
+# --------------------------------------------------------------------------- Megatron-LM (torch_dist)
+
+_MOMENTS = {"mu": "optimizer.state.exp_avg.", "nu": "optimizer.state.exp_avg_sq."}
+_MASTER = "optimizer.state.fp32_param."  # the distributed optimizer's float32 copies of bf16/fp16 parameters
+
+
+def _adam_step(opt, found: set) -> set:
+    """Every Adam step count in Megatron's saved optimizer state (``state.common_step`` of megatron-core's
+    FP32/Float16 optimizers, ``param_groups[*].step`` of its distributed optimizer; nested for chained ones)."""
+    if isinstance(opt, dict):
+        if "common_step" in opt:
+            found.add(int(opt["common_step"]))
+        for g in opt.get("param_groups", []) if isinstance(opt.get("param_groups"), list) else []:
+            if isinstance(g, dict) and g.get("step") is not None:
+                found.add(int(g["step"]))
+        for v in opt.values():
+            _adam_step(v, found)
+    elif isinstance(opt, (list, tuple)):
+        for v in opt:
+            _adam_step(v, found)
+    return found
+
+
+def _check_position(common: dict, args: dict, iteration: int, path: str) -> int:
+    """Adam's step count; checks that the data and schedule positions are ``iteration`` x the global batch
+    (jaxllm's positions are functions of the step).  Raises ConvertError."""
+    if common.get("iteration") != iteration:
+        raise ConvertError(f"{path}/common.pt is of iteration {common.get('iteration')}, its directory of "
+                           f"{iteration}: the checkpoint is inconsistent")
+    samples = iteration * args["global_batch_size"]
+    scheduler = common.get("opt_param_scheduler") or {}
+    for what, value in (("args.consumed_train_samples", args.get("consumed_train_samples")),
+                        ("opt_param_scheduler.num_steps", scheduler.get("num_steps"))):
+        if value is not None and int(value) != samples:
+            raise ConvertError(f"{path}/common.pt: {what} = {value} samples, not iteration {iteration} x global "
+                               f"batch {args['global_batch_size']} = {samples}: the run changed its global batch "
+                               f"(or ramped it up), and jaxllm's data and schedule positions are the step's")
+    steps = _adam_step(common.get("optimizer"), set())
+    if len(steps) > 1:
+        raise ConvertError(f"{path}/common.pt: Adam step counts {sorted(steps)} differ between parameter groups")
+    return steps.pop() if steps else iteration  # none saved: one Adam step per iteration
+
+
+def _with_adam_state(state: dict, mu: dict, nu: dict, count: int, iteration: int) -> dict:
+    """``state`` (:func:`jaxllm.runtime.step.init_state`'s, AdamW) at ``iteration`` with Adam's moments and
+    step count; the schedule's count is the iteration."""
+    import optax  # noqa: PLC0415
+
+    def put(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            return node._replace(count=jnp.asarray(count, node.count.dtype), mu=mu, nu=nu)
+        if isinstance(node, optax.ScaleByScheduleState):
+            return node._replace(count=jnp.asarray(iteration, node.count.dtype))
+        return node
+
+    leaf = lambda n: isinstance(n, (optax.ScaleByAdamState, optax.ScaleByScheduleState))  # noqa: E731
+    return {**state, "step": jnp.asarray(iteration, state["step"].dtype),
+            "opt_state": jax.tree.map(put, state["opt_state"], is_leaf=leaf)}
+
+
+def import_megatron(directory: str, workdir: str, iteration: int | None = None,
+                    overrides: dict[str, str] | None = None) -> tuple[config.Resolved, int, list[str]]:
+    """``--from-megatron``: Megatron-LM's ``torch_dist`` checkpoint in ``directory`` (its latest iteration, or
+    ``iteration``) as a jaxllm checkpoint of that step in ``workdir`` (which must hold none), plus
+    ``workdir/config.py``.
+
+    Float32 parameters (the distributed optimizer's ``fp32_param`` copies where saved), Adam's moments and
+    step count, the schedule at the iteration; the config is what the saved arguments say
+    (:func:`jaxllm.model.megatron.args_overrides`), then ``overrides`` (model keys: :data:`FREE_MODEL_KEYS`).
+    The next step, ``iteration`` (jaxllm counts from 0), takes samples ``iteration x global batch`` on, which
+    is Megatron-LM's next sample for the same ``--data-path``, ``--split``, ``--seed`` and ``--seq-length``.
+    Returns ``(resolved config, iteration, notes)``: the notes say which saved arguments jaxllm leaves
+    behind (:func:`jaxllm.model.megatron.notes`).  Raises ConvertError (see :mod:`jaxllm.runtime.torch_dist`) and
+    ConfigError; nothing is written to ``workdir`` then.
+    """
+    _refuse_used_workdir(workdir)
+    path, iteration = torch_dist.iteration_dir(directory, iteration)
+    common = torch_dist.read_common(path)
+    args = vars(common.get("args")) if isinstance(common.get("args"), argparse.Namespace) else None
+    if not args:
+        raise ConvertError(f"{path}/common.pt holds no Megatron-LM arguments (args): not a Megatron-LM checkpoint")
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
+                           "global_batch_size", "seq_length", "train_iters") if args.get(k) is None]
+    if missing:
+        raise ConvertError(f"{path}/common.pt: the saved arguments lack {', '.join(missing)}")
+    given = config.get_config()
+    for key, text in megatron.args_overrides(args).items():
+        config.override(given, key, text)
+    _apply_overrides(given, dict(overrides or {}), "Megatron checkpoint's arguments")
+    cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in given.mesh.devices().values()))
+    count = _check_position(common, args, iteration, path)
+    metadata = torch_dist.read_metadata(path)
+    keys = [k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")]
+    tensors = torch_dist.read_tensors(path, metadata, keys)
+    model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    master = {k[len(_MASTER):]: v for k, v in tensors.items() if k.startswith(_MASTER)}
+    params = megatron.from_megatron(cfg.model, master or model, "parameters")
+    moments = {}
+    for name, prefix in _MOMENTS.items():
+        part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not part:
+            raise ConvertError(f"{path} holds no {prefix}* tensors: saved without Adam's state (--no-save-optim), "
+                               f"or by an optimizer jaxllm does not read")
+        moments[name] = megatron.from_megatron(cfg.model, part, prefix.split(".")[-2])
+    spec = gpt.describe(cfg.model)
+    optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
+    with jax.default_device(jax.devices("cpu")[0]):
+        state = _with_adam_state(step.init_state(jax.device_put(params), optimizer), jax.device_put(moments["mu"]),
+                                 jax.device_put(moments["nu"]), count, iteration)
+    ckpt = checkpoint.Checkpointer(workdir, cfg)
+    ckpt.maybe_save(iteration, state, force=True)
+    ckpt.close()
+    with open(os.path.join(workdir, "config.py"), "w") as fp:
+        fp.write(_config_file_text(given, path, "Megatron-LM checkpoint"))
+    return cfg, iteration, megatron.notes(args)
+
+
+def megatron_args(cfg: config.Config, m: config.Model, iteration: int) -> argparse.Namespace:
+    """Megatron-LM's arguments for the run ``cfg`` (its resolved ``model`` section ``m``, one device) at
+    ``iteration``: what :func:`import_megatron` and a Megatron-LM run of the same model read."""
+    t, d = cfg.train, cfg.data
+    gelu = m.activation == "gelu"
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.head_dim, group_query_attention=True,
+        num_query_groups=m.num_kv_heads, seq_length=t.seq_length, max_position_embeddings=m.max_position_embeddings,
+        position_embedding_type="learned_absolute" if m.position_embedding == "learned" else "rope",
+        rotary_base=m.rotary_base, rotary_percent=1.0,
+        normalization="LayerNorm" if m.norm == "layernorm" else "RMSNorm",
+        norm_epsilon=m.norm_eps, swiglu=not gelu, openai_gelu=gelu, add_bias_linear=m.use_bias,
+        add_qkv_bias=m.use_bias or m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
+        untie_embeddings_and_output_weights=not m.tie_embeddings, num_experts=m.num_experts or None,
+        moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size or None,
+        moe_router_pre_softmax=m.moe_router_pre_softmax, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        padded_vocab_size=gpt.describe(m).params["wte"].shape[0], vocab_size=m.vocab_size,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, hidden_dropout=m.dropout,
+        init_method_std=m.init_std, bf16=m.dtype == "bfloat16", fp16=m.dtype == "float16",
+        optimizer="adam", decoupled_weight_decay=True, lr=t.lr, min_lr=t.min_lr, lr_decay_style=t.lr_decay_style,
+        lr_wsd_decay_style=t.lr_wsd_decay_style, lr_warmup_iters=t.warmup_iters,
+        lr_warmup_fraction=t.lr_warmup_fraction or None, lr_decay_iters=t.lr_decay_iters,
+        train_iters=t.train_iters, weight_decay=t.weight_decay, adam_beta1=t.beta1, adam_beta2=t.beta2,
+        adam_eps=t.adam_eps, clip_grad=t.grad_clip, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, seed=t.seed, data_path=d.input.split(), split=d.split,
+        log_interval=t.log_interval, eval_interval=t.eval_interval, eval_iters=t.eval_iters,
+        save_interval=cfg.checkpoint.interval,
+        consumed_train_samples=iteration * t.global_batch_size, iteration=iteration, ckpt_format="torch_dist",
+        **megatron.tokenizer_args(d))
+
+
+def export_megatron(workdir: str, out: str, at_step: int | None = None) -> int:
+    """``--to-megatron``: ``workdir``'s checkpoint (the latest, or ``at_step``) as a Megatron-LM checkpoint
+    directory ``out`` (``latest_checkpointed_iteration.txt``, ``iter_NNNNNNN/``): megatron-core ``GPTModel``'s
+    tensors (:func:`jaxllm.model.megatron.to_megatron`), Adam's moments as ``optimizer.state.exp_avg(_sq).*``
+    (megatron-core's ``optim_state_to_sharding_state`` keys) and its step as ``common_step``, the arguments
+    (:func:`megatron_args`), the schedule at the step.  Returns the iteration (the step).
+    Raises ConvertError: ``out`` holds that iteration already, the optimizer is not AdamW, or the model is not
+    one megatron-core's GPTModel holds."""
+    torch = torch_dist.require_torch()
+    cfg = checkpoint.load_config(workdir, at_step)
+    if config.OPTIMIZER_ALIASES.get(cfg.train.optimizer, cfg.train.optimizer) != "adamw":
+        raise ConvertError(f"train.optimizer={cfg.train.optimizer}: Megatron checkpoints are written with AdamW's "
+                           f"state only", keys=("train.optimizer",))
+    m = resolve_model(cfg.model, seq_length=cfg.train.seq_length)  # one tensor device: Megatron's padding at 1
+    megatron.check_representable(m)
+    spec = gpt.describe(m)
+    optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
+    abstract = jax.eval_shape(lambda p: step.init_state(p, optimizer), spec.params)
+    iteration, state = checkpoint.restore_on_host(workdir, {k: abstract[k] for k in ("params", "opt_state")},
+                                                at_step)
+    target = os.path.join(out, f"iter_{iteration:07d}")
+    if os.path.exists(target):
+        raise ConvertError(f"{target} exists: export into a new directory")
+    adam = next(n for n in jax.tree.leaves(state["opt_state"], is_leaf=lambda n: hasattr(n, "nu")) if hasattr(n, "nu"))
+    tensors = megatron.to_megatron(m, state["params"])
+    for name, tree in (("mu", adam.mu), ("nu", adam.nu)):
+        tensors.update({_MOMENTS[name] + k: v for k, v in megatron.to_megatron(m, tree).items()})
+    samples = iteration * cfg.train.global_batch_size
+    common = {"args": megatron_args(cfg, m, iteration), "checkpoint_version": 3.0, "iteration": iteration,
+              "optimizer": {"state": {"common_step": torch.tensor(float(adam.count))}},
+              "opt_param_scheduler": {"max_lr": cfg.train.lr, "min_lr": cfg.train.min_lr, "num_steps": samples,
+                                      "lr_warmup_steps": cfg.train.warmup_iters * cfg.train.global_batch_size,
+                                      "lr_decay_steps": cfg.train.lr_decay_iters * cfg.train.global_batch_size,
+                                      "lr_decay_style": cfg.train.lr_decay_style},
+              "num_floating_point_operations_so_far": 0}
+    torch_dist.write(target, common, tensors, dict.fromkeys(megatron.extra_state_keys(m)))
+    with open(os.path.join(out, torch_dist.TRACKER), "w") as fp:
+        fp.write(str(iteration))
+    return iteration
+
+
 # --------------------------------------------------------------------------- CLI
+
+
+def _megatron_main(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    if args.to_megatron:
+        workdir, out = args.to_megatron
+        iteration = export_megatron(workdir, out, args.step)
+        print(f"wrote iteration {iteration} of {workdir} to {out} (Megatron-LM torch_dist, with Adam's state)")
+        return 0
+    directory, workdir = args.from_megatron
+    cfg, iteration, notes = import_megatron(directory, workdir, args.iteration, overrides)
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr)
+    config_py = os.path.join(workdir, "config.py")
+    print(f"imported iteration {iteration} of {directory} into {workdir} (step {iteration}, "
+          f"data.input={cfg.data.input}, data.tokenizer={cfg.data.tokenizer})\n"
+          f"train on:  python -m jaxllm.train --config={config_py} --workdir={workdir}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,19 +608,30 @@ def main(argv: list[str] | None = None) -> int:
                       help="export WORKDIR's latest checkpoint to the Hugging Face directory OUT")
     mode.add_argument("--from-hf", nargs=2, metavar=("DIR", "WORKDIR"),
                       help="import the Hugging Face directory DIR as a step-0 checkpoint in WORKDIR")
-    p.add_argument("--step", type=int, default=None, help="--to-hf: the checkpoint step (default: latest)")
+    mode.add_argument("--from-megatron", nargs=2, metavar=("DIR", "WORKDIR"),
+                      help="import the Megatron-LM torch_dist checkpoint DIR (with its optimizer state) into WORKDIR")
+    mode.add_argument("--to-megatron", nargs=2, metavar=("WORKDIR", "OUT"),
+                      help="export WORKDIR's latest checkpoint (with its optimizer state) as a Megatron-LM "
+                           "torch_dist checkpoint in OUT")
+    p.add_argument("--step", type=int, default=None,
+                   help="--to-hf, --to-megatron: the checkpoint step (default: latest)")
+    p.add_argument("--iteration", type=int, default=None,
+                   help="--from-megatron: the iteration (default: latest_checkpointed_iteration.txt's)")
     args, rest = p.parse_known_args(argv)
     overrides = {}
     for item in rest:
         m = re.fullmatch(r"--config\.([A-Za-z_]\w*\.[A-Za-z_]\w*)=(.*)", item)
-        if not m or args.to_hf:
-            p.error(f"unrecognized argument {item!r}" + (" (--to-hf takes no --config options)" if args.to_hf else ""))
+        exporting = args.to_hf or args.to_megatron
+        if not m or exporting:
+            p.error(f"unrecognized argument {item!r}" + (" (an export takes no --config options)" if exporting else ""))
         overrides[m.group(1)] = m.group(2)
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
     # OSError: a file missing, unreadable or unwritable
     with cli.usage_errors(dict.fromkeys((ConvertError, DataError, OSError), "error: ")):
+        if args.to_megatron or args.from_megatron:
+            return _megatron_main(args, overrides)
         if args.to_hf:
             workdir, out = args.to_hf
             hf = export_workdir(workdir, out, args.step)

@@ -555,18 +555,18 @@ def _hf_shape(t: Tensor, shapes: list[tuple]) -> tuple[int, ...]:
     return (out, inp) if t.linear else (inp, out)
 
 
-def _by_path(tree) -> dict[str, Any]:
+def by_path(tree) -> dict[str, Any]:
     """A nested parameter dict (leaves: arrays, shapes or logical-axes tuples) as ``{"layers/attn/wq": leaf}``."""
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
     return {"/".join(k.key for k in path): leaf for path, leaf in leaves}
 
 
-def _unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ...]]:
+def unpadded_shapes(m: config.Model, spec: gpt.Spec) -> dict[str, tuple[int, ...]]:
     """Each parameter's shape with ``vocab_size`` rows on its ``vocab`` axis: what HF holds.  jaxllm
     masks the logits of the padding rows, so without them HF's softmax is exactly jaxllm's."""
-    axes = _by_path(spec.axes)
+    axes = by_path(spec.axes)
     return {k: tuple(m.vocab_size if a == "vocab" else n for a, n in zip(axes[k], v.shape, strict=True))
-            for k, v in _by_path(spec.params).items()}
+            for k, v in by_path(spec.params).items()}
 
 
 # --------------------------------------------------------------------------- jaxllm -> HF
@@ -648,14 +648,14 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     """
     arch = hf_architecture(m)
     spec = gpt.describe(m)
-    want = {k: v.shape for k, v in _by_path(spec.params).items()}
-    flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in _by_path(params).items()}
+    want = {k: v.shape for k, v in by_path(spec.params).items()}
+    flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in by_path(params).items()}
     have = {k: v.shape for k, v in flat.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))
         raise ConvertError("the parameters do not match the config (" + "; ".join(
             f"{k}: {'config' if (k, s) in want.items() else 'parameters'} {list(s)}" for k, s in diff[:6]) + ")")
-    real = _unpadded_shapes(m, spec)
+    real = unpadded_shapes(m, spec)
     flat = {k: x[tuple(map(slice, real[k]))] for k, x in flat.items()}
     tensors = {}
     for t in arch.tensors:
@@ -762,7 +762,7 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
     if arch.layouts is not None:
         tensors = arch.layouts(tensors, m)
     spec = gpt.describe(m)
-    shapes = _unpadded_shapes(m, spec)
+    shapes = unpadded_shapes(m, spec)
     embed = arch.tensors[0].name
     bare = embed not in tensors and embed.removeprefix(arch.prefix) in tensors  # a bare base model's names
     used, out = set(), {}
@@ -789,11 +789,11 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
             for k, p in enumerate(paths):
                 out[p] = np.stack([s[k] for s in slices]).reshape(shapes[p]) if lead else slices[0][k]
     if m.mtp_num_layers:  # no table holds multi-token prediction modules (transformers skips them): fresh ones
-        out.update(_by_path({"mtp": jax.tree.map(np.asarray, jax.jit(lambda: gpt.init(m, 0)["mtp"])())}))
+        out.update(by_path({"mtp": jax.tree.map(np.asarray, jax.jit(lambda: gpt.init(m, 0)["mtp"])())}))
     left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
     if left:
         raise ConvertError(f"model.safetensors: tensors jaxllm has no place for: {', '.join(left[:6])}"
                            + (f" and {len(left) - 6} more" if len(left) > 6 else ""))
-    padded = {k: v.shape for k, v in _by_path(spec.params).items()}  # the padding rows are zeros
+    padded = {k: v.shape for k, v in by_path(spec.params).items()}  # the padding rows are zeros
     leaves = [np.pad(out[k], [(0, p - n) for n, p in zip(out[k].shape, padded[k], strict=True)]) for k in shapes]
     return jax.tree_util.tree_unflatten(jax.tree.structure(spec.params), leaves)

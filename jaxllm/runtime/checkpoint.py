@@ -352,19 +352,25 @@ def restore_params(model_cfg: config.Model, workdir: str, step: int | None = Non
     """The parameters alone of ``workdir``'s checkpoint at ``step`` (default: the latest), on the
     host CPU whatever mesh the run used (the optimizer state is not read); ``model_cfg`` is the
     run's resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`)."""
+    return restore_on_host(workdir, {"params": gpt.describe(model_cfg).params}, step)[1]["params"]
+
+
+def restore_on_host(workdir: str, item: dict, step: int | None = None) -> tuple[int, dict]:
+    """``(step, state)``: the parts of the training state that ``item`` names (a subtree of it, leaves with
+    ``shape`` and ``dtype``: e.g. ``{"params": ..., "opt_state": ...}``) from ``workdir``'s checkpoint at
+    ``step`` (default: the latest), on the host CPU in ``item``'s shapes whatever mesh (and ZeRO padding) the
+    run used.  Raises FileNotFoundError: no checkpoint."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
-                            gpt.describe(model_cfg).params)
+    item = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), item)
     manager = tiers.shared_manager(workdir)
     try:
         step = manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
-        item = {"params": abstract}
         strict = tiers.same_shapes(manager, step, item)
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, strict=strict), item)
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=item, restore_args=restore_args, partial_restore=True)))
     finally:
         manager.close()
-    return restored["state"]["params"]
+    return step, restored["state"]
