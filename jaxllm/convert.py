@@ -388,7 +388,21 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
 # --------------------------------------------------------------------------- Megatron-LM (torch_dist)
 
 _MOMENTS = {"mu": "optimizer.state.exp_avg.", "nu": "optimizer.state.exp_avg_sq."}
-_MASTER = "optimizer.state.fp32_param."  # the distributed optimizer's float32 copies of bf16/fp16 parameters
+# The float32 copies of bf16/fp16 parameters: megatron-core's Float16 optimizer's, its distributed optimizer's
+# (fully_reshardable format)
+_MASTERS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+
+
+def _check_optimizer_format(common: dict, keys: list[str], path: str) -> None:
+    """Refuses the distributed optimizer's formats that hold its state in flat buckets by data-parallel rank
+    (``dp_reshardable``, Megatron-LM's default, and the older ``dp_zero_gather_scatter``) rather than per
+    parameter.  Raises ConvertError."""
+    kind = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if any(k.startswith("optimizer.distributed.") for k in keys) or kind in ("dp_reshardable",
+                                                                            "dp_zero_gather_scatter"):
+        raise ConvertError(f"{path}: the distributed optimizer's state is saved in flat buckets by data-parallel "
+                           f"rank ({kind or 'optimizer.distributed.*'}), not per parameter: save the iteration "
+                           f"again from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
 
 
 def _adam_step(opt, found: set) -> set:
@@ -408,36 +422,39 @@ def _adam_step(opt, found: set) -> set:
     return found
 
 
-def _check_position(common: dict, args: dict, iteration: int, path: str) -> int:
-    """Adam's step count; checks that the data and schedule positions are ``iteration`` x the global batch
-    (jaxllm's positions are functions of the step).  Raises ConvertError."""
+def _check_position(common: dict, args: dict, iteration: int, path: str) -> tuple[int, int]:
+    """``(Adam's step count, the schedule's)``, which skipped updates (fp16's loss scaler) leave behind the
+    iteration; checks that the data position is ``iteration`` x the global batch (jaxllm's is the step's).
+    Raises ConvertError."""
     if common.get("iteration") != iteration:
         raise ConvertError(f"{path}/common.pt is of iteration {common.get('iteration')}, its directory of "
                            f"{iteration}: the checkpoint is inconsistent")
-    samples = iteration * args["global_batch_size"]
-    scheduler = common.get("opt_param_scheduler") or {}
-    for what, value in (("args.consumed_train_samples", args.get("consumed_train_samples")),
-                        ("opt_param_scheduler.num_steps", scheduler.get("num_steps"))):
-        if value is not None and int(value) != samples:
-            raise ConvertError(f"{path}/common.pt: {what} = {value} samples, not iteration {iteration} x global "
-                               f"batch {args['global_batch_size']} = {samples}: the run changed its global batch "
-                               f"(or ramped it up), and jaxllm's data and schedule positions are the step's")
+    batch = args["global_batch_size"]
+    consumed = args.get("consumed_train_samples")
+    if consumed is not None and int(consumed) != iteration * batch:
+        raise ConvertError(f"{path}/common.pt: args.consumed_train_samples = {consumed}, not iteration {iteration} "
+                           f"x global batch {batch}: the run changed its global batch (or ramped it up), and "
+                           f"jaxllm's data position is the step's")
+    updates = (common.get("opt_param_scheduler") or {}).get("num_steps", iteration * batch)  # in samples
+    if int(updates) % batch or int(updates) > iteration * batch:
+        raise ConvertError(f"{path}/common.pt: opt_param_scheduler.num_steps = {updates} samples, not a whole "
+                           f"number of global batches of {batch} up to iteration {iteration}")
     steps = _adam_step(common.get("optimizer"), set())
     if len(steps) > 1:
         raise ConvertError(f"{path}/common.pt: Adam step counts {sorted(steps)} differ between parameter groups")
-    return steps.pop() if steps else iteration  # none saved: one Adam step per iteration
+    return (steps.pop() if steps else int(updates) // batch), int(updates) // batch
 
 
-def _with_adam_state(state: dict, mu: dict, nu: dict, count: int, iteration: int) -> dict:
-    """``state`` (:func:`jaxllm.runtime.step.init_state`'s, AdamW) at ``iteration`` with Adam's moments and
-    step count; the schedule's count is the iteration."""
+def _with_adam_state(state: dict, mu: dict, nu: dict, count: int, schedule: int, iteration: int) -> dict:
+    """``state`` (:func:`jaxllm.runtime.step.init_state`'s, AdamW) at step ``iteration`` with Adam's moments and
+    step ``count`` and the learning-rate schedule's count ``schedule`` (Megatron's successful updates)."""
     import optax  # noqa: PLC0415
 
     def put(node):
         if isinstance(node, optax.ScaleByAdamState):
             return node._replace(count=jnp.asarray(count, node.count.dtype), mu=mu, nu=nu)
         if isinstance(node, optax.ScaleByScheduleState):
-            return node._replace(count=jnp.asarray(iteration, node.count.dtype))
+            return node._replace(count=jnp.asarray(schedule, node.count.dtype))
         return node
 
     leaf = lambda n: isinstance(n, (optax.ScaleByAdamState, optax.ScaleByScheduleState))  # noqa: E731
@@ -451,7 +468,7 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     ``iteration``) as a jaxllm checkpoint of that step in ``workdir`` (which must hold none), plus
     ``workdir/config.py``.
 
-    Float32 parameters (the distributed optimizer's ``fp32_param`` copies where saved), Adam's moments and
+    Float32 parameters (the optimizer's float32 copies where a bf16/fp16 run saved them), Adam's moments and
     step count, the schedule at the iteration; the config is what the saved arguments say
     (:func:`jaxllm.model.megatron.args_overrides`), then ``overrides`` (model keys: :data:`FREE_MODEL_KEYS`).
     The next step, ``iteration`` (jaxllm counts from 0), takes samples ``iteration x global batch`` on, which
@@ -475,25 +492,29 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
         config.override(given, key, text)
     _apply_overrides(given, dict(overrides or {}), "Megatron checkpoint's arguments")
     cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in given.mesh.devices().values()))
-    count = _check_position(common, args, iteration, path)
+    count, schedule = _check_position(common, args, iteration, path)
     metadata = torch_dist.read_metadata(path)
     keys = [k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")]
+    _check_optimizer_format(common, keys, path)
     tensors = torch_dist.read_tensors(path, metadata, keys)
     model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-    master = {k[len(_MASTER):]: v for k, v in tensors.items() if k.startswith(_MASTER)}
-    params = megatron.from_megatron(cfg.model, master or model, "parameters")
+    by_prefix = {p: {k[len(p):]: v for k, v in tensors.items() if k.startswith(p)} for p in (*_MOMENTS.values(),
+                                                                                          *_MASTERS)}
+    left = sorted(k for k in tensors if k.startswith("optimizer.") and not k.startswith(tuple(by_prefix)))
+    if left:
+        raise ConvertError(f"{path}: optimizer tensors jaxllm has no place for: {', '.join(left[:4])}")
+    master = next((t for p, t in by_prefix.items() if p in _MASTERS and t), None)
+    params = megatron.from_megatron(cfg.model, master or model, "float32 parameters" if master else "parameters")
     moments = {}
     for name, prefix in _MOMENTS.items():
-        part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        if not part:
-            raise ConvertError(f"{path} holds no {prefix}* tensors: saved without Adam's state (--no-save-optim), "
-                               f"or by an optimizer jaxllm does not read")
-        moments[name] = megatron.from_megatron(cfg.model, part, prefix.split(".")[-2])
+        if not by_prefix[prefix]:
+            raise ConvertError(f"{path} holds no {prefix}* tensors: saved without Adam's state (--no-save-optim)")
+        moments[name] = megatron.from_megatron(cfg.model, by_prefix[prefix], prefix.split(".")[-2])
     spec = gpt.describe(cfg.model)
     optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
     with jax.default_device(jax.devices("cpu")[0]):
         state = _with_adam_state(step.init_state(jax.device_put(params), optimizer), jax.device_put(moments["mu"]),
-                                 jax.device_put(moments["nu"]), count, iteration)
+                                 jax.device_put(moments["nu"]), count, schedule, iteration)
     ckpt = checkpoint.Checkpointer(workdir, cfg)
     ckpt.maybe_save(iteration, state, force=True)
     ckpt.close()
@@ -525,13 +546,24 @@ def megatron_args(cfg: config.Config, m: config.Model, iteration: int) -> argpar
         optimizer="adam", decoupled_weight_decay=True, lr=t.lr, min_lr=t.min_lr, lr_decay_style=t.lr_decay_style,
         lr_wsd_decay_style=t.lr_wsd_decay_style, lr_warmup_iters=t.warmup_iters,
         lr_warmup_fraction=t.lr_warmup_fraction or None, lr_decay_iters=t.lr_decay_iters,
-        train_iters=t.train_iters, weight_decay=t.weight_decay, adam_beta1=t.beta1, adam_beta2=t.beta2,
+        train_iters=t.train_iters, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        weight_decay=t.weight_decay, adam_beta1=t.beta1, adam_beta2=t.beta2,
         adam_eps=t.adam_eps, clip_grad=t.grad_clip, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size, seed=t.seed, data_path=d.input.split(), split=d.split,
         log_interval=t.log_interval, eval_interval=t.eval_interval, eval_iters=t.eval_iters,
         save_interval=cfg.checkpoint.interval,
         consumed_train_samples=iteration * t.global_batch_size, iteration=iteration, ckpt_format="torch_dist",
         **megatron.tokenizer_args(d))
+
+
+def _adam_and_schedule(opt_state) -> tuple:
+    """AdamW's ``ScaleByAdamState`` (moments and step count) and the learning-rate schedule's count."""
+    import optax  # noqa: PLC0415
+
+    kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+    nodes = [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, kinds)) if isinstance(n, kinds)]
+    adam = next(n for n in nodes if isinstance(n, optax.ScaleByAdamState))
+    return adam, int(next(n.count for n in nodes if isinstance(n, optax.ScaleByScheduleState)))
 
 
 def export_megatron(workdir: str, out: str, at_step: int | None = None) -> int:
@@ -557,21 +589,19 @@ def export_megatron(workdir: str, out: str, at_step: int | None = None) -> int:
     target = os.path.join(out, f"iter_{iteration:07d}")
     if os.path.exists(target):
         raise ConvertError(f"{target} exists: export into a new directory")
-    adam = next(n for n in jax.tree.leaves(state["opt_state"], is_leaf=lambda n: hasattr(n, "nu")) if hasattr(n, "nu"))
+    adam, schedule = _adam_and_schedule(state["opt_state"])
     tensors = megatron.to_megatron(m, state["params"])
     for name, tree in (("mu", adam.mu), ("nu", adam.nu)):
         tensors.update({_MOMENTS[name] + k: v for k, v in megatron.to_megatron(m, tree).items()})
-    samples = iteration * cfg.train.global_batch_size
+    t, batch = cfg.train, cfg.train.global_batch_size
     common = {"args": megatron_args(cfg, m, iteration), "checkpoint_version": 3.0, "iteration": iteration,
               "optimizer": {"state": {"common_step": torch.tensor(float(adam.count))}},
-              "opt_param_scheduler": {"max_lr": cfg.train.lr, "min_lr": cfg.train.min_lr, "num_steps": samples,
-                                      "lr_warmup_steps": cfg.train.warmup_iters * cfg.train.global_batch_size,
-                                      "lr_decay_steps": cfg.train.lr_decay_iters * cfg.train.global_batch_size,
-                                      "lr_decay_style": cfg.train.lr_decay_style},
+              "opt_param_scheduler": {"max_lr": t.lr, "min_lr": t.min_lr, "num_steps": schedule * batch,
+                                      "lr_warmup_steps": round(optim.warmup_steps(t) * batch),
+                                      "lr_decay_steps": t.lr_decay_iters * batch, "lr_decay_style": t.lr_decay_style},
               "num_floating_point_operations_so_far": 0}
     torch_dist.write(target, common, tensors, dict.fromkeys(megatron.extra_state_keys(m)))
-    with open(os.path.join(out, torch_dist.TRACKER), "w") as fp:
-        fp.write(str(iteration))
+    torch_dist.advance_tracker(out, iteration)
     return iteration
 
 

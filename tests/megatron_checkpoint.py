@@ -176,16 +176,38 @@ def _sum_tied_embedding_grads(model: GPTModel) -> None:
         torch.distributed.all_reduce(w.grad, group=ps.get_embedding_group())
 
 
+def sharded_adam(opt, model_sd, params) -> dict:
+    """AdamW's state as ``FP32Optimizer.sharded_state_dict`` lays it out (``optimizer.state.exp_avg.KEY``...)."""
+    optim_sd = opt.state_dict()
+    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys="step")
+    return optim_sd
+
+
 def load(kind: str, directory: str, out: str) -> None:
     """megatron-core's reading of the checkpoint: every tensor whole (``dist_checkpointing.load_plain_tensors``,
-    as ``tensor.NAME``), and the logits (``logits``) of a tensor-1 pipeline-1 model loaded from it on the
-    batch ``tokens``."""
+    as ``tensor.NAME``); a tensor-1 pipeline-1 model and its AdamW state loaded from it as
+    ``FP32Optimizer.sharded_state_dict(is_loading=True)`` lays the state out, that state saved again and read
+    whole (``adam.NAME``: what the optimizer holds); the model's logits (``logits``) on a batch (``tokens``)."""
     with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as fp:
         path = os.path.join(directory, f"iter_{int(fp.read()):07d}")
     plain = dist_checkpointing.load_plain_tensors(path)  # with common.pt's entries
     arrays = {f"tensor.{k}": v.float().numpy() for k, v in plain.items() if isinstance(v, torch.Tensor)}
     model = build(kind, 1, 1, 1)
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, path)["model"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    for p in params:  # the state the checkpoint is loaded into
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    model_sd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": sharded_adam(opt, model_sd, params)}, path)
+    model.load_state_dict(loaded["model"])
+    for i, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt.state[p][key].copy_(loaded["optimizer"]["state"][i][key])
+    again = out + ".adam"
+    os.makedirs(again)
+    dist_checkpointing.save({"optimizer": sharded_adam(opt, model.sharded_state_dict(), params)}, again)
+    arrays.update({f"adam.{k}": v.float().numpy() for k, v in dist_checkpointing.load_plain_tensors(again).items()
+                   if isinstance(v, torch.Tensor)})
     tokens, _ = batch(1000)
     with torch.no_grad():
         arrays["logits"] = forward(model, tokens).float().numpy()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 import torch
 from test_megatron import linked, megatron_split, megatron_tokens
@@ -90,6 +91,10 @@ def test_import_equals_megatron_and_export_loads_back(kind, saved, tmp_path, cap
     theirs = {k.removeprefix("tensor."): v for k, v in read.items() if k.startswith("tensor.")}
     assert sorted(ours) == sorted(theirs)
     for k, v in theirs.items():
+        np.testing.assert_array_equal(ours[k], v, err_msg=k)
+    held = {k.removeprefix("adam."): v for k, v in read.items() if k.startswith("adam.")}  # what AdamW loaded
+    assert sorted(held) == sorted(k for k in ours if k.startswith("optimizer."))
+    for k, v in held.items():
         np.testing.assert_array_equal(ours[k], v, err_msg=k)
     assert any(np.abs(v).max() > 0 for k, v in theirs.items() if ".exp_avg." in k)  # the moments are not zeros
     logits = np.asarray(gpt.forward(gpt.describe(m).graphdef, state["params"], read["tokens"].astype(np.int32)))
@@ -171,12 +176,14 @@ class Payload:
         return print, ("payload ran",)
 
 
-def rewrite_common(ckpt: Path, **changes) -> None:
+def rewrite_common(ckpt: Path, top: dict | None = None, **changes) -> None:
+    """common.pt with ``changes`` to its arguments and ``top`` to its entries."""
     path = ckpt / f"iter_{ITERS:07d}" / "common.pt"
     common = torch.load(path, weights_only=False)
     args = vars(common["args"])
     args.update(changes)
     common["args"] = argparse.Namespace(**args)
+    common.update(top or {})
     torch.save(common, path)
 
 
@@ -186,6 +193,15 @@ def drop_chunk(ckpt: Path) -> None:
     metadata = pickle.loads(path.read_bytes())  # the test's own file
     item = metadata.state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
     item.chunks.pop()
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def escape_directory(ckpt: Path) -> None:
+    """Points a chunk's file outside the checkpoint."""
+    path = ckpt / f"iter_{ITERS:07d}" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = "../../outside.distcp"
     path.write_bytes(pickle.dumps(metadata))
 
 
@@ -203,6 +219,10 @@ BAD = {  # what is changed -> (the change, extra arguments, words of the one lin
     "rotary on part of the head": (lambda c: rewrite_common(c, rotary_percent=0.5), (), "rotary_percent=0.5"),
     "arguments the tensors do not fit": (lambda c: rewrite_common(c, ffn_hidden_size=128), (),
                                          "linear_fc1.weight has shape [4, 256, 64]"),
+    "the distributed optimizer's buckets": (
+        lambda c: rewrite_common(c, top={"content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}), (),
+        "--dist-ckpt-optim-fully-reshardable"),
+    "a chunk outside the directory": (escape_directory, (), "outside the checkpoint's directory"),
     "a mismatched --iteration": (lambda c: None, ("--iteration", "5"), "holds no iteration 5"),
     "pickled code in common.pt": (lambda c: rewrite_common(c, payload=Payload()), (), "common.pt holds what"),
     "pickled code in .metadata": (poison_metadata, (), "builtins.print is not a class"),
@@ -223,3 +243,41 @@ def test_bad_input_is_one_line_and_writes_nothing(case, saved, tmp_path, capsys)
     assert e.value.code == 2 and words in err.err and len(err.err.strip().splitlines()) == 1, err.err
     assert "payload ran" not in err.out + err.err
     assert not (tmp_path / "run").exists()
+
+
+def test_float32_copies_skipped_updates_and_the_tracker(saved, tmp_path):
+    """The optimizer's float32 copies of a bf16 run's parameters (``optimizer.state.param.*``, the distributed
+    optimizer's fully reshardable format) are imported over the model's; an update the fp16 loss scaler skipped
+    leaves the schedule behind the iteration (its ``num_steps``); an export never moves a save directory's
+    ``latest_checkpointed_iteration.txt`` back."""
+    from jaxllm.runtime import torch_dist  # noqa: PLC0415
+
+    original, _ = saved("gpt")
+    path = original / f"iter_{ITERS:07d}"
+    metadata = torch_dist.read_metadata(str(path))
+    tensors = torch_dist.read_tensors(str(path), metadata, [k for k, v in metadata.state_dict_metadata.items()
+                                                            if hasattr(v, "chunks")])
+    masters = {f"optimizer.state.param.{k}": v + 0.5 for k, v in tensors.items() if not k.startswith("optimizer.")}
+    common = torch_dist.read_common(str(path))
+    common["opt_param_scheduler"]["num_steps"] = (ITERS - 1) * common["args"].global_batch_size
+    objects = {k: None for k, v in metadata.state_dict_metadata.items() if not hasattr(v, "chunks")}
+    variant = tmp_path / "variant"
+    torch_dist.write(str(variant / f"iter_{ITERS:07d}"), common, {**tensors, **masters}, objects)
+    torch_dist.advance_tracker(str(variant), ITERS)
+    assert run_cli("--from-megatron", variant, tmp_path / "run") == 0
+    m, _, state, adam = restored(tmp_path / "run")
+    ours = megatron.to_megatron(m, state["params"])
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, masters[f"optimizer.state.param.{k}"], err_msg=k)
+    assert int(adam.count) == ITERS and int(state["step"]) == ITERS
+    kind = optax.ScaleByScheduleState
+    schedule = [n for n in jax.tree.leaves(state["opt_state"], is_leaf=lambda n: isinstance(n, kind))
+                if isinstance(n, kind)]
+    assert [int(n.count) for n in schedule] == [ITERS - 1]
+
+    out = tmp_path / "save_dir"
+    out.mkdir()
+    (out / "latest_checkpointed_iteration.txt").write_text("1000")
+    assert run_cli("--to-megatron", tmp_path / "run", out) == 0
+    assert (out / f"iter_{ITERS:07d}" / "common.pt").is_file()
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "1000"

@@ -57,6 +57,10 @@ FIXED = {
     "moe_router_score_function": (("softmax", None), "jaxllm reads softmax routers from Megatron checkpoints"),
     "rampup_batch_size": ((None,), "jaxllm's global batch is one size from the first step"),
     "train_samples": ((None,), "jaxllm's schedule is in iterations (--train-iters), not samples"),
+    "window_size": ((None,), "sliding windows are not read from Megatron checkpoints"),
+    "moe_router_topk_scaling_factor": ((None,), "jaxllm reads routers without a scaling factor"),
+    "moe_expert_capacity_factor": ((None,), "jaxllm reads dropless mixtures of experts"),
+    "moe_router_enable_expert_bias": ((False, None), "the router's expert bias is not read"),
 }
 # Arguments of training alone (not of the model) that jaxllm does not have: the import goes on without them.
 NOT_HELD = {"attention_dropout": "jaxllm has no dropout of the attention probabilities"}

@@ -148,6 +148,9 @@ def read_metadata(path: str):
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
         raise ConvertError(f"{file}: {e}; it is not read with an unrestricted unpickler") from None
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    outside = [f for f in files if os.path.basename(f) != f]
+    if outside:
+        raise ConvertError(f"{file} points at {outside[0]}, outside the checkpoint's directory: not read")
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise ConvertError(f"{path}: shard {missing[0]} is missing ({len(missing)} of {len(files)} files)")
@@ -176,6 +179,20 @@ def read_tensors(path: str, metadata, keys: list[str]) -> dict[str, np.ndarray]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, storage_reader=Reader(path), no_dist=True)
     return {k: v.float().numpy() for k, v in state.items()}
+
+
+def advance_tracker(directory: str, iteration: int) -> None:
+    """Points ``directory``'s ``latest_checkpointed_iteration.txt`` at ``iteration`` unless it names a later one
+    (an export into a run's save directory never sends it back); replaced whole (a rename)."""
+    tracker = os.path.join(directory, TRACKER)
+    if os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        if text.isdigit() and int(text) > iteration:
+            return
+    tmp = f"{tracker}.partial-{os.getpid()}"
+    with open(tmp, "w") as fp:
+        fp.write(str(iteration))
+    os.replace(tmp, tracker)
 
 
 def write(path: str, common: dict, tensors: dict[str, np.ndarray], objects: dict[str, object]) -> None:
