@@ -244,6 +244,12 @@ def _apply_overrides(given: config.Config, overrides: dict[str, str], source: st
         config.override(given, key, text)
 
 
+def _resolve_for_its_mesh(given: config.Config) -> config.Resolved:
+    """An imported checkpoint fits any mesh: the config checked on the devices its mesh names (a -1 axis as 1),
+    whatever this machine has."""
+    return resolve(given, num_devices=math.prod(max(n, 1) for n in given.mesh.devices().values()))
+
+
 def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, config.Resolved, dict]:
     """``(config as given, resolved config, params)`` of a Hugging Face directory; see :func:`from_hf`."""
     path = os.path.join(directory, "config.json")
@@ -257,9 +263,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
     if given.train.seq_length > positions:
         raise ConvertError(f"train.seq_length={given.train.seq_length} exceeds the {positions} positions of "
                            f"config.json", keys=("train.seq_length",))
-    # The checkpoint fits any mesh: check the config on the devices its mesh names (a -1 axis as 1),
-    # whatever this machine has.
-    cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in given.mesh.devices().values()))
+    cfg = _resolve_for_its_mesh(given)
     return given, cfg, params_from_hf(arch, cfg.model, read_safetensors(directory))
 
 
@@ -491,25 +495,25 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     for key, text in megatron.args_overrides(args).items():
         config.override(given, key, text)
     _apply_overrides(given, dict(overrides or {}), "Megatron checkpoint's arguments")
-    cfg = resolve(given, num_devices=math.prod(max(n, 1) for n in given.mesh.devices().values()))
+    cfg = _resolve_for_its_mesh(given)
     count, schedule = _check_position(common, args, iteration, path)
     metadata = torch_dist.read_metadata(path)
     keys = [k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")]
     _check_optimizer_format(common, keys, path)
-    tensors = torch_dist.read_tensors(path, metadata, keys)
-    model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-    by_prefix = {p: {k[len(p):]: v for k, v in tensors.items() if k.startswith(p)} for p in (*_MOMENTS.values(),
-                                                                                          *_MASTERS)}
-    left = sorted(k for k in tensors if k.startswith("optimizer.") and not k.startswith(tuple(by_prefix)))
+    left = sorted(k for k in keys if k.startswith("optimizer.") and not k.startswith((*_MOMENTS.values(), *_MASTERS)))
     if left:
         raise ConvertError(f"{path}: optimizer tensors jaxllm has no place for: {', '.join(left[:4])}")
-    master = next((t for p, t in by_prefix.items() if p in _MASTERS and t), None)
-    params = megatron.from_megatron(cfg.model, master or model, "float32 parameters" if master else "parameters")
+    master = next((p for p in _MASTERS if any(k.startswith(p) for k in keys)), None)
+    # the float32 copies, where saved, stand for the model's tensors: those are not read then
+    tensors = torch_dist.read_tensors(path, metadata, [k for k in keys if k.startswith("optimizer.") or not master])
+    part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
+    weights = part(master) if master else {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    params = megatron.from_megatron(cfg.model, weights, "float32 parameters" if master else "parameters")
     moments = {}
     for name, prefix in _MOMENTS.items():
-        if not by_prefix[prefix]:
+        if not part(prefix):
             raise ConvertError(f"{path} holds no {prefix}* tensors: saved without Adam's state (--no-save-optim)")
-        moments[name] = megatron.from_megatron(cfg.model, by_prefix[prefix], prefix.split(".")[-2])
+        moments[name] = megatron.from_megatron(cfg.model, part(prefix), prefix.split(".")[-2])
     spec = gpt.describe(cfg.model)
     optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
     with jax.default_device(jax.devices("cpu")[0]):
