@@ -117,22 +117,24 @@ def test_bench_numbers_against_hand_count_and_independent_timing():
 
 
 def test_bench_matches_the_training_log(tmp_path):
-    """The 10% agreement is measured in docs/performance.md; here a bound that load cannot break:
-    the two runs share one loaded 2-core machine, so only a factor 2 is asserted."""
+    """The 10% agreement is measured in docs/performance.md.  Here the two runs share a 2-core machine with
+    another test process, whose load slows whole stretches of either: each side's fastest step (the trainer
+    logging every step) is compared, a statistic that load cannot lower, within a factor 2."""
     assert SHAKESPEARE.is_file(), f"missing {SHAKESPEARE}"
     spec = importlib.util.spec_from_file_location("shakespeare_char", ROOT / "configs" / "shakespeare_char.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     cfg = recipe.get_config()
-    cfg.train.update(train_iters=30, log_interval=10, eval_interval=0)
+    cfg.train.update(train_iters=24, log_interval=1, eval_interval=0)
     cfg.log.update(samples=0, tensorboard=False, progress_bar=False)
-    logged = train.train(cfg, str(tmp_path / "train"))
+    train.train(cfg, str(tmp_path / "train"))
     lines = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [10, 20, 30]
+    assert [x["step"] for x in lines] == list(range(1, 25))
+    trained = min(x["step_time_s"] for x in lines[2:])  # the first two: compilation and warm-up
     resolved, data = bench.prepare(cfg, 1, data="real", workdir=str(tmp_path / "train"))
-    r = bench.benchmark(resolved, num_devices=1, steps=10, warmup=2, data=data)
-    assert r["data"] == "real" and r["tokens_per_step"] == 12 * 64
-    assert 0.5 < r["tokens_per_sec"] / logged["tokens_per_sec"] < 2, (r["tokens_per_sec"], logged["tokens_per_sec"])
+    r = bench.benchmark(resolved, num_devices=1, steps=22, warmup=2, data=data)
+    assert r["data"] == "real" and r["tokens_per_step"] == 12 * 64 and len(r["step_times_s"]) == 22
+    assert 0.5 < min(r["step_times_s"]) / trained < 2, (min(r["step_times_s"]), trained)
 
 
 def cli(*args):
