@@ -97,9 +97,10 @@ def test_bench_numbers_against_hand_count_and_independent_timing():
     assert r["peak_memory_bytes"] == r["compiled_memory_bytes"] >= 3 * 4 * r["num_params"]
     assert np.isfinite(r["final_loss"]) and json.loads(json.dumps(r))["name"] == ""
 
-    # Independent timing of the same step, outside bench: a fresh Run, compiled, 6 steps timed as one
-    # window. A shared 2-core machine moves step times by 2x between runs; a factor 3 still catches
-    # unit errors (ms/s, per device), compile time or warm-up inside the timed steps.
+    # Independent timing of the same step, outside bench: a fresh Run, compiled, 6 steps timed one by one.
+    # Another test process's load slows stretches of either run, never speeds one up: each side's fastest
+    # step is compared, within a factor 3, which still catches unit errors (ms/s, per device), compile time
+    # or warm-up inside the timed steps.
     run = Run(cfg, devices=jax.devices()[:1])
     state = run.initial_state()
     rng = np.random.default_rng(0)
@@ -108,12 +109,13 @@ def test_bench_numbers_against_hand_count_and_independent_timing():
     step = run.train_step.lower(state, *batch).compile()
     state, m = step(state, *batch)
     jax.block_until_ready(m)
-    start = time.perf_counter()
+    reference = []
     for _ in range(6):
+        start = time.perf_counter()
         state, m = step(state, *batch)
-    jax.block_until_ready(m)
-    reference = 6 * 8 * S / (time.perf_counter() - start)
-    assert 1 / 3 < r["tokens_per_sec"] / reference < 3, (r["tokens_per_sec"], reference)
+        jax.block_until_ready(m)
+        reference.append(time.perf_counter() - start)
+    assert 1 / 3 < min(times) / min(reference) < 3, (times, reference)
 
 
 def test_bench_matches_the_training_log(tmp_path):
