@@ -16,9 +16,12 @@ kind (GEMMs by library and dtype, cuDNN attention, fusions, copies, collectives)
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -110,7 +113,8 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     devices, :func:`jaxllm.runtime.flops.flops_per_step`), ``compile_s``, ``dtype`` (the compute dtype
     planned), ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary: bubble and
     activations in flight, :func:`jaxllm.parallel.schedules.summary`), ``mesh`` (``{axis: size}``),
-    ``collectives`` (with ``collectives=True``: :func:`jaxllm.parallel.collectives.collectives`, else None),
+    ``dispatcher`` (a mixture of experts' token dispatcher as it runs, ``auto`` resolved; None without
+    experts), ``collectives`` (with ``collectives=True``: :func:`jaxllm.parallel.collectives.collectives`, else None),
     ``gpu`` (the GPU XLA:GPU compiled for, or None), ``kernels`` (with ``gpu``:
     :func:`jaxllm.platform.xla_gpu.kernels`, else None), ``cudnn_workspace`` (with ``gpu``: the estimate of
     :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else 0), ``gemm_workspace`` (with
@@ -146,6 +150,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
         else f"{dtype} (compiled as {run.cfg.model.dtype}, the same bytes)",
         "num_params": gpt.num_params(run.logical_state["params"]),
         "active_params": gpt.active_params(cfg.model, run.logical_state["params"]),
+        "dispatcher": cfg.model.moe_token_dispatcher_type if cfg.model.num_experts else None,
         "mesh": dict(run.mesh.shape),
         "pipeline": (cfg.stages, cfg.parallel.pipeline_virtual_stages, cfg.microbatches, schedules.summary(cfg)),
         "bubble": schedules.schedule_bubble(cfg) if cfg.stages > 1 else 0.0,
@@ -253,6 +258,8 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
           if p["host"] is None else []),
         f"FLOPs per step: {p['model_flops'] / 1e15:.3f} PFLOP (all devices; jaxllm.runtime.flops.flops_per_step)",
     ]
+    if p["dispatcher"]:
+        lines.append(f"experts' token dispatcher: {p['dispatcher']} (jaxllm/parallel/experts.py)")
     stages, virtual, microbatches, schedule = p["pipeline"]
     if stages > 1:
         lines.append(f"pipeline: {stages} stages x {virtual} virtual, {microbatches} microbatches, {schedule}")
@@ -264,6 +271,29 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
         lines += [f"kernels of the program (XLA:GPU for {p['gpu']}, without autotuning: on the GPU a Triton GEMM may "
                   "become a cuBLAS call):", xla_gpu.table(p["kernels"])]
     return "\n".join(lines)
+
+
+def record(p: dict, estimate: dict | None, device: str | None, device_memory: float | None, argv: list[str]) -> dict:
+    """The plan as one JSON record (``--output``): how it was made (``date``, ``command``, ``config_file``,
+    ``overrides``, ``jax``), the device's ``device_memory_bytes`` and ``fits``, :func:`plan`'s figures (bytes
+    per device, FLOPs per step), its ``collectives`` by mesh axes joined by " x " (``ops``, ``wire_bytes`` sent
+    per device per step, ``kinds``) and, with ``--cluster``, ``step_time``: the model's seconds
+    (:func:`jaxllm.runtime.step_time.estimate`), each axis's ``[seconds, bytes sent per device, off the node]``."""
+    figures = {k: p[k] for k in ("mesh", "num_params", "active_params", "dtype", "dispatcher", "params", "grads",
+                                 "opt_state", "batch", "temp", "total", "host", "device", "model_flops",
+                                 "compile_s", "gpu", "seq_tokens")}
+    traffic = {" x ".join(axes): {"ops": t.ops, "wire_bytes": t.wire, "kinds": t.kinds}
+               for axes, t in (p["collectives"] or {}).items()}
+    return {"date": datetime.date.today().isoformat(),
+            "command": shlex.join(["python", "-m", "jaxllm.plan", *argv[1:]]),
+            "config_file": cli.config_arg(argv) or "jaxllm/default_config.py",
+            "overrides": [a for a in argv[1:] if a.startswith("--config.")], "jax": jax.__version__,
+            "device_name": device, "device_memory_bytes": device_memory,
+            "fits": p["device"] <= device_memory if device_memory else None, **figures, "collectives": traffic,
+            "step_time": None if estimate is None else {
+                **{k: estimate[k] for k in ("cluster", "mfu", "compute", "bubble", "step", "tokens_per_s",
+                                     "tflops_per_device")},
+                "comms": {" x ".join(axes): list(v) for axes, v in estimate["comms"].items()}}}
 
 
 def gpu_target(device: str | None, backend: str | None, num_devices: int, compiler: str) -> tuple[str | None, str]:
@@ -302,13 +332,18 @@ def main(argv):
         if gpu is None and F.devices > F.devices_per_process:  # the config checked, then the processes started
             resolved(F.config, F.devices, backend or "cpu")  # before the backend (stand-ins are CPU devices)
             cli.stand_in_processes(F.devices, F.devices_per_process)
-        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None, gpu=gpu)
+        p = plan(F.config, F.devices, backend=backend, collectives=cluster is not None or bool(F.output), gpu=gpu)
         estimate = step_time.estimate(p, cluster, F.mfu) if cluster is not None else None
+        if estimate is not None:  # named in the record
+            estimate.update(cluster=F.cluster, mfu=F.mfu)
     if note:
         print(note)
     print(report(p, memory, F.device))
     if estimate is not None:
         print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))
+    if F.output:
+        with open(F.output, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record(p, estimate, F.device, memory, sys.argv)) + "\n")
     cli.exit_now()  # XLA:CPU would join a thread per fake device
 
 
@@ -327,4 +362,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("devices_per_process", cli.MAX_HOST_DEVICES, "compile as processes of this many devices, this "
                          "one's and stand-ins for the others (cli.stand_in_processes); the default is XLA:CPU's most")
     flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")
+    flags.DEFINE_string("output", None, "append the plan to this file as one JSON line (plan.record), with the "
+                        "compiled step's collectives by mesh axes")
     app.run(main, flags_parser=cli.parse_flags)

@@ -63,6 +63,7 @@ SHORTER = [
     (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
     (r"benchmarks/vs_pytorch\.py", ["--shapes=shakespeare", "--rounds=2", "--steps=1", "--warmup=1"]),
     (r"benchmarks/data_startup\.py", ["--datasets=5"]),
+    (r"benchmarks/moe_plans\.py", ["--models=mixtral", "--", "--config.model.num_layers=2"]),
 ]
 CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "ruff check",
       "python -m pytest")

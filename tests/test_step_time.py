@@ -149,3 +149,33 @@ def test_plan_models_the_step_on_a_cluster_and_says_it_is_a_model():
     assert any(line.startswith("step-time MODEL on polaris (8 x A100-40GB") for line in lines), r.stdout
     row = lambda axes: next(line for line in lines if line.startswith(f"  {axes} "))  # noqa: E731
     assert "inside a node" in row("tensor") and "off the node" in row("data"), r.stdout
+
+
+def test_plan_records_each_dispatchers_expert_traffic_as_send_rows_predicts(tmp_path):
+    """``jaxllm.plan --output``: one JSON record per plan, the figures the report prints.  64 experts, top 8,
+    over expert 4 x data 2 (the dense gradients' collectives over both axes, the dispatch over ``expert``
+    alone): the dropless alltoall's static buffers hold min(topk, local experts) = 8 rows per token and rank,
+    so the compiled step sends 8x allgather's token rows over ``expert`` (experts.dispatch_rows)."""
+    out = tmp_path / "plans.jsonl"
+    for dispatcher in ("allgather", "alltoall"):
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxllm.plan", "--config=configs/moe.py:tiny", "--devices=8",
+             "--config.mesh.expert=4", "--config.mesh.data=2", "--config.model.num_experts=64",
+             "--config.model.moe_router_topk=8", "--config.model.hidden_size=512", "--config.train.micro_batch_size=1",
+             f"--config.model.moe_token_dispatcher_type={dispatcher}", "--cluster=frontier", "--mfu=0.35",
+             f"--output={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rec = json.loads(out.read_text().splitlines()[-1])
+        assert rec["dispatcher"] == dispatcher and rec["fits"] is True and rec["device_name"] == "MI250X"
+        assert rec["overrides"][-1] == f"--config.model.moe_token_dispatcher_type={dispatcher}"
+        assert f"experts' token dispatcher: {dispatcher}" in r.stdout
+        expert = rec["collectives"]["expert"]
+        row = next(line for line in r.stdout.splitlines() if line.startswith("  expert "))
+        assert f"({expert['wire_bytes'] / 1e9:.2f} GB sent per device" in row, row
+        assert f"{rec['step_time']['step']:10.3f} s" in r.stdout.splitlines()[-1]
+        assert rec["step_time"]["step"] == pytest.approx(
+            rec["step_time"]["compute"] + sum(s for s, _, _ in rec["step_time"]["comms"].values()))
+    gathered, exchanged = [json.loads(x)["collectives"]["expert"] for x in out.read_text().splitlines()]
+    assert {"all-gather", "reduce-scatter"} <= set(gathered["kinds"]) and "all-to-all" not in gathered["kinds"]
+    assert "all-to-all" in exchanged["kinds"] and "all-gather" not in exchanged["kinds"]
+    assert exchanged["wire_bytes"] / gathered["wire_bytes"] == pytest.approx(8, rel=0.1)
