@@ -1,6 +1,7 @@
 """Conversion: jaxllm workdirs <-> Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``DeepseekV3ForCausalLM`` directories, and <-> Megatron-LM ``torch_dist`` checkpoints with their optimizer state.
+``DeepseekV3ForCausalLM`` directories, <-> Megatron-LM ``torch_dist`` checkpoints with their optimizer state, and
+<- Megatron-DeepSpeed's DeepSpeed checkpoints.
 
 CLI::
 
@@ -12,7 +13,8 @@ CLI::
 ``--to-megatron`` / ``--from-megatron`` (:func:`export_megatron`, :func:`import_megatron`; docs/checkpoints.md,
 "Moving a Megatron run"): a run's parameters, Adam's moments and step, schedule and data position both ways,
 megatron-core ``GPTModel``'s names and layouts from :mod:`jaxllm.model.megatron`, the files from
-:mod:`jaxllm.runtime.torch_dist` (torch's weights-only and metadata-only unpicklers: no unrestricted pickle).
+:mod:`jaxllm.runtime.torch_dist` (torch's weights-only and metadata-only unpicklers: no unrestricted pickle);
+``--from-megatron`` also reads Megatron-DeepSpeed's checkpoints (:mod:`jaxllm.runtime.ds_checkpoint`).
 
 ``--to-hf`` (:func:`export_workdir`) writes the latest (or ``--step``) checkpoint of a run as
 ``OUT/config.json`` + ``OUT/model.safetensors`` (float32) for
@@ -67,6 +69,8 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +100,7 @@ from jaxllm.model.hf import (
 )
 from jaxllm.parallel import sharding
 from jaxllm.resolve import resolve, resolve_model
-from jaxllm.runtime import checkpoint, optim, step, torch_dist
+from jaxllm.runtime import checkpoint, ds_checkpoint, optim, step, torch_dist
 
 # Model keys --from-hf lets the user set; the others come from config.json.
 # (mtp_num_layers: modules that start fresh, jaxllm.model.hf.params_from_hf)
@@ -426,27 +430,28 @@ def _adam_step(opt, found: set) -> set:
     return found
 
 
-def _check_position(common: dict, args: dict, iteration: int, path: str) -> tuple[int, int]:
-    """``(Adam's step count, the schedule's)``, which skipped updates (fp16's loss scaler) leave behind the
-    iteration; checks that the data position is ``iteration`` x the global batch (jaxllm's is the step's).
+def _check_position(path: str, iteration: int, args: dict, scheduler: dict | None) -> int:
+    """The schedule's count (Megatron's successful updates: fp16's skipped ones leave it behind the
+    iteration); checks that the data position is ``iteration`` x the global batch (jaxllm's is the step's).
     Raises ConvertError."""
-    if common.get("iteration") != iteration:
-        raise ConvertError(f"{path}/common.pt is of iteration {common.get('iteration')}, its directory of "
-                           f"{iteration}: the checkpoint is inconsistent")
     batch = args["global_batch_size"]
     consumed = args.get("consumed_train_samples")
     if consumed is not None and int(consumed) != iteration * batch:
-        raise ConvertError(f"{path}/common.pt: args.consumed_train_samples = {consumed}, not iteration {iteration} "
-                           f"x global batch {batch}: the run changed its global batch (or ramped it up), and "
-                           f"jaxllm's data position is the step's")
-    updates = (common.get("opt_param_scheduler") or {}).get("num_steps", iteration * batch)  # in samples
+        raise ConvertError(f"{path}: args.consumed_train_samples = {consumed}, not iteration {iteration} x global "
+                           f"batch {batch}: the run changed its global batch (or ramped it up), and jaxllm's data "
+                           f"position is the step's")
+    updates = (scheduler or {}).get("num_steps", iteration * batch)  # in samples
     if int(updates) % batch or int(updates) > iteration * batch:
-        raise ConvertError(f"{path}/common.pt: opt_param_scheduler.num_steps = {updates} samples, not a whole "
-                           f"number of global batches of {batch} up to iteration {iteration}")
-    steps = _adam_step(common.get("optimizer"), set())
+        raise ConvertError(f"{path}: the scheduler's num_steps = {updates} samples, not a whole number of global "
+                           f"batches of {batch} up to iteration {iteration}")
+    return int(updates) // batch
+
+
+def _one_step(steps: set[int], default: int, path: str) -> int:
+    """Adam's step count, one for every parameter group (``default`` where none is saved).  Raises ConvertError."""
     if len(steps) > 1:
-        raise ConvertError(f"{path}/common.pt: Adam step counts {sorted(steps)} differ between parameter groups")
-    return (steps.pop() if steps else int(updates) // batch), int(updates) // batch
+        raise ConvertError(f"{path}: Adam step counts {sorted(steps)} differ between parameter groups")
+    return steps.pop() if steps else default
 
 
 def _with_adam_state(state: dict, mu: dict, nu: dict, count: int, schedule: int, iteration: int) -> dict:
@@ -466,9 +471,84 @@ def _with_adam_state(state: dict, mu: dict, nu: dict, count: int, schedule: int,
             "opt_state": jax.tree.map(put, state["opt_state"], is_leaf=leaf)}
 
 
+class _Source(NamedTuple):
+    """A Megatron checkpoint to import: where, its iteration, its arguments in Megatron-LM's names, the
+    learning-rate scheduler's state, and ``read(cfg)``: ``(float32 parameters, {"mu", "nu"}: Adam's moments, Adam's
+    step counts)``, tensors under megatron-core's names (what :func:`jaxllm.model.megatron.from_megatron` takes)."""
+
+    path: str
+    iteration: int
+    args: dict
+    scheduler: dict | None
+    read: Callable
+
+
+def _torch_dist_source(directory: str, iteration: int | None) -> _Source:
+    """Megatron-LM's ``torch_dist`` checkpoint (:mod:`jaxllm.runtime.torch_dist`)."""
+    path, iteration = torch_dist.iteration_dir(directory, iteration)
+    common = torch_dist.read_common(path)
+    if common.get("iteration") != iteration:
+        raise ConvertError(f"{path}/common.pt is of iteration {common.get('iteration')}, its directory of "
+                           f"{iteration}: the checkpoint is inconsistent")
+
+    def read(cfg):
+        metadata = torch_dist.read_metadata(path)
+        keys = [k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")]
+        _check_optimizer_format(common, keys, path)
+        taken = (*_MOMENTS.values(), *_MASTERS)
+        left = sorted(k for k in keys if k.startswith("optimizer.") and not k.startswith(taken))
+        if left:
+            raise ConvertError(f"{path}: optimizer tensors jaxllm has no place for: {', '.join(left[:4])}")
+        master = next((p for p in _MASTERS if any(k.startswith(p) for k in keys)), None)
+        # the float32 copies, where saved, stand for the model's tensors: those are not read then
+        tensors = torch_dist.read_tensors(path, metadata, [k for k in keys if k.startswith("optimizer.") or not master])
+        part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
+        weights = part(master) if master else {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+        for prefix in _MOMENTS.values():
+            if not part(prefix):
+                raise ConvertError(f"{path} holds no {prefix}* tensors: saved without Adam's state (--no-save-optim)")
+        return weights, {name: part(prefix) for name, prefix in _MOMENTS.items()}, _adam_step(common.get("optimizer"),
+                                                                                              set())
+
+    args = vars(common.get("args")) if isinstance(common.get("args"), argparse.Namespace) else None
+    if not args:
+        raise ConvertError(f"{path}/common.pt holds no Megatron-LM arguments (args): not a Megatron-LM checkpoint")
+    return _Source(path, iteration, args, common.get("opt_param_scheduler"), read)
+
+
+def _deepspeed_source(directory: str, iteration: int | None) -> _Source:
+    """Megatron-DeepSpeed's DeepSpeed checkpoint, native or universal (:mod:`jaxllm.runtime.ds_checkpoint`)."""
+    path = ds_checkpoint.tag_dir(directory, iteration)
+    states = ds_checkpoint.model_states(path)
+    saved = states[0].get("args")
+    if not isinstance(saved, argparse.Namespace):
+        raise ConvertError(f"{path}: the model states hold no Megatron arguments (args): not a Megatron-DeepSpeed "
+                           f"checkpoint")
+    found = states[0].get("iteration")
+    if iteration is not None and found != iteration:
+        raise ConvertError(f"{path} is of iteration {found}, not --iteration {iteration}")
+    args = vars(saved)
+    universal = os.path.isdir(os.path.join(path, "zero"))
+    if not universal and (args.get("tensor_model_parallel_size") or 1) > 1:
+        raise ConvertError(f"{path}: tensor-parallel ({args['tensor_model_parallel_size']}) shards of DeepSpeed's "
+                           f"native layout are not joined here: convert the tag with DeepSpeed's "
+                           f"ds_to_universal first, then import the universal tag")
+
+    def read(cfg):
+        vocab = cfg.model.vocab_size
+        raw, steps = (ds_checkpoint.read_universal(path, states, vocab) if universal
+                      else ds_checkpoint.read_native(path, states))
+        tensors = [megatron.from_deepspeed(raw[k], args["num_layers"], what) for k, what in
+                   (("fp32", "float32 parameters"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))]
+        return tensors[0], {"mu": tensors[1], "nu": tensors[2]}, steps
+
+    return _Source(path, found, megatron.deepspeed_args(args), states[0].get("lr_scheduler"), read)
+
+
 def import_megatron(directory: str, workdir: str, iteration: int | None = None,
                     overrides: dict[str, str] | None = None) -> tuple[config.Resolved, int, list[str]]:
-    """``--from-megatron``: Megatron-LM's ``torch_dist`` checkpoint in ``directory`` (its latest iteration, or
+    """``--from-megatron``: Megatron-LM's ``torch_dist`` checkpoint or Megatron-DeepSpeed's DeepSpeed checkpoint
+    (native ZeRO-1/2/3 shards, or DeepSpeed's universal layout) in ``directory`` (its latest iteration, or
     ``iteration``) as a jaxllm checkpoint of that step in ``workdir`` (which must hold none), plus
     ``workdir/config.py``.
 
@@ -478,42 +558,28 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     The next step, ``iteration`` (jaxllm counts from 0), takes samples ``iteration x global batch`` on, which
     is Megatron-LM's next sample for the same ``--data-path``, ``--split``, ``--seed`` and ``--seq-length``.
     Returns ``(resolved config, iteration, notes)``: the notes say which saved arguments jaxllm leaves
-    behind (:func:`jaxllm.model.megatron.notes`).  Raises ConvertError (see :mod:`jaxllm.runtime.torch_dist`) and
-    ConfigError; nothing is written to ``workdir`` then.
+    behind (:func:`jaxllm.model.megatron.notes`).  Raises ConvertError (see :mod:`jaxllm.runtime.torch_dist`,
+    :mod:`jaxllm.runtime.ds_checkpoint`) and ConfigError; nothing is written to ``workdir`` then.
     """
     _refuse_used_workdir(workdir)
-    path, iteration = torch_dist.iteration_dir(directory, iteration)
-    common = torch_dist.read_common(path)
-    args = vars(common.get("args")) if isinstance(common.get("args"), argparse.Namespace) else None
-    if not args:
-        raise ConvertError(f"{path}/common.pt holds no Megatron-LM arguments (args): not a Megatron-LM checkpoint")
+    torch_dist.require_torch()
+    source = (_deepspeed_source if ds_checkpoint.is_deepspeed(directory) else _torch_dist_source)(directory, iteration)
+    path, iteration, args = source.path, source.iteration, source.args
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
                            "global_batch_size", "seq_length", "train_iters") if args.get(k) is None]
     if missing:
-        raise ConvertError(f"{path}/common.pt: the saved arguments lack {', '.join(missing)}")
+        raise ConvertError(f"{path}: the saved arguments lack {', '.join(missing)}")
     given = config.get_config()
     for key, text in megatron.args_overrides(args).items():
         config.override(given, key, text)
     _apply_overrides(given, dict(overrides or {}), "Megatron checkpoint's arguments")
     cfg = _resolve_for_its_mesh(given)
-    count, schedule = _check_position(common, args, iteration, path)
-    metadata = torch_dist.read_metadata(path)
-    keys = [k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")]
-    _check_optimizer_format(common, keys, path)
-    left = sorted(k for k in keys if k.startswith("optimizer.") and not k.startswith((*_MOMENTS.values(), *_MASTERS)))
-    if left:
-        raise ConvertError(f"{path}: optimizer tensors jaxllm has no place for: {', '.join(left[:4])}")
-    master = next((p for p in _MASTERS if any(k.startswith(p) for k in keys)), None)
-    # the float32 copies, where saved, stand for the model's tensors: those are not read then
-    tensors = torch_dist.read_tensors(path, metadata, [k for k in keys if k.startswith("optimizer.") or not master])
-    part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
-    weights = part(master) if master else {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-    params = megatron.from_megatron(cfg.model, weights, "float32 parameters" if master else "parameters")
-    moments = {}
-    for name, prefix in _MOMENTS.items():
-        if not part(prefix):
-            raise ConvertError(f"{path} holds no {prefix}* tensors: saved without Adam's state (--no-save-optim)")
-        moments[name] = megatron.from_megatron(cfg.model, part(prefix), prefix.split(".")[-2])
+    schedule = _check_position(path, iteration, args, source.scheduler)
+    weights, moments, steps = source.read(cfg)
+    count = _one_step(steps, schedule, path)
+    params = megatron.from_megatron(cfg.model, weights, "float32 parameters")
+    moments = {name: megatron.from_megatron(cfg.model, moments[name], what)
+               for name, what in (("mu", "exp_avg"), ("nu", "exp_avg_sq"))}
     spec = gpt.describe(cfg.model)
     optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
     with jax.default_device(jax.devices("cpu")[0]):
@@ -523,7 +589,7 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     ckpt.maybe_save(iteration, state, force=True)
     ckpt.close()
     with open(os.path.join(workdir, "config.py"), "w") as fp:
-        fp.write(_config_file_text(given, path, "Megatron-LM checkpoint"))
+        fp.write(_config_file_text(given, path, "Megatron checkpoint"))
     return cfg, iteration, megatron.notes(args)
 
 
@@ -643,14 +709,16 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--from-hf", nargs=2, metavar=("DIR", "WORKDIR"),
                       help="import the Hugging Face directory DIR as a step-0 checkpoint in WORKDIR")
     mode.add_argument("--from-megatron", nargs=2, metavar=("DIR", "WORKDIR"),
-                      help="import the Megatron-LM torch_dist checkpoint DIR (with its optimizer state) into WORKDIR")
+                      help="import the Megatron-LM torch_dist checkpoint DIR, or Megatron-DeepSpeed's DeepSpeed "
+                           "checkpoint DIR (native or universal), with its optimizer state into WORKDIR")
     mode.add_argument("--to-megatron", nargs=2, metavar=("WORKDIR", "OUT"),
                       help="export WORKDIR's latest checkpoint (with its optimizer state) as a Megatron-LM "
                            "torch_dist checkpoint in OUT")
     p.add_argument("--step", type=int, default=None,
                    help="--to-hf, --to-megatron: the checkpoint step (default: latest)")
     p.add_argument("--iteration", type=int, default=None,
-                   help="--from-megatron: the iteration (default: latest_checkpointed_iteration.txt's)")
+                   help="--from-megatron: the iteration (default: latest_checkpointed_iteration.txt's, or "
+                        "DeepSpeed's latest tag)")
     args, rest = p.parse_known_args(argv)
     overrides = {}
     for item in rest:

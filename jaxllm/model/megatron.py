@@ -16,6 +16,7 @@ are the gate's then the up projection's; linear weights are ``[out, in]`` (ours 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -349,3 +350,95 @@ def from_megatron(m: config.Model, tensors: dict[str, np.ndarray], what: str = "
     # jaxllm's padding rows beyond Megatron's (a tensor size that pads the vocabulary further) are zeros
     leaves = [np.pad(out[k], [(0, p - n) for n, p in zip(out[k].shape, padded[k].shape, strict=True)]) for k in padded]
     return jax.tree_util.tree_unflatten(jax.tree.structure(spec.params), leaves)
+
+
+# --------------------------------------------------------------------------- Megatron-DeepSpeed
+
+# Megatron-DeepSpeed's (legacy Megatron-LM's) modules of a layer -> megatron-core's
+_DEEPSPEED_LAYER = {"input_layernorm.": "input_layernorm.",
+                    "self_attention.query_key_value.": "self_attention.linear_qkv.",
+                    "self_attention.dense.": "self_attention.linear_proj.",
+                    "post_attention_layernorm.": "pre_mlp_layernorm.", "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
+                    "mlp.dense_4h_to_h.": "mlp.linear_fc2."}
+
+
+def deepspeed_args(args: dict) -> dict:
+    """Megatron-DeepSpeed's saved arguments (``megatron/arguments.py`` of argonne-lcf's and microsoft's forks)
+    in Megatron-LM's names, as :func:`args_overrides` reads them: ``normalization`` layernorm/rmsnorm,
+    ``use_rotary_position_embeddings`` / ``add_position_embedding``, ``rope_theta``, ``num_key_value_heads``,
+    ``layernorm_epsilon``.  Raises ConvertError: DeepSpeed's mixture of experts, no position embedding."""
+    out = dict(args)
+    out["normalization"] = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(args.get("normalization"),
+                                                                                args.get("normalization"))
+    rotary = bool(args.get("use_rotary_position_embeddings"))
+    if not rotary and not args.get("add_position_embedding", True):
+        raise ConvertError("Megatron-DeepSpeed argument add_position_embedding=False without rotary embeddings: "
+                           "jaxllm's positions are learned or rotary", keys=("add_position_embedding",))
+    out["position_embedding_type"] = "rope" if rotary else "learned_absolute"
+    if args.get("rope_theta") is not None:
+        out["rotary_base"] = args["rope_theta"]
+    groups = args.get("num_key_value_heads") or args["num_attention_heads"]
+    out.update(num_query_groups=groups, group_query_attention=groups != args["num_attention_heads"])
+    experts = args.get("num_experts") or [1]
+    if max(experts if isinstance(experts, (list, tuple)) else [experts]) > 1:
+        raise ConvertError(f"Megatron-DeepSpeed argument num_experts={experts}: DeepSpeed's mixture of experts is "
+                           "not read", keys=("num_experts",))
+    out["num_experts"] = None
+    out.setdefault("norm_epsilon", args.get("layernorm_epsilon"))
+    return out
+
+
+def _deepspeed_key(name: str, num_layers: int) -> tuple[str, int | None] | None:
+    """``(megatron-core name, layer or None)`` of a Megatron-DeepSpeed parameter, named as its ``GPTModel``
+    (``language_model.encoder.layers.3.mlp.dense_h_to_4h.weight``) or its ``GPTModelPipe`` (``5.mlp...``: spec 0
+    casts, 1 embeds (``tied_modules.embed.`` when tied), 2 to L + 1 are the layers, L + 2 the final norm, L + 3
+    the untied output) names it; None for any other."""
+    pipe = re.fullmatch(r"(\d+)\.(.+)", name)
+    if pipe:
+        index, rest = int(pipe.group(1)), pipe.group(2)
+        if index == 1:
+            name = "language_model.embedding." + rest
+        elif 2 <= index <= num_layers + 1:
+            name = f"language_model.encoder.layers.{index - 2}.{rest}"
+        elif index == num_layers + 2:
+            name = "language_model.encoder.final_layernorm." + rest
+        elif index == num_layers + 3 and rest == "lm_head.weight":
+            name = "language_model.output_layer.weight"
+    name = re.sub(r"^tied_modules\.embed\.", "language_model.embedding.", name)
+    layer = re.fullmatch(r"language_model\.encoder\.layers\.(\d+)\.(.+)", name)
+    if layer:
+        part = next((p for p in _DEEPSPEED_LAYER if layer.group(2).startswith(p)), None)
+        i = int(layer.group(1))
+        return (f"decoder.layers.{_DEEPSPEED_LAYER[part]}{layer.group(2)[len(part):]}", i) \
+            if part and i < num_layers else None
+    fixed = {"language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+             "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+             "language_model.output_layer.weight": "output_layer.weight"}
+    if name in fixed:
+        return fixed[name], None
+    final = re.fullmatch(r"language_model\.encoder\.final_layernorm\.(weight|bias)", name)
+    return (f"decoder.final_layernorm.{final.group(1)}", None) if final else None
+
+
+def from_deepspeed(tensors: dict[str, np.ndarray], num_layers: int, what: str) -> dict[str, np.ndarray]:
+    """Megatron-DeepSpeed's tensors (:func:`_deepspeed_key`'s names) under megatron-core's names, the layers
+    stacked on a leading ``[layers]`` axis, for :func:`from_megatron`.  The fused QKV rows are per key/value
+    group, its queries then its key then its value (``ParallelAttention`` of argonne-lcf's fork, and of
+    microsoft's before its December 2024 FPDT change), which is megatron-core's layout; SwiGLU's
+    ``dense_h_to_4h`` rows are the gate's then the up projection's (``torch.chunk``), as megatron-core's.
+    Raises ConvertError: a tensor jaxllm has no place for, or a layer missing one."""
+    out, layers = {}, {}
+    for name, x in tensors.items():
+        key = _deepspeed_key(name, num_layers)
+        if key is None:
+            raise ConvertError(f"the checkpoint's {what}: {name} is a tensor jaxllm has no place for")
+        if key[1] is None:
+            out[key[0]] = x
+        else:
+            layers.setdefault(key[0], {})[key[1]] = x
+    for name, by_layer in layers.items():
+        if sorted(by_layer) != list(range(num_layers)):
+            raise ConvertError(f"the checkpoint's {what}: {name} of layers {sorted(by_layer)}, not 0 to "
+                               f"{num_layers - 1}")
+        out[name] = np.stack([by_layer[i] for i in range(num_layers)])
+    return out

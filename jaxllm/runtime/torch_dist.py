@@ -122,13 +122,21 @@ def _check_backend(path: str) -> None:
 
 def read_common(path: str) -> dict:
     """``path/common.pt`` (an ``iter_*`` directory's) through the weights-only unpickler. Raises ConvertError."""
-    torch = require_torch()
+    require_torch()
     _check_backend(path)
     file = os.path.join(path, "common.pt")
     if not os.path.isfile(file):
         raise ConvertError(f"{file} is missing: the checkpoint is incomplete")
+    return load_safely(file, _safe_globals())
+
+
+def load_safely(file: str, allowed: list):
+    """``torch.load`` of ``file`` through torch's weights-only unpickler, ``allowed`` (classes, or ``(stand-in,
+    "module.name")`` pairs: ``torch.serialization.safe_globals``) beside torch's own.  Raises ConvertError
+    naming the file and the first global refused."""
+    torch = require_torch()
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(allowed):
             return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         why = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), str(e).splitlines()[0])

@@ -1,0 +1,132 @@
+"""jaxllm.convert --from-megatron of Megatron-DeepSpeed's DeepSpeed checkpoints, against what DeepSpeed itself held.
+
+tests/data/deepspeed/ holds checkpoints DeepSpeed 0.19.8's own engine saved on the CPU after three AdamW steps of a
+small GPT named and laid out as Megatron-DeepSpeed's (tests/deepspeed_checkpoint.py, which says how they were made):
+ZeRO-1 in bf16 with Megatron's nested module state (argonne's runs without a pipeline), ZeRO-2 in float32 with
+DeepSpeed's per-parameter alignment and round-robin gradient order, ZeRO-3 in bf16, and two pipeline stages under
+DeepSpeed's BF16_Optimizer (argonne's runs with one); the last three also through DeepSpeed's ``ds_to_universal``.
+Beside each, the float32 masters and Adam moments the live engine held (DeepSpeed's ``safe_get_full_fp32_param``,
+``safe_get_full_optimizer_state``) and the float32 model's logits on a batch.  The sizes are odd (hidden 15, three
+heads, a vocabulary of 60 padded to 63) so that ZeRO's partitions pad.
+"""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_megatron_checkpoint import Payload, restored, run_cli
+
+from jaxllm.model import gpt, megatron
+
+DATA = Path(__file__).resolve().parent / "data" / "deepspeed"
+NATIVE = ["zero1_bf16_nested", "zero2_fp32_aligned", "zero3_bf16", "pipeline2_bf16"]
+UNIVERSAL = [f"{c}_universal" for c in NATIVE[1:]]
+# ds_to_universal cuts the vocabulary's padding rows from ZeRO-1/2 shards (not from ZeRO-3's flat tensors); the
+# import puts them back as zeros, as DeepSpeed's universal loader does
+TRIMMED = ("zero2_fp32_aligned_universal", "pipeline2_bf16_universal")
+LAYERS, VOCAB, ITERS = 2, 60, 3
+# megatron-core's names (jaxllm's export) -> Megatron-DeepSpeed's in a layer, longest first
+LAYER = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+         "self_attention.linear_qkv.": "self_attention.query_key_value.",
+         "self_attention.linear_proj.": "self_attention.dense.",
+         "mlp.linear_fc1.layer_norm_": "post_attention_layernorm.", "mlp.linear_fc1.": "mlp.dense_h_to_4h.",
+         "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
+
+
+def deepspeed_names(name: str, pipe: bool) -> list[str]:
+    """Megatron-DeepSpeed's names of a megatron-core tensor (one per layer for the stacked ones)."""
+    embed = "tied_modules.embed." if pipe else "language_model.embedding."
+    if name.startswith("embedding."):
+        return [embed + name.removeprefix("embedding.")]
+    if name.startswith("decoder.final_layernorm."):
+        last = name.rsplit(".", 1)[1]
+        return [f"{LAYERS + 2}.{last}" if pipe else f"language_model.encoder.final_layernorm.{last}"]
+    rest = name.removeprefix("decoder.layers.")
+    part = next(p for p in LAYER if rest.startswith(p))
+    return [(f"{i + 2}." if pipe else f"language_model.encoder.layers.{i}.") + LAYER[part] + rest[len(part):]
+            for i in range(LAYERS)]
+
+
+def held(case: str) -> dict:
+    """What the engine held when it saved the case (a universal tag: its source's), every stage's; the tied
+    embedding of the first stage, whose positions the last stage's copy (its output layer) leaves untrained."""
+    out = {}
+    for f in sorted((DATA / case.removesuffix("_universal")).glob("expected_rank*.npz")):
+        for k, v in np.load(f).items():
+            out.setdefault(k, v)
+    return out
+
+
+@pytest.mark.parametrize("case", NATIVE + UNIVERSAL)
+def test_import_equals_what_deepspeed_held(case, tmp_path, capsys):
+    assert run_cli("--from-megatron", DATA / case, tmp_path / "run") == 0
+    assert f"imported iteration {ITERS}" in capsys.readouterr().out
+    m, at, state, adam = restored(tmp_path / "run")
+    assert at == ITERS and int(state["step"]) == ITERS and int(adam.count) == ITERS
+    assert (m.vocab_size, m.hidden_size, m.num_layers, m.position_embedding) == (63, 15, LAYERS, "learned")
+    expected, pipe, compared = held(case), case.startswith("pipeline"), set()
+    for kind, tree in (("fp32", state["params"]), ("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
+        for name, x in megatron.to_megatron(m, tree).items():
+            for i, ds_name in enumerate(deepspeed_names(name, pipe)):
+                ours, theirs = (x[i] if name.startswith("decoder.layers.") else x), expected[f"{kind}/{ds_name}"]
+                if case in TRIMMED and "word_embeddings" in ds_name:
+                    np.testing.assert_array_equal(ours[VOCAB:], 0)
+                    ours, theirs = ours[:VOCAB], theirs[:VOCAB]
+                np.testing.assert_array_equal(ours, theirs, err_msg=f"{kind}/{ds_name}")
+                compared.add(f"{kind}/{ds_name}")
+    assert compared == {k for k in expected if "/" in k}  # every tensor the engine held
+    assert all(np.abs(expected[k]).max() > 0 for k in compared if k.startswith("exp_avg"))
+    if "logits" in expected:  # the model: jaxllm's logits are the float32 torch model's (but the padding rows')
+        logits = gpt.forward(gpt.describe(m).graphdef, state["params"], expected["ids"].astype(np.int32))
+        width = VOCAB if case in TRIMMED else None
+        np.testing.assert_allclose(np.asarray(logits)[..., :width], expected["logits"][..., :width], rtol=0, atol=1e-5)
+
+
+def rewrite_states(tag: Path, **changes) -> None:
+    """The model states of a tag with ``changes`` to Megatron's saved arguments (``payload``: an entry)."""
+    file = tag / "mp_rank_00_model_states.pt"
+    states = torch.load(file, weights_only=False)  # the test's own copy of a fixture
+    for k, v in changes.items():
+        if k == "payload":
+            states[k] = v
+        else:
+            setattr(states["args"], k, v)
+    torch.save(states, file)
+
+
+LN1 = "language_model.encoder.layers.0.input_layernorm.weight"
+BAD = {  # case: (source, change of the copy, extra arguments, words of the one line)
+    "a missing ZeRO shard": ("zero2_fp32_aligned",
+                             lambda c: (c / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
+                             (), "a shard is missing"),
+    "a missing universal file": ("zero3_bf16_universal",
+                                 lambda c: shutil.rmtree(c / "global_step3" / "zero" / LN1),
+                                 (), f"zero/{LN1} is missing"),
+    "native tensor-parallel shards": ("zero2_fp32_aligned",
+                                      lambda c: rewrite_states(c / "global_step3", tensor_model_parallel_size=2), (),
+                                      "ds_to_universal first"),
+    "DeepSpeed's mixture of experts": ("zero2_fp32_aligned",
+                                       lambda c: rewrite_states(c / "global_step3", num_experts=[4]), (),
+                                       "num_experts=[4]"),
+    "a mismatched --iteration": ("zero1_bf16_nested", lambda c: None, ("--iteration", "5"), "holds no global_step5"),
+    "pickled code in the model states": ("zero1_bf16_nested",
+                                         lambda c: rewrite_states(c / "global_step3", payload=Payload()), (),
+                                         "holds what the weights-only loader refuses"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
+    source, change, extra, words = BAD[case]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / source, ckpt)
+    change(ckpt)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_cli("--from-megatron", ckpt, tmp_path / "run", *extra)
+    err = capsys.readouterr()
+    assert e.value.code == 2 and words in err.err and len(err.err.strip().splitlines()) == 1, err.err
+    assert "payload ran" not in err.out + err.err
+    assert not (tmp_path / "run").exists()
