@@ -1,9 +1,12 @@
 """Makes the Megatron-DeepSpeed checkpoints of tests/data/deepspeed/ with DeepSpeed's own engine on the CPU.
 
 A small GPT whose modules are named and laid out as Megatron-DeepSpeed's ``GPTModel`` (argonne-lcf's fork:
-``megatron/model/{gpt_model,language_model,transformer}.py``; fused QKV rows per head: query, key, value; tanh
-GELU as ``--openai-gelu``; LayerNorm; learned positions; tied output), or as its ``GPTModelPipe`` (DeepSpeed's
-``PipelineModule``: spec 0 casts, 1 embeds, 2..L+1 the layers, L+2 the final norm, the tied head), trains 3 steps
+``megatron/model/{gpt_model,language_model,transformer,rotary_pos_embedding}.py``; fused QKV rows per key/value
+group: its queries, key, value), GPT-style (tanh GELU as ``--openai-gelu``, LayerNorm, learned positions, biases,
+tied output) or Llama-style (``llama_*`` cases: RMSNorm, SwiGLU with the gate's rows first, rotary embeddings
+rotating halves, grouped-query attention, no biases, an untied output layer), or as its ``GPTModelPipe``
+(DeepSpeed's ``PipelineModule``: spec 0 casts, 1 embeds, 2..L+1 the layers, L+2 the final norm, then the tied head
+or L+3 the untied ``LMHeadPipe``), trains 3 steps
 under DeepSpeed and is saved as Megatron-DeepSpeed's ``save_checkpoint`` does (``engine.save_checkpoint`` with
 Megatron's ``args``, ``iteration``, ``checkpoint_version``, ``universal_checkpoint_info``, ``rng_state``; Megatron's
 ``OptimizerParamScheduler`` state as ``lr_scheduler``).  Beside it, ``expected_rankR.npz``: every parameter's
@@ -30,24 +33,59 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, PADDED_VOCAB, DIVISIBLE_BY = 60, 63, 3  # Megatron pads to a multiple of --make-vocab-size-divisible-by
-HIDDEN, HEADS, LAYERS, FFN, SEQ, MICRO, STEPS = 15, 3, 2, 36, 8, 2, 3  # odd sizes: ZeRO's padding is exercised
+LAYERS, SEQ, MICRO, STEPS, THETA = 2, 8, 2, 3, 10000.0
+# GPT-style: odd sizes, so that ZeRO's partitions pad; Llama-style: 4 query heads in 2 groups of head size 4
+SIZES = {"gpt": (15, 3, 3, 36), "llama": (16, 4, 2, 20)}  # hidden, heads, key/value heads, FFN
+HIDDEN, HEADS, KV_HEADS, FFN = SIZES["gpt"]
+LLAMA = False
 CASES = {  # name: (ZeRO stage, bf16, pipeline stages, Megatron's nested module state, DeepSpeed options)
     "zero1_bf16_nested": (1, True, 0, True, {}),  # argonne's PP=1 runs (--no-pipeline-parallel)
     "zero2_fp32_aligned": (2, False, 0, False, {"parameter_alignment": True, "round_robin_gradients": True}),
     "zero3_bf16": (3, True, 0, True, {}),
     "pipeline2_bf16": (1, True, 2, False, {}),  # argonne's PP>1 runs: BF16_Optimizer (grad_accum_dtype fp32)
+    "llama_zero1_bf16_nested": (1, True, 0, True, {}),
+    "llama_pipeline2_bf16": (1, True, 2, False, {}),
 }
+
+
+def rotary(x):
+    """Rotary embeddings of ``x [s, b, heads, d]`` as Megatron-DeepSpeed's ``apply_rotary_pos_emb``: the halves
+    rotated (``_rotate_half``), frequencies ``THETA ** (-2i / d)``."""
+    d = x.shape[-1]
+    freqs = torch.outer(torch.arange(x.shape[0]).float(), 1.0 / THETA ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * emb.cos().to(x.dtype) + torch.cat([-x2, x1], dim=-1) * emb.sin().to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def norm():
+    return RMSNorm(HIDDEN) if LLAMA else nn.LayerNorm(HIDDEN, eps=1e-5)
 
 
 class Attention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.query_key_value = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.dense = nn.Linear(HIDDEN, HIDDEN)
+        d = HIDDEN // HEADS
+        self.query_key_value = nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * d, bias=not LLAMA)
+        self.dense = nn.Linear(HIDDEN, HIDDEN, bias=not LLAMA)
 
-    def forward(self, x):  # [s, b, h]; rows per head: [query; key; value] (ParallelAttention.split_tensor)
+    def forward(self, x):  # [s, b, h]; rows per key/value group: [queries; key; value] (ParallelAttention)
         s, b, _ = x.shape
-        q, k, v = self.query_key_value(x).view(s, b, HEADS, 3, HIDDEN // HEADS).unbind(3)
+        group = HEADS // KV_HEADS
+        qkv = self.query_key_value(x).view(s, b, KV_HEADS, group + 2, HIDDEN // HEADS)
+        q, k, v = qkv[:, :, :, :group].reshape(s, b, HEADS, -1), qkv[:, :, :, group], qkv[:, :, :, group + 1]
+        if LLAMA:
+            q, k = rotary(q), rotary(k)
+        k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))  # query head j reads group j // group
         out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
         return self.dense(out.permute(2, 0, 1, 3).reshape(s, b, HIDDEN))
 
@@ -55,19 +93,22 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(HIDDEN, FFN)
-        self.dense_4h_to_h = nn.Linear(FFN, HIDDEN)
+        self.dense_h_to_4h = nn.Linear(HIDDEN, 2 * FFN if LLAMA else FFN, bias=not LLAMA)
+        self.dense_4h_to_h = nn.Linear(FFN, HIDDEN, bias=not LLAMA)
 
     def forward(self, x):
+        if LLAMA:  # SwiGLU: torch.chunk's first half is the gate
+            gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
+            return self.dense_4h_to_h(F.silu(gate) * up)
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
 
 
 class TransformerLayer(nn.Module):
     def __init__(self):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(HIDDEN, eps=1e-5)
+        self.input_layernorm = norm()
         self.self_attention = Attention()
-        self.post_attention_layernorm = nn.LayerNorm(HIDDEN, eps=1e-5)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP()
 
     def forward(self, x):
@@ -79,14 +120,17 @@ class Embedding(nn.Module):
     def __init__(self):
         super().__init__()
         self.word_embeddings = nn.Embedding(PADDED_VOCAB, HIDDEN)
-        self.position_embeddings = nn.Embedding(SEQ, HIDDEN)
+        if not LLAMA:
+            self.position_embeddings = nn.Embedding(SEQ, HIDDEN)
 
     @property
     def word_embeddings_weight(self):
         return self.word_embeddings.weight
 
     def forward(self, ids):  # [b, s] -> [s, b, h]
-        x = self.word_embeddings(ids) + self.position_embeddings(torch.arange(ids.shape[1]))[None]
+        x = self.word_embeddings(ids)
+        if not LLAMA:
+            x = x + self.position_embeddings(torch.arange(ids.shape[1]))[None]
         return x.transpose(0, 1).contiguous()
 
 
@@ -94,7 +138,7 @@ class Encoder(nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList([TransformerLayer() for _ in range(LAYERS)])
-        self.final_layernorm = nn.LayerNorm(HIDDEN, eps=1e-5)
+        self.final_layernorm = norm()
 
 
 class LanguageModel(nn.Module):
@@ -102,6 +146,8 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.embedding = Embedding()
         self.encoder = Encoder()
+        if LLAMA:  # --untie-embeddings-and-output-weights
+            self.output_layer = nn.Linear(HIDDEN, PADDED_VOCAB, bias=False)
 
 
 class GPTModel(nn.Module):
@@ -113,18 +159,27 @@ class GPTModel(nn.Module):
         x = self.language_model.embedding(ids)
         for layer in self.language_model.encoder.layers:
             x = layer(x)
-        return self.language_model.encoder.final_layernorm(x).transpose(0, 1) @ \
-            self.language_model.embedding.word_embeddings.weight.t()
+        head = (self.language_model.output_layer if LLAMA else self.language_model.embedding.word_embeddings).weight
+        return self.language_model.encoder.final_layernorm(x).transpose(0, 1) @ head.t()
 
     def forward(self, ids, labels):
         return F.cross_entropy(self.logits(ids).float().reshape(-1, PADDED_VOCAB), labels.reshape(-1))
 
     def nested_state_dict(self, destination=None, prefix="", keep_vars=False):  # state_dict_for_save_checkpoint's
-        emb = self.language_model.embedding
+        lm = self.language_model
         return {"language_model": {
-            "embedding": {n: getattr(emb, n).state_dict(keep_vars=keep_vars)
-                          for n in ("word_embeddings", "position_embeddings")},
-            "encoder": self.language_model.encoder.state_dict(keep_vars=keep_vars)}}
+            "embedding": {n: m.state_dict(keep_vars=keep_vars) for n, m in lm.embedding.named_children()},
+            "encoder": lm.encoder.state_dict(keep_vars=keep_vars),
+            **({"output_layer": lm.output_layer.state_dict(keep_vars=keep_vars)} if LLAMA else {})}}
+
+
+class LMHead(nn.Module):  # argonne's LMHeadPipe
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(HIDDEN, PADDED_VOCAB, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(x).transpose(0, 1)
 
 
 def pipeline(stages):
@@ -133,9 +188,13 @@ def pipeline(stages):
     def head(embedding, x):
         return x.transpose(0, 1) @ embedding.word_embeddings_weight.t()
 
-    specs = [lambda x: x, TiedLayerSpec("embed", Embedding, tied_weight_attr="word_embeddings_weight"),
-             *[LayerSpec(TransformerLayer) for _ in range(LAYERS)], LayerSpec(nn.LayerNorm, HIDDEN, eps=1e-5),
-             TiedLayerSpec("embed", Embedding, forward_fn=head, tied_weight_attr="word_embeddings_weight")]
+    if LLAMA:
+        first, last = LayerSpec(Embedding), LayerSpec(LMHead)
+    else:
+        first = TiedLayerSpec("embed", Embedding, tied_weight_attr="word_embeddings_weight")
+        last = TiedLayerSpec("embed", Embedding, forward_fn=head, tied_weight_attr="word_embeddings_weight")
+    specs = [lambda x: x, first, *[LayerSpec(TransformerLayer) for _ in range(LAYERS)],
+             LayerSpec(RMSNorm, HIDDEN) if LLAMA else LayerSpec(nn.LayerNorm, HIDDEN, eps=1e-5), last]
     def loss(logits, labels):
         return F.cross_entropy(logits.float().reshape(-1, PADDED_VOCAB), labels.reshape(-1))
 
@@ -165,12 +224,13 @@ def megatron_args(zero, bf16, stages, world):
     batch = MICRO * (world // max(stages, 1))
     return argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        kv_channels=HIDDEN // HEADS, num_key_value_heads=HEADS, seq_length=SEQ, max_position_embeddings=SEQ,
+        kv_channels=HIDDEN // HEADS, num_key_value_heads=KV_HEADS, seq_length=SEQ, max_position_embeddings=SEQ,
         padded_vocab_size=PADDED_VOCAB, make_vocab_size_divisible_by=DIVISIBLE_BY, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=max(stages, 1), no_pipeline_parallel=stages == 0, bf16=bf16, fp16=False,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, normalization="layernorm", layernorm_epsilon=1e-5,
-        add_position_embedding=True, use_rotary_position_embeddings=False, openai_gelu=True, swiglu=False,
-        add_bias_linear=True, untie_embeddings_and_output_weights=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, normalization="rmsnorm" if LLAMA else "layernorm",
+        layernorm_epsilon=1e-5, add_position_embedding=not LLAMA, use_rotary_position_embeddings=LLAMA,
+        rope_theta=int(THETA), openai_gelu=not LLAMA, swiglu=LLAMA, add_bias_linear=not LLAMA,
+        untie_embeddings_and_output_weights=LLAMA, hidden_dropout=0.0, attention_dropout=0.0,
         micro_batch_size=MICRO, global_batch_size=batch, train_iters=20, lr=1e-3, min_lr=1e-4,
         lr_decay_style="cosine", lr_warmup_iters=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
         adam_eps=1e-8, clip_grad=1.0, optimizer="adam", seed=1234, consumed_train_samples=STEPS * batch,
@@ -183,6 +243,9 @@ def main(case, out):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: PLC0415
 
     zero, bf16, stages, nested, options = CASES[case]
+    global LLAMA, HIDDEN, HEADS, KV_HEADS, FFN  # noqa: PLW0603 - the model classes read them
+    LLAMA = case.startswith("llama")
+    HIDDEN, HEADS, KV_HEADS, FFN = SIZES["llama" if LLAMA else "gpt"]
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(1234)
@@ -213,11 +276,14 @@ def main(case, out):
             engine.backward(engine(ids[:, :-1], ids[:, 1:]))
             engine.step()
     args = megatron_args(zero, bf16, stages, world)
-    embed = "tied_modules.embed." if stages else "language_model.embedding."
+    embed = ("1." if LLAMA else "tied_modules.embed.") if stages else "language_model.embedding."
     universal = {"universal_checkpoint_version": 0.2, "original_vocab_size": VOCAB, "padded_vocab_size": PADDED_VOCAB,
-                 "vocabulary_parameter_patterns": [embed + "word_embeddings.weight"],
+                 "vocabulary_parameter_patterns": [embed + "word_embeddings.weight"] + (
+                     [f"{LAYERS + 3}.lm_head.weight" if stages else "language_model.output_layer.weight"]
+                     if LLAMA else []),
                  "pipeline_replicated_parameter_patterns": [embed + "word_embeddings.weight",
-                                                            embed + "position_embeddings.weight"] if stages else [],
+                                                            embed + "position_embeddings.weight"]
+                 if stages and not LLAMA else [],
                  "parameter_with_2_sub_params_cat_dim_0": []}
     client = {"args": args, "checkpoint_version": 3.0, "iteration": STEPS, "universal_checkpoint_info": universal,
               "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),

@@ -2,9 +2,11 @@
 
 tests/data/deepspeed/ holds checkpoints DeepSpeed 0.19.8's own engine saved on the CPU after three AdamW steps of a
 small GPT named and laid out as Megatron-DeepSpeed's (tests/deepspeed_checkpoint.py, which says how they were made):
-ZeRO-1 in bf16 with Megatron's nested module state (argonne's runs without a pipeline), ZeRO-2 in float32 with
-DeepSpeed's per-parameter alignment and round-robin gradient order, ZeRO-3 in bf16, and two pipeline stages under
-DeepSpeed's BF16_Optimizer (argonne's runs with one); the last three also through DeepSpeed's ``ds_to_universal``.
+GPT-style under ZeRO-1 in bf16 with Megatron's nested module state (argonne's runs without a pipeline), ZeRO-2 in
+float32 with DeepSpeed's per-parameter alignment and round-robin gradient order, ZeRO-3 in bf16, and two pipeline
+stages under DeepSpeed's BF16_Optimizer (argonne's runs with one); Llama-style (RMSNorm, SwiGLU, rotary, grouped
+queries, untied output) under ZeRO-1 and two pipeline stages; the pipelines, ZeRO-2 and ZeRO-3 also through
+DeepSpeed's ``ds_to_universal``.
 Beside each, the float32 masters and Adam moments the live engine held (DeepSpeed's ``safe_get_full_fp32_param``,
 ``safe_get_full_optimizer_state``) and the float32 model's logits on a batch.  The sizes are odd (hidden 15, three
 heads, a vocabulary of 60 padded to 63) so that ZeRO's partitions pad.
@@ -21,11 +23,12 @@ from test_megatron_checkpoint import Payload, restored, run_cli
 from jaxllm.model import gpt, megatron
 
 DATA = Path(__file__).resolve().parent / "data" / "deepspeed"
-NATIVE = ["zero1_bf16_nested", "zero2_fp32_aligned", "zero3_bf16", "pipeline2_bf16"]
-UNIVERSAL = [f"{c}_universal" for c in NATIVE[1:]]
+NATIVE = ["zero1_bf16_nested", "zero2_fp32_aligned", "zero3_bf16", "pipeline2_bf16", "llama_zero1_bf16_nested",
+          "llama_pipeline2_bf16"]
+UNIVERSAL = [f"{c}_universal" for c in ("zero2_fp32_aligned", "zero3_bf16", "pipeline2_bf16", "llama_pipeline2_bf16")]
 # ds_to_universal cuts the vocabulary's padding rows from ZeRO-1/2 shards (not from ZeRO-3's flat tensors); the
 # import puts them back as zeros, as DeepSpeed's universal loader does
-TRIMMED = ("zero2_fp32_aligned_universal", "pipeline2_bf16_universal")
+TRIMMED = ("zero2_fp32_aligned_universal", "pipeline2_bf16_universal", "llama_pipeline2_bf16_universal")
 LAYERS, VOCAB, ITERS = 2, 60, 3
 # megatron-core's names (jaxllm's export) -> Megatron-DeepSpeed's in a layer, longest first
 LAYER = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
@@ -35,11 +38,13 @@ LAYER = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
          "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
 
 
-def deepspeed_names(name: str, pipe: bool) -> list[str]:
+def deepspeed_names(name: str, pipe: bool, llama: bool) -> list[str]:
     """Megatron-DeepSpeed's names of a megatron-core tensor (one per layer for the stacked ones)."""
-    embed = "tied_modules.embed." if pipe else "language_model.embedding."
+    embed = ("1." if llama else "tied_modules.embed.") if pipe else "language_model.embedding."
     if name.startswith("embedding."):
         return [embed + name.removeprefix("embedding.")]
+    if name == "output_layer.weight":
+        return [f"{LAYERS + 3}.lm_head.weight" if pipe else "language_model.output_layer.weight"]
     if name.startswith("decoder.final_layernorm."):
         last = name.rsplit(".", 1)[1]
         return [f"{LAYERS + 2}.{last}" if pipe else f"language_model.encoder.final_layernorm.{last}"]
@@ -65,13 +70,17 @@ def test_import_equals_what_deepspeed_held(case, tmp_path, capsys):
     assert f"imported iteration {ITERS}" in capsys.readouterr().out
     m, at, state, adam = restored(tmp_path / "run")
     assert at == ITERS and int(state["step"]) == ITERS and int(adam.count) == ITERS
-    assert (m.vocab_size, m.hidden_size, m.num_layers, m.position_embedding) == (63, 15, LAYERS, "learned")
-    expected, pipe, compared = held(case), case.startswith("pipeline"), set()
+    llama, pipe = case.startswith("llama"), "pipeline" in case
+    assert (m.vocab_size, m.num_layers) == (63, LAYERS)
+    assert (m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.norm, m.activation, m.position_embedding,
+            m.tie_embeddings, m.use_bias) == ((16, 4, 2, "rmsnorm", "swiglu", "rotary", False, False) if llama else
+                                              (15, 3, 3, "layernorm", "gelu", "learned", True, True))
+    expected, compared = held(case), set()
     for kind, tree in (("fp32", state["params"]), ("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
         for name, x in megatron.to_megatron(m, tree).items():
-            for i, ds_name in enumerate(deepspeed_names(name, pipe)):
+            for i, ds_name in enumerate(deepspeed_names(name, pipe, llama)):
                 ours, theirs = (x[i] if name.startswith("decoder.layers.") else x), expected[f"{kind}/{ds_name}"]
-                if case in TRIMMED and "word_embeddings" in ds_name:
+                if case in TRIMMED and ("word_embeddings" in ds_name or name == "output_layer.weight"):
                     np.testing.assert_array_equal(ours[VOCAB:], 0)
                     ours, theirs = ours[:VOCAB], theirs[:VOCAB]
                 np.testing.assert_array_equal(ours, theirs, err_msg=f"{kind}/{ds_name}")
