@@ -481,6 +481,7 @@ class _Source(NamedTuple):
     args: dict
     scheduler: dict | None
     read: Callable
+    notes: tuple[str, ...] = ()
 
 
 def _torch_dist_source(directory: str, iteration: int | None) -> _Source:
@@ -530,9 +531,16 @@ def _deepspeed_source(directory: str, iteration: int | None) -> _Source:
     args = vars(saved)
     universal = os.path.isdir(os.path.join(path, "zero"))
     if not universal and (args.get("tensor_model_parallel_size") or 1) > 1:
-        raise ConvertError(f"{path}: tensor-parallel ({args['tensor_model_parallel_size']}) shards of DeepSpeed's "
-                           f"native layout are not joined here: convert the tag with DeepSpeed's "
-                           f"ds_to_universal first, then import the universal tag")
+        if not os.path.isdir(path.rstrip(os.sep) + "_universal"):
+            raise ConvertError(f"{path}: tensor-parallel ({args['tensor_model_parallel_size']}) shards of DeepSpeed's "
+                               f"native layout are not joined here: convert the tag with DeepSpeed's ds_to_universal "
+                               f"into {os.path.basename(path.rstrip(os.sep))}_universal first")
+        source = _deepspeed_source(path.rstrip(os.sep) + "_universal", iteration)
+        return source._replace(notes=(f"{path} holds tensor-parallel shards: read its conversion, {source.path}",))
+    scheduler = states[0].get("lr_scheduler")
+    if not isinstance(scheduler, dict) or "num_steps" not in scheduler:
+        raise ConvertError(f"{path}: the learning-rate scheduler's state is not Megatron's OptimizerParamScheduler's "
+                           f"(no num_steps: a DeepSpeed-config scheduler?); jaxllm cannot place the schedule")
 
     def read(cfg):
         vocab = cfg.model.vocab_size
@@ -542,7 +550,7 @@ def _deepspeed_source(directory: str, iteration: int | None) -> _Source:
                    (("fp32", "float32 parameters"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))]
         return tensors[0], {"mu": tensors[1], "nu": tensors[2]}, steps
 
-    return _Source(path, found, megatron.deepspeed_args(args), states[0].get("lr_scheduler"), read)
+    return _Source(path, found, megatron.deepspeed_args(args), scheduler, read)
 
 
 def import_megatron(directory: str, workdir: str, iteration: int | None = None,
@@ -558,8 +566,9 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     The next step, ``iteration`` (jaxllm counts from 0), takes samples ``iteration x global batch`` on, which
     is Megatron-LM's next sample for the same ``--data-path``, ``--split``, ``--seed`` and ``--seq-length``.
     Returns ``(resolved config, iteration, notes)``: the notes say which saved arguments jaxllm leaves
-    behind (:func:`jaxllm.model.megatron.notes`).  Raises ConvertError (see :mod:`jaxllm.runtime.torch_dist`,
-    :mod:`jaxllm.runtime.ds_checkpoint`) and ConfigError; nothing is written to ``workdir`` then.
+    behind (:func:`jaxllm.model.megatron.notes`) and which tag was read in a native DeepSpeed tag's place.
+    Raises ConvertError (see :mod:`jaxllm.runtime.torch_dist`, :mod:`jaxllm.runtime.ds_checkpoint`) and
+    ConfigError; nothing is written to ``workdir`` then.
     """
     _refuse_used_workdir(workdir)
     torch_dist.require_torch()
@@ -590,7 +599,7 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     ckpt.close()
     with open(os.path.join(workdir, "config.py"), "w") as fp:
         fp.write(_config_file_text(given, path, "Megatron checkpoint"))
-    return cfg, iteration, megatron.notes(args)
+    return cfg, iteration, [*source.notes, *megatron.notes(args)]
 
 
 def megatron_args(cfg: config.Config, m: config.Model, iteration: int) -> argparse.Namespace:

@@ -221,19 +221,24 @@ class Scheduler:
 
 
 def megatron_args(zero, bf16, stages, world):
+    """Megatron-DeepSpeed's saved arguments: argonne's defaults where they matter (``--optimizer adamw``, the fused
+    bias GELU, ``model_type``, an enum)."""
+    from megatron.core.enums import ModelType  # noqa: PLC0415
+
     batch = MICRO * (world // max(stages, 1))
-    return argparse.Namespace(
+    return argparse.Namespace(model_type=ModelType.encoder_or_decoder, optimizer="adamw", ds_fused_adam=False,
+                              bias_gelu_fusion=not LLAMA,
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         kv_channels=HIDDEN // HEADS, num_key_value_heads=KV_HEADS, seq_length=SEQ, max_position_embeddings=SEQ,
         padded_vocab_size=PADDED_VOCAB, make_vocab_size_divisible_by=DIVISIBLE_BY, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=max(stages, 1), no_pipeline_parallel=stages == 0, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, normalization="rmsnorm" if LLAMA else "layernorm",
         layernorm_epsilon=1e-5, add_position_embedding=not LLAMA, use_rotary_position_embeddings=LLAMA,
-        rope_theta=int(THETA), openai_gelu=not LLAMA, swiglu=LLAMA, add_bias_linear=not LLAMA,
+        rope_theta=int(THETA), openai_gelu=False, swiglu=LLAMA, add_bias_linear=not LLAMA,
         untie_embeddings_and_output_weights=LLAMA, hidden_dropout=0.0, attention_dropout=0.0,
         micro_batch_size=MICRO, global_batch_size=batch, train_iters=20, lr=1e-3, min_lr=1e-4,
         lr_decay_style="cosine", lr_warmup_iters=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-        adam_eps=1e-8, clip_grad=1.0, optimizer="adam", seed=1234, consumed_train_samples=STEPS * batch,
+        adam_eps=1e-8, clip_grad=1.0, seed=1234, consumed_train_samples=STEPS * batch,
         iteration=STEPS, deepspeed=True, zero_stage=zero, tokenizer_type="NullTokenizer", vocab_size=VOCAB,
         num_experts=[1], data_path=None, split="969,30,1")
 
@@ -265,7 +270,10 @@ def main(case, out):
             model = GPTModel()
     else:
         model = pipeline(stages) if stages else GPTModel()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+    # Megatron's get_param_groups: no weight decay for biases and norms
+    groups = [{"params": [p for p in model.parameters() if p.ndim > 1]},
+              {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     engine.lr_scheduler = engine.client_lr_scheduler = Scheduler(ds["train_batch_size"])
     batches = torch.Generator().manual_seed(42 + rank)
     for _ in range(STEPS):
@@ -291,6 +299,9 @@ def main(case, out):
     if nested:  # Megatron-DeepSpeed's module state with --no-pipeline-parallel
         engine.module.state_dict = engine.module.nested_state_dict
     engine.save_checkpoint(out, client_state=client)
+    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):  # ZeRO-1/2: DeepSpeed 0.19.8 links the optimizer
+        engine.optimizer._hp_optimizer_states_linked = False  # state to the parameters after the first group's
+        engine.optimizer._lazy_init_hp_params_optimizer_state()  # first step only; again, every group's now
     expected = {}
     for name, p in engine.module.named_parameters():  # collective under ZeRO-3: every rank, in order
         expected[f"fp32/{name}"] = safe_get_full_fp32_param(p).float().numpy()

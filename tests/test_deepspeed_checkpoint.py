@@ -12,10 +12,15 @@ Beside each, the float32 masters and Adam moments the live engine held (DeepSpee
 heads, a vocabulary of 60 padded to 63) so that ZeRO's partitions pad.
 """
 
+import enum
 import shutil
+import sys
+import types
 from pathlib import Path
 
+import jax
 import numpy as np
+import optax
 import pytest
 import torch
 from test_megatron_checkpoint import Payload, restored, run_cli
@@ -98,7 +103,7 @@ def rewrite_states(tag: Path, **changes) -> None:
     file = tag / "mp_rank_00_model_states.pt"
     states = torch.load(file, weights_only=False)  # the test's own copy of a fixture
     for k, v in changes.items():
-        if k == "payload":
+        if k in ("payload", "lr_scheduler"):
             states[k] = v
         else:
             setattr(states["args"], k, v)
@@ -115,10 +120,16 @@ BAD = {  # case: (source, change of the copy, extra arguments, words of the one 
                                  (), f"zero/{LN1} is missing"),
     "native tensor-parallel shards": ("zero2_fp32_aligned",
                                       lambda c: rewrite_states(c / "global_step3", tensor_model_parallel_size=2), (),
-                                      "ds_to_universal first"),
+                                      "ds_to_universal into global_step3_universal first"),
     "DeepSpeed's mixture of experts": ("zero2_fp32_aligned",
                                        lambda c: rewrite_states(c / "global_step3", num_experts=[4]), (),
                                        "num_experts=[4]"),
+    "torch's Adam": ("zero1_bf16_nested", lambda c: rewrite_states(c / "global_step3", optimizer="adam"), (),
+                     "optimizer='adam' without ds_fused_adam"),
+    "microsoft's query/key/value thirds": ("zero1_bf16_nested", lambda c: rewrite_states(
+        c / "global_step3", ds_sequence_parallel_fpdt=False), (), "ds_sequence_parallel_fpdt"),
+    "a DeepSpeed-config scheduler": ("zero2_fp32_aligned", lambda c: rewrite_states(
+        c / "global_step3", lr_scheduler={"last_batch_iteration": 2}), (), "no num_steps"),
     "a mismatched --iteration": ("zero1_bf16_nested", lambda c: None, ("--iteration", "5"), "holds no global_step5"),
     "pickled code in the model states": ("zero1_bf16_nested",
                                          lambda c: rewrite_states(c / "global_step3", payload=Payload()), (),
@@ -139,3 +150,86 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert e.value.code == 2 and words in err.err and len(err.err.strip().splitlines()) == 1, err.err
     assert "payload ran" not in err.out + err.err
     assert not (tmp_path / "run").exists()
+
+
+def fake_module(monkeypatch, name: str, **classes) -> None:
+    """``name`` (and its parents) importable with ``classes`` in it, so that pickles naming DeepSpeed's classes
+    are read and written here as DeepSpeed's own code writes them (DeepSpeed is not installed)."""
+    for i in range(1, name.count(".") + 2):
+        parent = ".".join(name.split(".")[:i])
+        if parent not in sys.modules:
+            monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    for cls in classes.values():
+        cls.__module__ = name
+        setattr(sys.modules[name], cls.__qualname__, cls)
+
+
+@pytest.fixture
+def deepspeed_classes(monkeypatch):
+    """Stand-ins named as the DeepSpeed classes an fp16 run's optimizer files and a curriculum run's arguments hold."""
+    made = {"fragment_address": type("fragment_address", (), {}),
+            "ZeroStageEnum": enum.IntEnum("ZeroStageEnum", {"disabled": 0, "optimizer_states": 1, "gradients": 2,
+                                                            "weights": 3}),
+            "LossScaler": type("LossScaler", (), {}), "DynamicLossScaler": type("DynamicLossScaler", (), {}),
+            "CurriculumScheduler": type("CurriculumScheduler", (), {})}
+    for name in made:
+        made[name].__qualname__ = name
+    fake_module(monkeypatch, "deepspeed.utils.tensor_fragment", a=made["fragment_address"])
+    fake_module(monkeypatch, "deepspeed.runtime.zero.config", a=made["ZeroStageEnum"])
+    fake_module(monkeypatch, "deepspeed.runtime.fp16.loss_scaler", a=made["LossScaler"], b=made["DynamicLossScaler"])
+    fake_module(monkeypatch, "deepspeed.runtime.data_pipeline.curriculum_scheduler", a=made["CurriculumScheduler"])
+    return made
+
+
+def rewrite_optimizer(tag: Path, change) -> None:
+    """Each data-parallel rank's optimizer file of a tag, ``change``d (``optimizer_state_dict`` in place)."""
+    for file in tag.glob("*_optim_states.pt"):
+        saved = torch.load(file, weights_only=False)
+        change(saved["optimizer_state_dict"])
+        torch.save(saved, file)
+
+
+def test_an_fp16_curriculum_run_imports_and_adam_counts_its_own_steps(deepspeed_classes, tmp_path):
+    """An fp16 run's dynamic loss scaler and a curriculum run's scheduler (objects of DeepSpeed's classes) are read
+    as their attributes; Adam's step is the shards' (3), the schedule's Megatron's scheduler's (2 of 3 updates:
+    one skipped, as fp16's loss scaler skips them)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "zero2_fp32_aligned", ckpt)
+    scaler = deepspeed_classes["DynamicLossScaler"]()
+    scaler.cur_scale, scaler.scale_window = 65536.0, 1000
+    rewrite_optimizer(ckpt / "global_step3", lambda osd: osd.update(loss_scaler=scaler))
+    curriculum = deepspeed_classes["CurriculumScheduler"]()
+    curriculum.state = {"current_difficulty": 8}
+    states = torch.load(ckpt / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    batch = states["args"].global_batch_size
+    rewrite_states(ckpt / "global_step3", curriculum_scheduler=curriculum,
+                   lr_scheduler={**states["lr_scheduler"], "num_steps": 2 * batch})
+    assert run_cli("--from-megatron", ckpt, tmp_path / "run") == 0
+    m, at, state, adam = restored(tmp_path / "run")
+    schedule = next(n for n in jax.tree.leaves(state["opt_state"], is_leaf=lambda n: isinstance(
+        n, optax.ScaleByScheduleState)) if isinstance(n, optax.ScaleByScheduleState))
+    assert (at, int(adam.count), int(schedule.count)) == (ITERS, ITERS, 2)
+
+
+def test_an_elastic_checkpoint_is_refused_in_one_line(deepspeed_classes, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "zero2_fp32_aligned", ckpt)
+    rewrite_optimizer(ckpt / "global_step3", lambda osd: osd.update(
+        base_optimizer_state=[osd["base_optimizer_state"]["state"][g] for g in (0, 1)]))
+    with pytest.raises(SystemExit) as e:
+        run_cli("--from-megatron", ckpt, tmp_path / "run")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "an elastic checkpoint" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_native_tensor_parallel_shards_read_through_their_universal_conversion(tmp_path, capsys):
+    """A tensor-parallel run's native tag is read as its ``global_stepN_universal`` beside it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "zero2_fp32_aligned", ckpt)
+    shutil.copytree(DATA / "zero2_fp32_aligned_universal" / "global_step3", ckpt / "global_step3_universal")
+    rewrite_states(ckpt / "global_step3", tensor_model_parallel_size=2)
+    assert run_cli("--from-megatron", ckpt, tmp_path / "run") == 0
+    assert "tensor-parallel shards: read its conversion" in capsys.readouterr().err
+    _, _, state, _ = restored(tmp_path / "run")
+    np.testing.assert_array_equal(np.asarray(state["params"]["wte"])[VOCAB:], 0)  # the universal layout's rows

@@ -362,12 +362,33 @@ _DEEPSPEED_LAYER = {"input_layernorm.": "input_layernorm.",
                     "mlp.dense_4h_to_h.": "mlp.linear_fc2."}
 
 
+# Megatron-DeepSpeed's --optimizer values that are AdamW (decoupled weight decay): torch's AdamW, apex's FusedAdam
+# (adam_w_mode by default), DeepSpeed's; "adam" is DeepSpeed's FusedAdam in argonne's fork with --ds-fused-adam
+# (else torch's Adam: L2 decay) and apex's FusedAdam in microsoft's (which has no --ds-fused-adam)
+_DEEPSPEED_ADAMW = ("adamw", "apex.adam", "ds.adamw")
+
+
 def deepspeed_args(args: dict) -> dict:
     """Megatron-DeepSpeed's saved arguments (``megatron/arguments.py`` of argonne-lcf's and microsoft's forks)
     in Megatron-LM's names, as :func:`args_overrides` reads them: ``normalization`` layernorm/rmsnorm,
     ``use_rotary_position_embeddings`` / ``add_position_embedding``, ``rope_theta``, ``num_key_value_heads``,
-    ``layernorm_epsilon``.  Raises ConvertError: DeepSpeed's mixture of experts, no position embedding."""
-    out = dict(args)
+    ``layernorm_epsilon``, the optimizer (:data:`_DEEPSPEED_ADAMW`), and GELU: the fused bias GELU (the default
+    with biases, ``bias_gelu_fusion``: ``megatron/model/fused_bias_gelu.py``) is the tanh approximation.
+    Raises ConvertError: DeepSpeed's mixture of experts, no position embedding, torch's Adam (L2 decay), the
+    query/key/value thirds of microsoft's fork since its FPDT change (676a482, ``ds_sequence_parallel_fpdt``)."""
+    if "ds_sequence_parallel_fpdt" in args:
+        raise ConvertError("Megatron-DeepSpeed argument ds_sequence_parallel_fpdt: this fork (microsoft's since "
+                           "676a482, December 2024) splits the fused QKV rows into query, key and value thirds, "
+                           "which jaxllm does not read", keys=("ds_sequence_parallel_fpdt",))
+    optimizer = str(args.get("optimizer", "adam")).lower()
+    if optimizer not in _DEEPSPEED_ADAMW and not (optimizer == "adam" and args.get("ds_fused_adam", True)):
+        raise ConvertError(f"Megatron-DeepSpeed argument optimizer={args.get('optimizer')!r}"
+                           + (" without ds_fused_adam (torch's Adam, L2 weight decay)" if optimizer == "adam" else "")
+                           + ": jaxllm imports AdamW's state only", keys=("optimizer",))
+    out = dict(args, optimizer="adam", decoupled_weight_decay=True)
+    fused_gelu = args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True)
+    if not any(args.get(k) for k in ("swiglu", "squared_relu", "onnx_safe")) and fused_gelu:
+        out["openai_gelu"] = True
     out["normalization"] = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(args.get("normalization"),
                                                                                 args.get("normalization"))
     rotary = bool(args.get("use_rotary_position_embeddings"))

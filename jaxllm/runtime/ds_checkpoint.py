@@ -18,8 +18,9 @@ from ZeRO-1/2, a flat tensor from ZeRO-3); vocabulary tensors without their padd
 zeros, as DeepSpeed's ``universal_checkpoint.load_hp_checkpoint_state`` does.
 
 Safe loading: every file through torch's weights-only unpickler, with Megatron's ``argparse.Namespace``, NumPy's
-array reconstruction (the saved random state) and stand-ins for DeepSpeed's three plain classes the optimizer
-files name (:data:`_STAND_INS`); anything else is refused in one line naming the file.
+array reconstruction (the saved random state) and inert stand-ins for the DeepSpeed and Megatron classes these files
+name (:data:`_STAND_INS`: enums, a fragment address, loss scalers); anything else is refused in one line naming the
+file.
 """
 
 from __future__ import annotations
@@ -51,13 +52,26 @@ class _ZeroStage(enum.IntEnum):
     weights = 3
 
 
-class _LossScaler:
-    """Stands for ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (its attributes, nothing called)."""
+class _ModelType(enum.Enum):
+    """Stands for ``megatron.core.enums.ModelType`` (Megatron's ``args.model_type``)."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+
+
+class _Attributes:
+    """Stands for a class whose instances are saved as their attributes and are not used here: DeepSpeed's loss
+    scalers, its curriculum scheduler (Megatron's ``args.curriculum_scheduler``)."""
 
 
 _STAND_INS = [(_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
               (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-              (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler")]
+              (_ModelType, "megatron.core.enums.ModelType"),
+              (_Attributes, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+              (_Attributes, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+              (_Attributes, "deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler")]
 
 
 def _allowed() -> list:
@@ -183,14 +197,17 @@ def read_native(path: str, states: list[dict]) -> tuple[dict[str, dict[str, np.n
             raise ConvertError(f"{path} holds no optimizer states of model-parallel rank {mp} "
                                f"(*zero_pp_rank_R_mp_rank_{mp:02d}_optim_states.pt): saved without them")
         osd = [_load(f)["optimizer_state_dict"] for f in files]
+        if isinstance(osd[0].get("base_optimizer_state"), list):
+            raise ConvertError(f"{files[0]}: an elastic checkpoint (zero_optimization.elastic_checkpoint): its "
+                               f"optimizer state per parameter group is not read")
         count = osd[0].get("partition_count")
         count = count[0] if isinstance(count, list) else count
         if [_rank(f) for f in files] != list(range(len(files))) or count not in (None, len(files)):
             raise ConvertError(f"{path}: optimizer states of data-parallel ranks {[_rank(f) for f in files]}, "
                                f"partitioned {count} ways: a shard is missing")
         if not state.get("param_shapes"):
-            raise ConvertError(f"{path}: the model states list no param_shapes (ZeRO stage 0): convert with "
-                               f"DeepSpeed's ds_to_universal first")
+            raise ConvertError(f"{path}: the model states list no param_shapes (ZeRO stage 0, whose optimizer "
+                               f"state is not partitioned): not read (nor by DeepSpeed's ds_to_universal)")
         join = _join_zero3 if "fp32_flat_groups" in osd[0] else _join_zero12
         for k, v in join(osd, state["param_shapes"], f"{path} (model-parallel rank {mp})").items():
             for name, x in v.items():
@@ -217,7 +234,10 @@ def read_universal(path: str, states: list[dict], padded_vocab: int) -> tuple[di
             x = saved["param"] if isinstance(saved, dict) else saved
             x = x.detach().float().numpy()
             if x.ndim == 1 and name in shapes and len(shapes[name]) > 1:
-                x = x[:math.prod(shapes[name])].reshape(shapes[name])
+                if x.size != math.prod(shapes[name]):
+                    raise ConvertError(f"{zero}/{name}/{k}.pt holds {x.size} values, the model states' shape "
+                                       f"{list(shapes[name])} {math.prod(shapes[name])}")
+                x = x.reshape(shapes[name])
             if isinstance(saved, dict) and saved.get("vocab_tensor") and x.shape[0] < padded_vocab:
                 x = np.pad(x, [(0, padded_vocab - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
             out[k][name] = x
