@@ -546,9 +546,9 @@ def _deepspeed_source(directory: str, iteration: int | None) -> _Source:
         vocab = cfg.model.vocab_size
         raw, steps = (ds_checkpoint.read_universal(path, states, vocab) if universal
                       else ds_checkpoint.read_native(path, states))
-        tensors = [megatron.from_deepspeed(raw[k], args["num_layers"], what) for k, what in
-                   (("fp32", "float32 parameters"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))]
-        return tensors[0], {"mu": tensors[1], "nu": tensors[2]}, steps
+        weights, mu, nu = (megatron.from_deepspeed(raw[k], args["num_layers"], "float32 parameters" if k == "fp32"
+                                                   else k) for k in ds_checkpoint.KINDS)
+        return weights, {"mu": mu, "nu": nu}, steps
 
     return _Source(path, found, megatron.deepspeed_args(args), scheduler, read)
 

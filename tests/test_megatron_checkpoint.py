@@ -236,13 +236,19 @@ def test_bad_input_is_one_line_and_writes_nothing(case, saved, tmp_path, capsys)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(original, ckpt)
     change(ckpt)
+    assert_refused(ckpt, tmp_path / "run", capsys, words, *extra)
+
+
+def assert_refused(ckpt: Path, run: Path, capsys, words: str, *extra) -> None:
+    """``--from-megatron ckpt run``: exit 2 with one line holding ``words``, no pickled code run, nothing in
+    ``run``."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        run_cli("--from-megatron", ckpt, tmp_path / "run", *extra)
+        run_cli("--from-megatron", ckpt, run, *extra)
     err = capsys.readouterr()
     assert e.value.code == 2 and words in err.err and len(err.err.strip().splitlines()) == 1, err.err
     assert "payload ran" not in err.out + err.err
-    assert not (tmp_path / "run").exists()
+    assert not run.exists()
 
 
 def test_float32_copies_skipped_updates_and_the_tracker(saved, tmp_path):

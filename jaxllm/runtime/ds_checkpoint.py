@@ -37,10 +37,8 @@ from jaxllm.model.hf import ConvertError
 from jaxllm.runtime import torch_dist
 
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
-
-
-class _FragmentAddress:
-    """Stands for ``deepspeed.utils.tensor_fragment.fragment_address`` (``numel``, ``start``)."""
+TAG = re.compile(r"global_step\d+(_universal)?")  # DeepSpeed's default tags, and ds_to_universal's convention
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")  # what is read of each parameter: its float32 master, Adam's moments
 
 
 class _ZeroStage(enum.IntEnum):
@@ -62,11 +60,12 @@ class _ModelType(enum.Enum):
 
 
 class _Attributes:
-    """Stands for a class whose instances are saved as their attributes and are not used here: DeepSpeed's loss
-    scalers, its curriculum scheduler (Megatron's ``args.curriculum_scheduler``)."""
+    """Stands for a class whose instances are saved as their attributes and are not used here: DeepSpeed's
+    fragment address (``numel``, ``start``), loss scalers, curriculum scheduler (Megatron's
+    ``args.curriculum_scheduler``)."""
 
 
-_STAND_INS = [(_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+_STAND_INS = [(_Attributes, "deepspeed.utils.tensor_fragment.fragment_address"),
               (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
               (_ModelType, "megatron.core.enums.ModelType"),
               (_Attributes, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
@@ -93,7 +92,7 @@ def is_deepspeed(directory: str) -> bool:
     names = set(os.listdir(directory)) if os.path.isdir(directory) else set()
     return bool(names & {LATEST, LATEST_UNIVERSAL, "zero", "mp_rank_00_model_states.pt",
                          "zero_pp_rank_0_mp_rank_00_model_states.pt"}
-                or any(re.fullmatch(r"global_step\d+(_universal)?", n) for n in names))
+                or any(TAG.fullmatch(n) for n in names))
 
 
 def tag_dir(directory: str, iteration: int | None) -> str:
@@ -102,7 +101,7 @@ def tag_dir(directory: str, iteration: int | None) -> str:
     names = os.listdir(directory)
     if "zero" in names or any(n.endswith("model_states.pt") for n in names):
         return directory
-    tags = sorted(n for n in names if re.fullmatch(r"global_step\d+(_universal)?", n))
+    tags = sorted(n for n in names if TAG.fullmatch(n))
     if iteration is not None:
         found = [t for t in (f"global_step{iteration}", f"global_step{iteration}_universal") if t in names]
         if not found:
@@ -141,7 +140,7 @@ def _flat(x) -> np.ndarray:
 
 def _join_zero12(osd: list[dict], shapes: list[dict], where: str) -> dict[str, dict[str, np.ndarray]]:
     """ZeRO-1/2 and ``BF16_Optimizer``: per group, the ranks' partitions joined, the parameters cut from it."""
-    out = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    out = {k: {} for k in KINDS}
     for g, group in enumerate(shapes):
         full = {"fp32": np.concatenate([_flat(o["single_partition_of_fp32_groups"][g]) for o in osd])}
         for k in ("exp_avg", "exp_avg_sq"):
@@ -186,10 +185,10 @@ def _adam_steps(osd: list[dict]) -> set[int]:
 
 
 def read_native(path: str, states: list[dict]) -> tuple[dict[str, dict[str, np.ndarray]], set[int]]:
-    """The ZeRO shards of a native tag: ``({"fp32" | "exp_avg" | "exp_avg_sq": {name: array}}, Adam's step
-    counts)``, for each model-parallel rank (pipeline stages; tensor parallelism is refused) its own files.
+    """The ZeRO shards of a native tag: ``({kind: {name: array}} for :data:`KINDS`, Adam's step counts)``, for
+    each model-parallel rank (pipeline stages; tensor parallelism is refused) its own files.
     Raises ConvertError."""
-    out, steps = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}, set()
+    out, steps = {k: {} for k in KINDS}, set()
     for mp, state in enumerate(states):
         files = sorted((os.path.join(path, n) for n in os.listdir(path)
                         if re.fullmatch(rf"(bf16_)?zero_pp_rank_\d+_mp_rank_{mp:02d}_optim_states\.pt", n)), key=_rank)
@@ -227,7 +226,7 @@ def read_universal(path: str, states: list[dict], padded_vocab: int) -> tuple[di
     if missing:
         raise ConvertError(f"{zero}/{missing[0]} is missing ({len(missing)} of the parameters the model states "
                            f"list): the universal checkpoint is incomplete")
-    out, steps = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}, set()
+    out, steps = {k: {} for k in KINDS}, set()
     for name in names:
         for k in out:
             saved = _load(os.path.join(zero, name, f"{k}.pt"))
