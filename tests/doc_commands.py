@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ SHORTER = [
                                   "--schedules=gpipe,1f1b"]),
     (r"benchmarks/sequence_memory\.py",
      ["--sizes=1", "--start=256", "--budget=1.4", "--", "--config.model.num_layers=2"]),
-    (r"benchmarks/attention\.py", ["--seqs=128", "--iters=1", "--warmup=0", "--impls=xla"]),
+    (r"benchmarks/attention\.py", ["--seqs=128", "--heads=2", "--iters=1", "--warmup=0", "--impls=xla"]),
     (r"benchmarks/triton_offline\.py.*--sweep", ["--targets=gfx90a", "--head-dims=64", "--warps=4", "--stages=1",
                                                 "--seq=256", "--heads=2"]),
     (r"benchmarks/triton_offline\.py",
@@ -174,11 +175,17 @@ def submission(text: str, sandbox: Path) -> tuple[dict[str, str], list[str]] | N
 
 def make_sandbox(path: Path) -> Path:
     """A checkout-like directory at ``path``: the repository's files linked (``tests/data`` holds the
-    shipped Tiny Shakespeare); nothing beside it."""
+    shipped Tiny Shakespeare), but ``benchmarks/results`` copied (documented commands append records there,
+    which must not reach the committed ones); nothing beside it."""
     path.mkdir(parents=True, exist_ok=True)
-    for name in ("jaxllm", "kernels", "configs", "launch", "benchmarks", "docs", "tests", "pyproject.toml",
-                 "README.md"):
+    for name in ("jaxllm", "kernels", "configs", "launch", "docs", "tests", "pyproject.toml", "README.md"):
         (path / name).symlink_to(ROOT / name)
+    (path / "benchmarks").mkdir()
+    for entry in (ROOT / "benchmarks").iterdir():
+        if entry.name == "results":
+            shutil.copytree(entry, path / "benchmarks" / "results")
+        elif entry.name != "__pycache__":
+            (path / "benchmarks" / entry.name).symlink_to(entry)
     return path
 
 

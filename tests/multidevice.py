@@ -187,7 +187,7 @@ def main():
             results.append({"config_error": str(e), "key": e.key})
         except Exception:  # noqa: BLE001  (one failing layout must not hide the others' results)
             results.append({"error": traceback.format_exc()[-3000:]})
-    json.dump(results, sys.stdout)
+    sys.stdout.write(json.dumps(results))
 
 
 if __name__ == "__main__":

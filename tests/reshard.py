@@ -63,7 +63,7 @@ def main():
         different = [jax.tree_util.keystr(p) for (p, a), b in leaves if not same(a, b)]
         results[name] = {"devices": n, "different": different, "shardings_ok": shardings_ok,
                          "leaves": len(jax.tree.leaves(state))}
-    json.dump(results, sys.stdout)
+    sys.stdout.write(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -364,7 +364,7 @@ for dispatcher in ("allgather", "alltoall"):  # the compiled train step's all-ga
     output = r"^\\s*%\\S+ = \\(?(\\w+\\[[\\d,]*\\])[^\\n]* "  # an instruction's (first) output shape
     out[dispatcher] = {kind: re.findall(output + kind + r"(?:-start)?\\(", hlo, re.M)
                        for kind in ("all-gather", "all-to-all")}
-json.dump(out, sys.stdout)
+sys.stdout.write(json.dumps(out))
 """
 
 

@@ -231,7 +231,7 @@ ZERO_SCRIPT = textwrap.dedent('''
             "w1": sorted({(tuple(leaf.shape), str(tuple(leaf.sharding.spec))) for path, leaf in leaves
                           if jax.tree_util.keystr(path).endswith("['mlp']['w1']") and leaf.size > 2}),
         }
-    json.dump(out, sys.stdout)
+    sys.stdout.write(json.dumps(out))
 ''')
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import O0
+from conftest import FAST_COMPILE
 from test_distributed import TINY, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,8 @@ def launch(workdir, cache, **env):
     err = open(f"{workdir}.err", "w")
     return subprocess.Popen(["bash", "launch/local.sh", "2", f"--workdir={workdir}", *FLAGS,
                              f"--config.train.compile_cache_dir={cache}"], cwd=ROOT, stdout=out, stderr=err,
-                            env=clean_env(XLA_FLAGS=O0, PYTHON=sys.executable, **env), start_new_session=True)
+                            env=clean_env(XLA_FLAGS=" ".join(FAST_COMPILE), PYTHON=sys.executable, **env),
+                            start_new_session=True)
 
 
 def records(workdir):

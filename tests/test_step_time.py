@@ -40,7 +40,7 @@ for name, (layers, mesh, microbatches) in json.loads(sys.argv[1]).items():
     table = run.logical_state["params"]["wte"].size * 4
     out[name] = {"params": params, "table": table, "traffic": {" x ".join(k): v.__dict__ for k, v in
                                                 collectives(hlo, dict(run.mesh.shape)).items()}}
-json.dump(out, sys.stdout)
+sys.stdout.write(json.dumps(out))
 """
 
 PROGRAMS = {"data8": (2, {"data": 8}, 1), "data8_micro4": (2, {"data": 8}, 4),
