@@ -1,7 +1,8 @@
 """Validate a GPU machine in one command; write one Markdown report for docs/performance.md.
 
-    python benchmarks/gpu_check.py --output=gpu_check.md          # on a GPU machine, < 10 minutes on one H100
+    python benchmarks/gpu_check.py --output=gpu_check.md          # on a GPU machine: every step, > 10 minutes
     python benchmarks/gpu_check.py --part=speed --models=GPT125M,GPT1_5B --output=speed.md  # ~8 minutes
+    python benchmarks/gpu_check.py --part=fp8_loss --output=fp8_loss.md  # GPT125M's 300 steps, twice
     python benchmarks/gpu_check.py --dry-run --output=report.md   # any machine: every step shortened, on the CPU
 
 Steps, each a subprocess with its own time limit (the report keeps whatever finished):
@@ -27,7 +28,11 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
    (``torch.compile``, fused attention, fused AdamW, no recomputation; micro batch 8 for GPT125M, 4 for
    GPT1_5B and GPT2_7B).  The report ends its summary with each model's fastest jaxllm variant against the
    reference (tokens/s and their ratio); every benchmark's JSON record goes to ``--records`` (default: the
-   report's name with ``.jsonl``), for ``benchmarks/results/``.
+   report's name with ``.jsonl``), for ``benchmarks/results/``;
+6. (``--part=all`` or ``fp8_loss``) FP8 in training: GPT125M trained 300 steps on Tiny Shakespeare (GPT-2's
+   BPE, both shipped with jaxllm) from one seed, in bfloat16 and with ``model.fp8``; the report compares their
+   losses (the mean of the last 50 steps; the bar: within 1 %), and each run's
+   ``metrics.jsonl`` goes beside the report (``NAME-fp8_loss-bf16.jsonl``, ``NAME-fp8_loss-fp8.jsonl``).
 
 ``--dry-run`` runs the same steps on whatever backend JAX has (the CPU here) with tiny sizes, to
 check the script and the report; its report says DRY RUN and its figures are not GPU figures.
@@ -88,6 +93,11 @@ GPT = [  # (name, config key, overrides, variants compared on a GPU, in the dry 
                             "--config.train.global_batch_size=8"],
      ("model.fp8=True",), (), ["--config.train.micro_batch_size=4", "--config.train.global_batch_size=8"]),
 ]
+# step 6: FP8 against bfloat16 in training, on real data (the corpus and the tokenizer travel with the checkout)
+FP8_LOSS_STEPS, FP8_LOSS_LAST = 300, 50
+FP8_LOSS = ["--config=configs/gpt3.py:GPT125M", "--config.data.input=tests/data/tinyshakespeare.txt",
+            "--config.train.micro_batch_size=8", "--config.train.global_batch_size=8", "--config.train.log_interval=1",
+            "--config.train.eval_interval=0", "--config.log.samples=0", "--config.checkpoint.interval=0"]
 # --dry-run: the same configs cut to seconds on a CPU (the vocabulary stays)
 TINY = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "--config.model.num_attention_heads=4",
         "--config.train.seq_length=64", "--config.model.dtype=float32", "--config.train.micro_batch_size=2",
@@ -100,8 +110,9 @@ def _parse(argv=None):
     p.add_argument("--dry-run", action="store_true", help="shortened steps on any backend (checks the script)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per step at most")
     p.add_argument("--records", default="", help="the benchmarks' JSON records (default: --output's name, .jsonl)")
-    p.add_argument("--part", choices=("all", "speed"), default="all",
-                   help="speed: the throughput steps only (jaxllm against PyTorch), not the kernel tests")
+    p.add_argument("--part", choices=("all", "speed", "fp8_loss"), default="all",
+                   help="speed: the throughput steps only (jaxllm against PyTorch), not the kernel tests; "
+                        "fp8_loss: only GPT125M's training with and without model.fp8 (step 6)")
     p.add_argument("--models", default=",".join(g[0] for g in GPT),
                    help="the models benchmarked, comma-separated (each with its PyTorch reference)")
     a = p.parse_args(argv)
@@ -194,6 +205,8 @@ def steps(a, env) -> list[dict]:
         attn += (["--seqs", "128", "--heads", "2", "--iters", "1", "--warmup", "0", "--impls", "xla,pallas"]
                  if a.dry_run else ["--seqs", "1024,4096,16384"])
         out.append(run_step("attention benchmark", attn, env, a.timeout))
+    if a.part == "fp8_loss":
+        return fp8_loss_steps(a, env)
     for name, key, overrides, gpu_variants, dry_variants, torch_overrides in GPT:
         if name not in a.models:
             continue
@@ -214,7 +227,47 @@ def steps(a, env) -> list[dict]:
         if a.dry_run:
             ref += TINY + ["--device=cpu", "--no-compile", "--steps=1", "--warmup=0"]
         out.append(run_step(f"torch reference {name}", ref, env, a.timeout))
+    return out + (fp8_loss_steps(a, env) if a.part == "all" else [])
+
+
+def _fp8_metrics(a, name: str) -> str:
+    return os.path.splitext(a.output)[0] + f"-fp8_loss-{name}.jsonl"
+
+
+def fp8_loss_steps(a, env) -> list[dict]:
+    """Step 6: GPT125M trained in bfloat16, then with ``model.fp8``, from the same seed; each run's
+    ``metrics.jsonl`` copied beside the report (the workdir, with its 2 GB final checkpoint, is not). The dry
+    run trains both without FP8 (the CPU has no FP8 matmuls: the config is refused there)."""
+    steps, out = 20 if a.dry_run else FP8_LOSS_STEPS, []
+    for name, fp8 in (("bf16", False), ("fp8", not a.dry_run)):
+        if os.path.exists(_fp8_metrics(a, name)):
+            os.remove(_fp8_metrics(a, name))  # an earlier run's, which a failed run here must not stand for
+        with tempfile.TemporaryDirectory() as workdir:
+            cmd = [sys.executable, "-m", "jaxllm.train", *FP8_LOSS, f"--config.train.train_iters={steps}",
+                   f"--config.model.fp8={fp8}", f"--workdir={workdir}"]
+            if a.dry_run:
+                cmd += TINY + ["--config.train.warmup_iters=2"]
+            out.append(run_step(f"GPT125M trained {steps} steps, model.fp8={fp8}", cmd, env, a.timeout))
+            if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+                shutil.copy(os.path.join(workdir, "metrics.jsonl"), _fp8_metrics(a, name))
     return out
+
+
+def fp8_losses(a) -> list[str]:
+    """Markdown: both runs' training losses at six steps and the mean over the last :data:`FP8_LOSS_LAST` steps
+    (half the steps in a dry run), with FP8's relative difference to bfloat16's."""
+    runs = [{r["step"]: r["loss"] for r in map(json.loads, _lines(_fp8_metrics(a, name))) if r["kind"] == "train"}
+            for name in ("bf16", "fp8")]
+    steps = sorted(set(runs[0]) & set(runs[1]))
+    if not steps:
+        return []
+    last = steps[-min(FP8_LOSS_LAST, len(steps) // 2):]
+    every = max(1, steps[-1] // 6)
+    lines = ["| steps | bfloat16 loss | FP8 loss | FP8 / bfloat16 - 1 |", "|---|---|---|---|"]
+    for label, chosen in [*((str(s), [s]) for s in steps if s % every == 0), (f"{last[0]}-{last[-1]} (mean)", last)]:
+        bf16, fp8 = (sum(run[s] for s in chosen) / len(chosen) for run in runs)
+        lines.append(f"| {label} | {bf16:.4f} | {fp8:.4f} | {fp8 / bf16 - 1:+.2%} |")
+    return lines
 
 
 def _fence(text: str) -> str:
@@ -272,6 +325,10 @@ def report(a, results, started, total_s, records=()) -> str:
     if records:
         lines += ["", "## jaxllm against the PyTorch reference, same GPU, same run", "", *versus_torch(records),
                   "", f"(records: `{a.records}`)"]
+    fp8 = fp8_losses(a)
+    if fp8:
+        lines += ["", "## FP8 against bfloat16 in training, same seed, same data", "", *fp8, "",
+                  f"(metrics: `{_fp8_metrics(a, 'bf16')}`, `{_fp8_metrics(a, 'fp8')}`)"]
     for r in results[1:]:
         lines += ["", f"## {r['title']}", "", f"`{r['command']}` ({r['seconds']:.0f} s, exit {r['rc']})", ""]
         if r["title"].startswith("GPU tests"):
@@ -305,12 +362,12 @@ def main(argv=None) -> int:
         print("error: JAX has no GPU backend here (it runs on the CPU); use --dry-run to check the script",
               file=sys.stderr)
         return 2
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
     done = _lines(a.records)  # records of earlier runs in the same file stay out of this report
     results = [first, *steps(a, env)]
     records = [json.loads(x) for x in _lines(a.records)[len(done):]]
     text = report(a, results, started, time.perf_counter() - t0, records)
     tmp = a.output + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, a.output)  # whole or not at all

@@ -39,12 +39,20 @@ def test_dry_run_writes_the_report(tmp_path):
         "devices", "GPU tests: compiled Pallas, Triton and cuDNN attention against the XLA reference, cuDNN's "
         "packed documents in training",
         "attention benchmark", "jaxllm.bench GPT125M", "torch reference GPT125M", "jaxllm.bench GPT1_5B",
-        "torch reference GPT1_5B"]  # not GPT2_7B: --models
+        "torch reference GPT1_5B",  # not GPT2_7B: --models
+        "GPT125M trained 20 steps, model.fp8=False", "GPT125M trained 20 steps, model.fp8=False"]  # no FP8 on CPUs
     # the GPU tests exist and skip on a CPU: 7 Pallas + 7 Triton + 2 cuDNN + 2 cuDNN packed + 1 packed training
     assert "19 skipped" in text
     assert "| 128 | xla | " in text and "| 128 | pallas | " in text  # the attention table, both rows measured
     assert text.count("| config | mesh | tokens/s |") == 2 and "| model.layer_loop=scan | 1 device |" in text
     assert not list(out.parent.glob("*.tmp"))
+    # FP8 against bfloat16 in training: each run's losses beside the report, the table made from them (the dry
+    # run trains twice without FP8, from one seed: the same losses)
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, (out.parent / f"report-fp8_loss-{n}.jsonl").read_text()
+                                                 .splitlines()) if r["kind"] == "train"} for n in ("bf16", "fp8")]
+    assert sorted(losses[0]) == list(range(1, 21)) and losses[0] == losses[1]
+    mean = sum(losses[0][s] for s in range(11, 21)) / 10
+    assert f"| 11-20 (mean) | {mean:.4f} | {mean:.4f} | +0.00% |" in text
     # jaxllm's fastest variant against the PyTorch reference, from the records both wrote
     records = [json.loads(x) for x in (out.parent / "report.jsonl").read_text().splitlines()]
     assert [r.get("framework", "jax") for r in records] == ["jax", "jax", "torch"] * 2
