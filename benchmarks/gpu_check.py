@@ -32,7 +32,7 @@ Steps, each a subprocess with its own time limit (the report keeps whatever fini
 6. (``--part=all`` or ``fp8_loss``) FP8 in training: GPT125M trained 300 steps on Tiny Shakespeare (GPT-2's
    BPE, both shipped with jaxllm) from one seed, in bfloat16 and with ``model.fp8``; the report compares their
    losses (the mean of the last 50 steps; the bar: within 1 %), and each run's
-   ``metrics.jsonl`` goes beside the report (``NAME-fp8_loss-bf16.jsonl``, ``NAME-fp8_loss-fp8.jsonl``).
+   ``metrics.jsonl`` goes beside the report (``NAME-fp8_loss/bf16/``, ``NAME-fp8_loss/fp8/``).
 
 ``--dry-run`` runs the same steps on whatever backend JAX has (the CPU here) with tiny sizes, to
 check the script and the report; its report says DRY RUN and its figures are not GPU figures.
@@ -230,8 +230,9 @@ def steps(a, env) -> list[dict]:
     return out + (fp8_loss_steps(a, env) if a.part == "all" else [])
 
 
-def _fp8_metrics(a, name: str) -> str:
-    return os.path.splitext(a.output)[0] + f"-fp8_loss-{name}.jsonl"
+def _fp8_run(a, name: str) -> str:
+    """The folder beside the report that keeps the ``metrics.jsonl`` of step 6's run ``name``."""
+    return os.path.join(os.path.splitext(a.output)[0] + "-fp8_loss", name)
 
 
 def fp8_loss_steps(a, env) -> list[dict]:
@@ -240,8 +241,7 @@ def fp8_loss_steps(a, env) -> list[dict]:
     run trains both without FP8 (the CPU has no FP8 matmuls: the config is refused there)."""
     steps, out = 20 if a.dry_run else FP8_LOSS_STEPS, []
     for name, fp8 in (("bf16", False), ("fp8", not a.dry_run)):
-        if os.path.exists(_fp8_metrics(a, name)):
-            os.remove(_fp8_metrics(a, name))  # an earlier run's, which a failed run here must not stand for
+        shutil.rmtree(_fp8_run(a, name), ignore_errors=True)  # an earlier run's: a failed run must not show it
         with tempfile.TemporaryDirectory() as workdir:
             cmd = [sys.executable, "-m", "jaxllm.train", *FP8_LOSS, f"--config.train.train_iters={steps}",
                    f"--config.model.fp8={fp8}", f"--workdir={workdir}"]
@@ -249,18 +249,21 @@ def fp8_loss_steps(a, env) -> list[dict]:
                 cmd += TINY + ["--config.train.warmup_iters=2"]
             out.append(run_step(f"GPT125M trained {steps} steps, model.fp8={fp8}", cmd, env, a.timeout))
             if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-                shutil.copy(os.path.join(workdir, "metrics.jsonl"), _fp8_metrics(a, name))
+                os.makedirs(_fp8_run(a, name))
+                shutil.copy(os.path.join(workdir, "metrics.jsonl"), _fp8_run(a, name))
     return out
 
 
 def fp8_losses(a) -> list[str]:
     """Markdown: both runs' training losses at six steps and the mean over the last :data:`FP8_LOSS_LAST` steps
     (half the steps in a dry run), with FP8's relative difference to bfloat16's."""
-    runs = [{r["step"]: r["loss"] for r in map(json.loads, _lines(_fp8_metrics(a, name))) if r["kind"] == "train"}
-            for name in ("bf16", "fp8")]
-    steps = sorted(set(runs[0]) & set(runs[1]))
-    if not steps:
+    from jaxllm.plot import PlotError, read_metrics  # noqa: PLC0415 - main puts the checkout on sys.path
+
+    try:
+        runs = [{s: r["loss"] for s, r in read_metrics(_fp8_run(a, name))["train"].items()} for name in ("bf16", "fp8")]
+    except PlotError:  # a run failed: its step's output in the report says why
         return []
+    steps = sorted(set(runs[0]) & set(runs[1]))
     last = steps[-min(FP8_LOSS_LAST, len(steps) // 2):]
     every = max(1, steps[-1] // 6)
     lines = ["| steps | bfloat16 loss | FP8 loss | FP8 / bfloat16 - 1 |", "|---|---|---|---|"]
@@ -328,7 +331,7 @@ def report(a, results, started, total_s, records=()) -> str:
     fp8 = fp8_losses(a)
     if fp8:
         lines += ["", "## FP8 against bfloat16 in training, same seed, same data", "", *fp8, "",
-                  f"(metrics: `{_fp8_metrics(a, 'bf16')}`, `{_fp8_metrics(a, 'fp8')}`)"]
+                  f"(metrics: `{_fp8_run(a, 'bf16')}`, `{_fp8_run(a, 'fp8')}`)"]
     for r in results[1:]:
         lines += ["", f"## {r['title']}", "", f"`{r['command']}` ({r['seconds']:.0f} s, exit {r['rc']})", ""]
         if r["title"].startswith("GPU tests"):

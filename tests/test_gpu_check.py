@@ -48,8 +48,9 @@ def test_dry_run_writes_the_report(tmp_path):
     assert not list(out.parent.glob("*.tmp"))
     # FP8 against bfloat16 in training: each run's losses beside the report, the table made from them (the dry
     # run trains twice without FP8, from one seed: the same losses)
-    losses = [{r["step"]: r["loss"] for r in map(json.loads, (out.parent / f"report-fp8_loss-{n}.jsonl").read_text()
-                                                 .splitlines()) if r["kind"] == "train"} for n in ("bf16", "fp8")]
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, (out.parent / "report-fp8_loss" / n / "metrics.jsonl")
+                                                 .read_text().splitlines()) if r["kind"] == "train"}
+              for n in ("bf16", "fp8")]
     assert sorted(losses[0]) == list(range(1, 21)) and losses[0] == losses[1]
     mean = sum(losses[0][s] for s in range(11, 21)) / 10
     assert f"| 11-20 (mean) | {mean:.4f} | {mean:.4f} | +0.00% |" in text
