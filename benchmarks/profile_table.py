@@ -6,7 +6,7 @@
 The first argument is a ``jaxllm.bench`` record (a JSONL file and the line's index, from 0); the second the
 trace that ``jaxllm.bench --profile`` wrote for it, as committed: ``PREFIX.perfetto_trace.json.gz`` (the
 Perfetto trace) and ``PREFIX.step.hlo.txt.gz`` (the optimized program).  Prints
-:func:`jaxllm.runtime.profile.summary` as Markdown, with the record's step time, device peak and the FLOPs its
+:func:`jaxllm.analysis.profile.summary` as Markdown, with the record's step time, device peak and the FLOPs its
 config counts (:func:`jaxllm.runtime.flops.hardware_flops_by_kind`): the tables of docs/performance.md.
 """
 
@@ -17,13 +17,14 @@ import gzip
 import json
 
 from jaxllm import config
+from jaxllm.analysis import profile
 from jaxllm.platform import hardware
 from jaxllm.resolve import resolve
-from jaxllm.runtime import flops, profile
+from jaxllm.runtime import flops
 
 
 def table(record: dict, prefix: str, steps: int = 2) -> list[dict]:
-    """:func:`jaxllm.runtime.profile.summary` of the trace ``prefix`` of ``record``'s run."""
+    """:func:`jaxllm.analysis.profile.summary` of the trace ``prefix`` of ``record``'s run."""
     # resolved for the machine that ran it: the record's attention_impl (cudnn) is refused on this one
     version = record["platform_version"].lower()
     backend = "rocm" if "rocm" in version else "cuda" if "cuda" in version else record["platform"]

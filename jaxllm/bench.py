@@ -19,7 +19,7 @@ the base; each config (the base too) then runs in a process of its own, one afte
 that each record's peak memory is its own (JAX's ``peak_bytes_in_use`` is a maximum over the
 process's life).  ``--profile=DIR``: after the timed steps, ``--profile_steps`` more under the
 JAX profiler (the trace in ``DIR``, TensorBoard/XProf's format) and the device time by
-category (:mod:`jaxllm.runtime.profile`; GPUs: CPU traces hold no kernels), in the
+category (:mod:`jaxllm.analysis.profile`; GPUs: CPU traces hold no kernels), in the
 record as ``profile``.
 
 Exit codes: 0 done; 2 a bad flag, config or data (one line); 1 anything unexpected.
@@ -55,13 +55,14 @@ import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import cli, config, plan  # noqa: E402
+from jaxllm.analysis import profile  # noqa: E402
 from jaxllm.data.loader import Batches, Data  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import gpt  # noqa: E402
 from jaxllm.parallel import schedules  # noqa: E402
 from jaxllm.platform import hardware  # noqa: E402
 from jaxllm.resolve import resolve  # noqa: E402
-from jaxllm.runtime import flops, profile  # noqa: E402
+from jaxllm.runtime import flops  # noqa: E402
 from jaxllm.runtime.run import Run  # noqa: E402
 
 DATA_MODES = ("synthetic", "real")
@@ -118,7 +119,7 @@ def benchmark(cfg, *, num_devices: int | None = None, steps: int = 10, warmup: i
       data: a :class:`jaxllm.data.loader.Data` to feed real batches, or None for synthetic ones.
       name: a label stored in the record.
       profile_dir: when set, ``profile_steps`` more steps after the timed ones under the JAX profiler,
-        written there; the record's ``profile`` is then :func:`jaxllm.runtime.profile.summary` of them
+        written there; the record's ``profile`` is then :func:`jaxllm.analysis.profile.summary` of them
         (None on a CPU), ``profile_trace`` the trace's folder.
     Returns:
       A dict; times in seconds, throughput in tokens/s (all devices), ``tflops_per_device``
@@ -234,7 +235,7 @@ def _software() -> dict:
 
 def _profile(step, steps: int, logdir: str, step_time_s: float, compiled, cfg, device, peak_flops: float) -> dict:
     """``profile_trace`` (the trace's folder, with the optimized program as ``step.hlo.txt``) and ``profile``
-    (:func:`jaxllm.runtime.profile.summary`, None for a CPU's trace) of ``steps`` calls of ``step``."""
+    (:func:`jaxllm.analysis.profile.summary`, None for a CPU's trace) of ``steps`` calls of ``step``."""
     folder = profile.capture(step, steps, logdir)
     hlo = compiled.as_text()
     with open(os.path.join(folder, "step.hlo.txt"), "w", encoding="utf-8") as f:

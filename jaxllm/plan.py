@@ -36,18 +36,19 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxllm import cli, config  # noqa: E402
+from jaxllm.analysis import collectives as comms  # noqa: E402
+from jaxllm.analysis import step_time  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import (  # noqa: E402
     attention,  # noqa: E402
     gpt,
     layers,
 )
-from jaxllm.parallel import collectives as comms  # noqa: E402
 from jaxllm.parallel import schedules, sharding  # noqa: E402
 from jaxllm.platform import xla_gpu  # noqa: E402
 from jaxllm.platform.hardware import CLUSTERS, DEVICES, GiB, named_cluster, named_device  # noqa: E402
 from jaxllm.resolve import resolve  # noqa: E402
-from jaxllm.runtime import flops, step_time  # noqa: E402
+from jaxllm.runtime import flops  # noqa: E402
 from jaxllm.runtime.run import Run  # noqa: E402
 
 
@@ -114,7 +115,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     planned), ``pipeline`` (stages, virtual stages, microbatches, and the schedule's summary: bubble and
     activations in flight, :func:`jaxllm.parallel.schedules.summary`), ``mesh`` (``{axis: size}``),
     ``dispatcher`` (a mixture of experts' token dispatcher as it runs, ``auto`` resolved; None without
-    experts), ``collectives`` (with ``collectives=True``: :func:`jaxllm.parallel.collectives.collectives`, else None),
+    experts), ``collectives`` (with ``collectives=True``: :func:`jaxllm.analysis.collectives.collectives`, else None),
     ``gpu`` (the GPU XLA:GPU compiled for, or None), ``kernels`` (with ``gpu``:
     :func:`jaxllm.platform.xla_gpu.kernels`, else None), ``cudnn_workspace`` (with ``gpu``: the estimate of
     :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else 0), ``gemm_workspace`` (with
@@ -278,7 +279,7 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
     ``overrides``, ``jax``), the device's ``device_memory_bytes`` and ``fits``, :func:`plan`'s figures (bytes
     per device, FLOPs per step), its ``collectives`` by mesh axes joined by " x " (``ops``, ``wire_bytes`` sent
     per device per step, ``kinds``) and, with ``--cluster``, ``step_time``: the model's seconds
-    (:func:`jaxllm.runtime.step_time.estimate`), each axis's ``[seconds, bytes sent per device, off the node]``."""
+    (:func:`jaxllm.analysis.step_time.estimate`), each axis's ``[seconds, bytes sent per device, off the node]``."""
     figures = {k: p[k] for k in ("mesh", "num_params", "active_params", "dtype", "dispatcher", "params", "grads",
                                  "opt_state", "batch", "temp", "total", "host", "device", "model_flops",
                                  "compile_s", "gpu", "seq_tokens")}
@@ -358,7 +359,7 @@ if __name__ == "__main__":
                       "such device where it can, else cpu")
     flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
     flags.DEFINE_string("cluster", None, f"also model the step's time on a cluster: {', '.join(CLUSTERS)} "
-                        "(its device is the --device; jaxllm/runtime/step_time.py)")
+                        "(its device is the --device; jaxllm/analysis/step_time.py)")
     flags.DEFINE_integer("devices_per_process", cli.MAX_HOST_DEVICES, "compile as processes of this many devices, this "
                          "one's and stand-ins for the others (cli.stand_in_processes); the default is XLA:CPU's most")
     flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")

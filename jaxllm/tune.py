@@ -1,6 +1,6 @@
 """Parallel-strategy autotuner: ``python -m jaxllm.tune --config=... --devices=N [flags]``.
 
-Search space (:mod:`jaxllm.parallel.layouts`): every ordered factorization of N devices over the
+Search space (:mod:`jaxllm.analysis.layouts`): every ordered factorization of N devices over the
 mesh axes in ``--axes`` x ``--micro_batch`` x ``--remat`` x ``--attention`` x pipeline schedule and
 virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_stages``) x
 ``--sequence_impls`` (only with sequence > 1).
@@ -27,7 +27,7 @@ virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_s
    their two measurements (the machine's load moves single measurements).
 
 At a cluster's scale (``--cluster=frontier --mfu=0.4``): step 3 is the step-time model of the plan
-(:mod:`jaxllm.runtime.step_time`: the FLOPs at the stated MFU, the compiled collectives over the cluster's
+(:mod:`jaxllm.analysis.step_time`: the FLOPs at the stated MFU, the compiled collectives over the cluster's
 links, the pipeline bubble), not a measurement on this machine's devices; the memory limit is the
 cluster's device's, the plans are for its backend, and nothing is re-measured.  Candidates are then
 ranked by a model: its report says so.
@@ -63,13 +63,12 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from jaxllm import bench, cli, config, plan  # noqa: E402
+from jaxllm.analysis import layouts, step_time  # noqa: E402
+from jaxllm.analysis.layouts import AXES, Candidate  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import attention  # noqa: E402
-from jaxllm.parallel import layouts  # noqa: E402
-from jaxllm.parallel.layouts import AXES, Candidate  # noqa: E402
 from jaxllm.platform.hardware import CLUSTERS, DEVICES, GiB, named_cluster, named_device  # noqa: E402
 from jaxllm.resolve import mesh_shape, resolve  # noqa: E402
-from jaxllm.runtime import step_time  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -308,7 +307,7 @@ class Tuner:
                   f"- {'modeled' if self.cluster else 'measured'}: {measured}; failed: {failed}"]
         if self.cluster:
             lines.append(f"- ranked by the step-time MODEL on {self.cluster[0]} at MFU {self.cluster[1]:.0%} "
-                         "(jaxllm/runtime/step_time.py), not by measurements")
+                         "(jaxllm/analysis/step_time.py), not by measurements")
         return lines
 
     def rows(self) -> list[dict]:

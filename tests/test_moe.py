@@ -22,9 +22,10 @@ from conftest import ROOT, run_python
 from harness import assert_same_training, run_layouts
 
 from jaxllm import config, tune
+from jaxllm.analysis import layouts
 from jaxllm.config import ConfigError
 from jaxllm.model import gpt, layers, moe
-from jaxllm.parallel import experts, layouts
+from jaxllm.parallel import experts
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
 

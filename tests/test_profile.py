@@ -1,4 +1,4 @@
-"""jaxllm.runtime.profile: the categories of a real compiled step's operations, the per-step arithmetic of the
+"""jaxllm.analysis.profile: the categories of a real compiled step's operations, the per-step arithmetic of the
 table, and ``jaxllm.bench --profile`` writing a trace."""
 
 import glob
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxllm import bench, config
-from jaxllm.runtime import flops, profile
+from jaxllm.analysis import profile
+from jaxllm.runtime import flops
 from jaxllm.runtime.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""The collectives of a compiled step per mesh axis (jaxllm.parallel.collectives) and the step-time model
-on a cluster (jaxllm.runtime.step_time, ``jaxllm.plan --cluster``)."""
+"""The collectives of a compiled step per mesh axis (jaxllm.analysis.collectives) and the step-time model
+on a cluster (jaxllm.analysis.step_time, ``jaxllm.plan --cluster``)."""
 
 import json
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.parallel.collectives import Traffic, _groups
+from jaxllm.analysis import step_time
+from jaxllm.analysis.collectives import Traffic, _groups
 from jaxllm.platform.hardware import CLUSTERS, Cluster
-from jaxllm.runtime import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 from jaxllm import config
-from jaxllm.parallel.collectives import collectives
+from jaxllm.analysis.collectives import collectives
 from jaxllm.resolve import resolve
 from jaxllm.runtime.run import Run
 

@@ -1,4 +1,4 @@
-"""jaxllm.tune: the search space (jaxllm.parallel.layouts), constraint and memory pruning counts against hand
+"""jaxllm.tune: the search space (jaxllm.analysis.layouts), constraint and memory pruning counts against hand
 counts and jaxllm.plan, the measured candidates, and the CLI's outputs on 2 devices (Optuna) and bad flags."""
 
 import contextlib
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm import config, plan, tune
-from jaxllm.parallel import layouts
+from jaxllm.analysis import layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -437,7 +437,7 @@ class GPT(nnx.Module):
         (:func:`jaxllm.model.fused_loss.cross_entropy`).  ``norm``: the final norm (None: ``ln_f``; a
         multi-token prediction module has normed its output already)."""
         dt = jnp.dtype(self.cfg.dtype)
-        with jax.named_scope("output_loss"):  # the profile's category (jaxllm.runtime.profile)
+        with jax.named_scope("output_loss"):  # the profile's category (jaxllm.analysis.profile)
             if self.lm_head is None:
                 table = self.ops.param(self.wte[...].astype(dt), ("vocab", "embed"))
             else:

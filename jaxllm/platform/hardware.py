@@ -5,7 +5,7 @@
 * :data:`DEVICES` / :func:`named_device`: memory per device and backend of the accelerators
   ``jaxllm.plan`` and ``jaxllm.tune`` check against.
 * :data:`CLUSTERS` / :func:`named_cluster`: GPUs per node and the links between them, for
-  ``jaxllm.plan --cluster`` (:mod:`jaxllm.runtime.step_time`).
+  ``jaxllm.plan --cluster`` (:mod:`jaxllm.analysis.step_time`).
 * :func:`backend_kind`: ``cpu``, ``cuda``, ``rocm`` or ``tpu`` for a running JAX backend.
 * :func:`host_threads`: the CPU cores this process may run on.
 * :func:`fp8_unsupported`: whether a backend's devices have FP8 matmuls (``model.fp8``).
@@ -34,7 +34,7 @@ _KINDS = ("cpu", "cuda", "rocm", "tpu")
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """A machine's nodes as the step-time model sees them (:mod:`jaxllm.runtime.step_time`).
+    """A machine's nodes as the step-time model sees them (:mod:`jaxllm.analysis.step_time`).
 
     Attributes:
       device: its accelerator, a key of :data:`DEVICES` and :data:`PEAK_FLOPS` (one GCD for the MI250X).
@@ -205,7 +205,7 @@ _MEASURED: dict[tuple[str, str, str], float] = {}  # (platform, device_kind, dty
 # Peak memory bandwidth, bytes/s, from the same datasheets (A100: the 80 GB SXM's HBM2e, 2,039 GB/s; the 40 GB
 # card's 1,555; H100 SXM HBM3 3.35 TB/s, PCIe 2.0, NVL 3.9; H200 4.8 TB/s; MI250X 3.2 TB/s for two GCDs;
 # MI300X 5.3 TB/s); matched as PEAK_FLOPS is, the 40 GB A100 by its name.  The basis of a profile's bandwidth
-# fractions (:mod:`jaxllm.runtime.profile`).
+# fractions (:mod:`jaxllm.analysis.profile`).
 MEMORY_BANDWIDTH: dict[str, float] = {
     "A100": 2.039e12, "A100-SXM4-40GB": 1.555e12, "A100-PCIE-40GB": 1.555e12,
     "H100": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H200 NVL": 4.8e12,

@@ -1,6 +1,6 @@
 """An optimized HLO module as text (``compiled.as_text()``), read: its computations' instructions and the bytes
 of its types.  What reads a compiled program here (:mod:`jaxllm.platform.xla_gpu`'s kernels,
-:mod:`jaxllm.parallel.collectives`' traffic, :mod:`jaxllm.runtime.profile`'s kernels) parses it with this.
+:mod:`jaxllm.analysis.collectives`' traffic, :mod:`jaxllm.analysis.profile`'s kernels) parses it with this.
 """
 
 from __future__ import annotations

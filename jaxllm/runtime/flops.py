@@ -234,7 +234,7 @@ def hardware_flops_by_kind(cfg) -> dict[str, float]:
     matmuls, forward, backward and recomputed), ``loss`` (the output layers' three matmuls, the
     multi-token prediction depths' too) and ``gemm``
     (every other layer matmul: projections and MLP, with their recomputation); FLOPs per step, all
-    devices.  The basis of a profile's FLOP rates (:mod:`jaxllm.runtime.profile`)."""
+    devices.  The basis of a profile's FLOP rates (:mod:`jaxllm.analysis.profile`)."""
     tokens, seq, m = cfg.train.global_batch_size * cfg.train.seq_length, cfg.train.seq_length, cfg.model
     stack = _stack_forward_flops(m, seq)
     attention_keys = ("scores", "values")

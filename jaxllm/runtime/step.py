@@ -264,7 +264,7 @@ def apply_gradients(optimizer, schedule, state, loss, grads, stats, bias_update_
       rate per update, :func:`jaxllm.runtime.optim.lr_schedule`).
     """
     params = state["params"]
-    with jax.named_scope("optimizer"):  # the profile's category (jaxllm.runtime.profile)
+    with jax.named_scope("optimizer"):  # the profile's category (jaxllm.analysis.profile)
         balanced = params
         if bias_update_rate is not None:
             balanced, grads = _balanced(params, grads, bias_update_rate)

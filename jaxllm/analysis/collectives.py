@@ -6,7 +6,7 @@ every ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` and ``c
 (XLA's ``known_trip_count``: the layer scan, the micro batches, the pipeline's steps).  Its device
 groups (``replica_groups``, explicit or iota, with ``use_global_device_ids``; a permute's
 ``source_target_pairs``) are mesh positions: the mesh axes along which a group's members differ are
-the axes it spans.  :func:`jaxllm.runtime.step_time.estimate` turns the bytes into seconds.
+the axes it spans.  :func:`jaxllm.analysis.step_time.estimate` turns the bytes into seconds.
 """
 
 from __future__ import annotations

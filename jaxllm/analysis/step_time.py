@@ -7,7 +7,7 @@ It is a model, not a measurement.  A step is
 * the pipeline bubble: the schedule's idle fraction ``b`` of each stage's loop
   (:func:`jaxllm.parallel.schedules.schedule_bubble`) stretches the compute to ``compute / (1 - b)``;
 * communication: for each set of mesh axes, the bytes each device sends in the compiled program's
-  collectives (:func:`jaxllm.parallel.collectives.collectives`: ring algorithms, loop trip counts
+  collectives (:func:`jaxllm.analysis.collectives.collectives`: ring algorithms, loop trip counts
   included) over the link those axes cross (inside a node, or off it: the devices are numbered node by
   node in the mesh's order, the innermost axes inside a node), plus a latency per ring step;
   Hockney's alpha-beta model (Hockney 1994, "The communication challenge for MPP").
@@ -88,7 +88,7 @@ def report(est: dict, plan: dict, cluster_name: str, cluster: Cluster, mfu: floa
     step = est["step"]
     share = lambda t: f"{t:10.3f} s  {t / step:6.1%}"  # noqa: E731
     lines = [f"step-time MODEL on {cluster_name} ({devices} x {cluster.device}, {cluster.per_node} per node; not a "
-             "measurement: jaxllm/runtime/step_time.py says what it leaves out, jaxllm/platform/hardware.py "
+             "measurement: jaxllm/analysis/step_time.py says what it leaves out, jaxllm/platform/hardware.py "
              "CLUSTERS its sources):",
              f"  compute             {share(est['compute'])}   (model FLOPs at MFU {mfu:.0%} of "
              f"{est['peak'] / 1e12:.1f} TFLOP/s per device)"]
