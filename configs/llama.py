@@ -66,45 +66,18 @@ empty, so a run says to set it): give a Hugging Face tokenizer.json with --confi
 """
 
 from jaxllm.config import get_config as defaults
+from jaxllm.families import llama, registry
 
-# key: (num_layers, hidden_size, num_attention_heads, num_kv_heads, ffn_hidden_size, vocab_size,
-#       max_position_embeddings, rotary_base, seq_length)
-SIZES = {
-    "ALCF-7B": (32, 4096, 32, 8, 11008, 32000, 2048, 10000.0, 2048),
-    "AuroraGPT-2B": (12, 2048, 16, 4, 11008, 256000, 8192, 10000.0, 8192),
-    "Llama-2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, 10000.0, 4096),
-    "Llama-3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 8192),
-    "Llama-3.1-8B": (32, 4096, 32, 8, 14336, 128256, 131072, 500000.0, 8192),
-    "Qwen2.5-7B": (28, 3584, 28, 4, 18944, 152064, 131072, 1e6, 8192),
-    "Qwen3-8B": (36, 4096, 32, 8, 12288, 151936, 40960, 1e6, 8192),
-    "Mistral-7B": (32, 4096, 32, 8, 14336, 32000, 32768, 10000.0, 8192),
-    "Qwen3-30B-A3B": (48, 2048, 32, 4, 6144, 151936, 40960, 1e6, 8192),
-    "Moonlight-16B-A3B": (27, 2048, 16, 16, 11264, 163840, 8192, 50000.0, 8192),
-}
-# the keys' other model settings (see the module docstring)
-EXTRA = {"Llama-3.1-8B": dict(use_rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                              rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192),
-         "Qwen2.5-7B": dict(add_qkv_bias=True, norm_eps=1e-6),
-         "Qwen3-8B": dict(qk_layernorm=True, norm_eps=1e-6),
-         "Mistral-7B": dict(sliding_window=4096),
-         "Qwen3-30B-A3B": dict(qk_layernorm=True, norm_eps=1e-6, kv_channels=128, num_experts=128, moe_router_topk=8,
-                               moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001),
-         "Moonlight-16B-A3B": dict(multi_latent_attention=True, q_lora_rank=0, kv_lora_rank=512, qk_head_dim=128,
-                                   qk_pos_emb_head_dim=64, v_head_dim=128, num_experts=64, moe_router_topk=6,
-                                   moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2 * 1408,
-                                   moe_layer_freq="[" + ",".join(["0"] + ["1"] * 26) + "]",
-                                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                                   moe_router_topk_scaling_factor=2.446)}
-# ALCF-7B's vocabulary: ALCF's default TOKENIZER_TYPE is Llama2Tokenizer (ALCF/tokenizer.model, taken to be Llama 2's
-# tokenizer, 32000 tokens; that file was not read here).
-
+# the shapes this recipe trains (jaxllm.families: each family's module holds its sizes, with their sources)
+SIZES = ("ALCF-7B", "AuroraGPT-2B", "Llama-2-7B", "Llama-3-8B", "Llama-3.1-8B", "Qwen2.5-7B", "Qwen3-8B", "Mistral-7B",
+         "Qwen3-30B-A3B", "Moonlight-16B-A3B")
+SEQ_LENGTH = {"ALCF-7B": 2048, "Llama-2-7B": 4096}  # train.seq_length; the others 8192
 KEYS = (*SIZES, "tiny")
 
 
 def recipe(c):
     """train_llama_alcf.sh's architecture and training flags (see the module docstring) on config ``c``."""
-    c.model.update(norm="rmsnorm", norm_eps=1e-5, activation="swiglu", position_embedding="rotary",
-                   tie_embeddings=False, use_bias=False, dropout=0.0)
+    c.model.update(**llama.PRESET, norm_eps=1e-5, tie_embeddings=False, dropout=0.0)
     c.train.update(optimizer="adamw", lr=2e-4, min_lr=0.0, lr_decay_style="cosine", warmup_iters=0,
                    lr_warmup_fraction=0.05, beta1=0.9, beta2=0.95, adam_eps=1e-5, weight_decay=0.1, grad_clip=1.0,
                    eval_interval=100, eval_iters=20)
@@ -124,10 +97,7 @@ def get_config(key="ALCF-7B"):
                        eval_iters=2, log_interval=5)
         c.data.tokenizer = "byte"
         return c
-    layers, hidden, heads, kv, ffn, vocab, positions, theta, seq = SIZES[key]
-    c.model.update(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv,
-                   ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=positions, rotary_base=theta,
-                   dtype="bfloat16", **EXTRA.get(key, {}))
-    c.train.update(seq_length=seq, micro_batch_size=1, global_batch_size=8, train_iters=1000)
+    c.model.update(**registry.SIZES[key], dtype="bfloat16")
+    c.train.update(seq_length=SEQ_LENGTH.get(key, 8192), micro_batch_size=1, global_batch_size=8, train_iters=1000)
     c.data.tokenizer = ""  # a Hugging Face tokenizer.json whose vocabulary fits model.vocab_size (see above)
     return c

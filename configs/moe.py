@@ -20,6 +20,8 @@ Option names are Megatron-LM's (``model.num_experts`` is ``--num-experts``, ``me
 import importlib.util
 from pathlib import Path
 
+from jaxllm.families import registry
+
 _spec = importlib.util.spec_from_file_location("jaxllm_configs_llama", Path(__file__).with_name("llama.py"))
 _llama = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_llama)
@@ -35,9 +37,7 @@ def get_config(key="tiny"):
         c.model.update(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_aux_loss_coeff=1e-2,
                        moe_z_loss_coeff=1e-3)
         return c
-    c.model.update(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
-                   vocab_size=32000, make_vocab_size_divisible_by=128, norm_eps=1e-5, rotary_base=1e6,
-                   num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336, moe_aux_loss_coeff=1e-2,
+    c.model.update(**registry.SIZES["Mixtral-8x7B"], make_vocab_size_divisible_by=128, moe_aux_loss_coeff=1e-2,
                    dtype="bfloat16", remat="full")
     c.train.update(seq_length=4096, micro_batch_size=1, global_batch_size=8, train_iters=1000, eval_interval=100,
                    eval_iters=20, log_interval=20)

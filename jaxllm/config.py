@@ -137,8 +137,7 @@ class Model(Section):
     # full (only the layer's input: the layer is recomputed); *_offloaded: those outputs kept in host memory
     # instead; offload: full with the layer's input in host memory (backends with host memory: GPUs, CPUs)
     remat: str = _key("none", choices=("none", "minimal_with_context", "minimal", "save_dots", "save_dots_except_mlp",
-                                       "save_qkv_proj", "full", "minimal_offloaded", "qkv_proj_offloaded",
-                                       "offload"))
+                                       "save_qkv_proj", "full", "minimal_offloaded", "qkv_proj_offloaded", "offload"))
     # the MLP over this many chunks of each sequence, one at a time, each recomputed in the backward pass: its
     # [tokens, ffn_hidden_size] intermediates 1/mlp_chunks as large, for one more forward of the MLP (long
     # sequences, where they bound the length); train.seq_length / mesh.sequence must divide by it
@@ -187,10 +186,9 @@ class Model(Section):
     # which layers are mixtures of experts (Megatron-LM's --moe-layer-freq): k, every k-th layer from the first
     # (1: all); or one 0/1 per layer, "[0,0,1,1]" or Megatron's "([0]*3+[1]*58)" (DeepSeek-V3's 3 dense layers)
     moe_layer_freq: str = _key("1")
-    # multi-token prediction (DeepSeek-V3 section 2.2; Megatron-LM's --mtp-num-layers, --mtp-loss-scaling-factor):
-    # mtp_num_layers modules after the model, module k predicting each position's token k+1 ahead from module k-1's
-    # hidden states and the embedding of the token k ahead through one layer of the last layer's kind; their mean loss
-    # x mtp_loss_scaling_factor joins the objective (the logged loss stays the main one's, mtp_loss theirs)
+    # multi-token prediction (DeepSeek-V3 section 2.2; Megatron-LM's names): module k of mtp_num_layers predicts the
+    # token k+1 ahead from module k-1's hidden states and the embedding of the token k ahead, through a layer of the
+    # last layer's kind; their mean loss x mtp_loss_scaling_factor joins the objective (mtp_loss in the log)
     mtp_num_layers: int = _key(0, ">=0")
     mtp_loss_scaling_factor: float = _key(0.1, ">=0")
     padded_vocab_size: int = _derived()  # rows of the embedding and output tables
@@ -404,17 +402,15 @@ class Log(Section):
     name: ClassVar[str] = "log"
     tensorboard: bool = True
     progress_bar: bool = True  # only drawn when stdout is a terminal
-    # library chatter (Gloo connections, XLA warnings, other processes' logs) on the console too;
-    # otherwise it goes to WORKDIR/logs/
-    verbose: bool = False
+    verbose: bool = False  # library chatter (Gloo, XLA warnings, other processes' logs) on the console, not in logs/
     samples: int = _key(1, ">=0")  # text samples printed at the end of training
     sample_tokens: int = _key(256, ">=0")  # tokens of each sample: >= 1 when log.samples > 0 (resolve checks)
     sample_prompt: str = ""  # "": the first tokens of the validation split
     temperature: float = _key(0.8, ">0")
     top_k: int = _key(200, ">=0")
-    # Weights & Biases (pip install 'jaxllm[wandb]'): process 0 sends what goes to metrics.jsonl, at the same
-    # steps, and the resolved config; files in WORKDIR/wandb, the run's id in WORKDIR/wandb_run_id (a restart
-    # resumes the same W&B run). W&B's variables apply: WANDB_MODE=offline (or disabled), WANDB_API_KEY, ...
+    # Weights & Biases (pip install 'jaxllm[wandb]'): process 0 sends metrics.jsonl's rows and the resolved config;
+    # files in WORKDIR/wandb, the run's id in WORKDIR/wandb_run_id (a restart resumes the same W&B run). W&B's
+    # variables apply: WANDB_MODE=offline (or disabled), WANDB_API_KEY, ...
     wandb: bool = False
     wandb_project: str = "jaxllm"  # "": W&B's default (WANDB_PROJECT, else "uncategorized")
     wandb_name: str = ""  # the run's display name; "": the WORKDIR's name
@@ -446,10 +442,8 @@ class Resolved(Config):
     """A config after :func:`jaxllm.resolve.resolve`: every value checked, derived sizes filled, read-only.
 
     Beyond the sections (where ``model.dtype``, ``model.layer_loop``, ``model.num_kv_heads``, ``model.ffn_hidden_size``,
-    ``model.max_position_embeddings``, ``model.padded_vocab_size``,
-    ``train.lr_decay_iters`` and any -1 mesh axis are filled in, and an alias of ``train.optimizer`` is
-    replaced by its name):
-    """
+    ``model.max_position_embeddings``, ``model.padded_vocab_size``, ``train.lr_decay_iters`` and any -1 mesh axis are
+    filled in, and an alias of ``train.optimizer`` is replaced by its name):"""
 
     # the kind of machine the run is for (jaxllm.platform.hardware.backend_kind): "cpu", "cuda", "rocm", ...
     backend: str = ""
@@ -473,8 +467,8 @@ def get_config() -> Config:
 MEGATRON_NAMES = {
     "num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
     "num_attention_heads": "model.num_attention_heads", "num_query_groups": "model.num_kv_heads",
-    "kv_channels": "model.kv_channels",
-    "ffn_hidden_size": "model.ffn_hidden_size", "max_position_embeddings": "model.max_position_embeddings",
+    "kv_channels": "model.kv_channels", "ffn_hidden_size": "model.ffn_hidden_size",
+    "max_position_embeddings": "model.max_position_embeddings",
     "make_vocab_size_divisible_by": "model.make_vocab_size_divisible_by", "normalization": "model.norm",
     "swiglu": "model.activation=swiglu", "position_embedding_type": "model.position_embedding",
     "use_rotary_position_embeddings": "model.position_embedding=rotary",
@@ -482,12 +476,11 @@ MEGATRON_NAMES = {
     "init_method_std": "model.init_std", "layernorm_epsilon": "model.norm_eps", "norm_epsilon": "model.norm_eps",
     "recompute_granularity": "model.remat", "recompute_activations": "model.remat=full",
     "checkpoint_activations": "model.remat=full", "use_flash_attn": "model.attention_impl",
-    "bf16": "model.dtype=bfloat16", "fp16": "model.dtype=float16",
-    "seq_length": "train.seq_length", "micro_batch_size": "train.micro_batch_size",
-    "global_batch_size": "train.global_batch_size", "train_iters": "train.train_iters",
+    "bf16": "model.dtype=bfloat16", "fp16": "model.dtype=float16", "seq_length": "train.seq_length",
+    "micro_batch_size": "train.micro_batch_size", "global_batch_size": "train.global_batch_size",
+    "train_iters": "train.train_iters", "lr_warmup_iters": "train.warmup_iters",
     "gradient_accumulation_steps": "train.global_batch_size (= micro batch x data-parallel size x accumulation steps)",
-    "lr_warmup_iters": "train.warmup_iters", "lr_decay_iters": "train.lr_decay_iters",
-    "optimizer": "train.optimizer", "lr_decay_style": "train.lr_decay_style",
+    "lr_decay_iters": "train.lr_decay_iters", "optimizer": "train.optimizer", "lr_decay_style": "train.lr_decay_style",
     "lr_warmup_fraction": "train.lr_warmup_fraction", "lr_wsd_decay_style": "train.lr_wsd_decay_style",
     "lr_wsd_decay_iters": "train.lr_wsd_decay_iters", "sgd_momentum": "train.sgd_momentum",
     "no_decoupled_weight_decay": "train.optimizer=adam (Megatron-LM's --optimizer adam without it is "
@@ -496,9 +489,8 @@ MEGATRON_NAMES = {
     "clip_grad": "train.grad_clip", "weight_decay": "train.weight_decay", "seed": "train.seed",
     "eval_interval": "train.eval_interval", "eval_iters": "train.eval_iters", "log_interval": "train.log_interval",
     "save_interval": "checkpoint.interval", "data_path": "data.input", "tokenizer_type": "data.tokenizer",
-    "tokenizer_model": "data.tokenizer",
-    "data_file_list": "data.file_list", "split": "data.split", "data_cache_path": "data.cache_dir",
-    "json_keys": "data.json_key", "reset_position_ids": "data.reset_position_ids",
+    "tokenizer_model": "data.tokenizer", "data_file_list": "data.file_list", "split": "data.split",
+    "data_cache_path": "data.cache_dir", "json_keys": "data.json_key", "reset_position_ids": "data.reset_position_ids",
     "reset_attention_mask": "data.reset_attention_mask", "eod_mask_loss": "data.eod_mask_loss",
     "tensor_model_parallel_size": "mesh.tensor", "pipeline_model_parallel_size": "mesh.pipeline",
     "context_parallel_size": "mesh.sequence", "ds_sequence_parallel_size": "mesh.sequence",
@@ -506,8 +498,7 @@ MEGATRON_NAMES = {
     "num_layers_per_virtual_pipeline_stage": "parallel.pipeline_virtual_stages (virtual stages per device)",
     "virtual_pipeline_model_parallel_size": "parallel.pipeline_virtual_stages",
     "expert_model_parallel_size": "mesh.expert", "expert_tensor_parallel_size": "mesh.expert_tensor",
-    "moe_grouped_gemm": "nothing: the experts are always grouped "
-    "matmuls",
+    "moe_grouped_gemm": "nothing: the experts are always grouped matmuls",
 }
 
 

@@ -14,3 +14,16 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Bad data input. The message names the file or config key, the problem and the fix."""
+
+
+class ConvertError(ValueError):
+    """A model, directory, checkpoint or option that cannot be converted (``jaxllm.convert``, :mod:`jaxllm.formats`).
+
+    Attributes:
+      keys: the config keys (jaxllm ``SECTION.KEY``, a config.json key or a Megatron argument) at fault, possibly
+        empty.
+    """
+
+    def __init__(self, message: str, keys=()):
+        self.keys = tuple(keys)
+        super().__init__(message)

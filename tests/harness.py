@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.families import deepseek_v3
+
 # DeepSeek-V2/V3's multi-head latent attention in the layouts' model (hidden 128, 8 heads): query latent 24,
 # key/value latent 16, per head 8 + 4 rotary query/key dimensions and 10 value ones
-MLA = {"multi_latent_attention": True, "position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu",
-       "use_bias": False, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
+MLA = {**deepseek_v3.PRESET, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
        "v_head_dim": 10}
 
 

@@ -339,6 +339,33 @@ def test_resuming_with_another_model_is_a_clear_error(tmp_path):
     assert (tmp_path / "checkpoints" / "1").exists()  # nothing deleted
 
 
+def _digests(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("key,value", [("model.qk_layernorm", True), ("model.num_experts", 4),
+                                       ("model.add_qkv_bias", True), ("model.mtp_num_layers", 1)])
+def test_resuming_with_a_key_that_changes_the_parameters_is_refused(data_dir, reference, tmp_path, key, value):
+    """Any model key that changes the parameters (the checkpoint's model against this run's, by gpt.describe: no
+    list of keys kept by hand) stops the resumed run with one line naming the key and both values, exit 2, before
+    anything compiles; the checkpoints are left as they were, byte for byte."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference[0], workdir)
+    before = _digests(workdir / "checkpoints")
+    r = subprocess.run(command(workdir, {**overrides(data_dir), key: value}), cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    saved = {"model.qk_layernorm": False, "model.num_experts": 0, "model.add_qkv_bias": False,
+             "model.mtp_num_layers": 0}[key]
+    assert len(lines) == 1 and f"{key}={saved!r} (this run: {value!r})" in lines[0], r.stderr
+    assert "another model" in lines[0] and "damaged" not in lines[0]
+    assert _digests(workdir / "checkpoints") == before
+
+
 def test_a_flipped_byte_is_detected_and_the_step_before_restored(data_dir, reference, tmp_path, caplog):
     """Orbax and TensorStore restore a chunk with a changed byte without a word: the checksums saved with
     the step catch it, the step goes to damaged/ and the run resumes from the one before, exactly."""

@@ -1,4 +1,4 @@
-"""Hugging Face conversion (the tables of jaxllm.model.hf, the workdirs and CLI of jaxllm.convert) against real
+"""Hugging Face conversion (the tables of jaxllm.formats.hf, the workdirs and CLI of jaxllm.convert) against real
 transformers + PyTorch (CPU, float32, small random models).
 
 Import: transformers' GPT-2 / Llama (and Llama 3.1's rotary scaling) / Qwen2 / Qwen3 / Mistral (a sliding window) /
@@ -27,8 +27,10 @@ import torch
 import transformers
 
 from jaxllm import config, convert
+from jaxllm.families import llama as llama_family
+from jaxllm.formats import hf_workdir
+from jaxllm.formats.hf import ConvertError, to_hf
 from jaxllm.model import gpt
-from jaxllm.model.hf import ConvertError, to_hf
 from jaxllm.resolve import resolve
 from jaxllm.runtime import checkpoint, optim, step
 from jaxllm.runtime.run import Run
@@ -176,7 +178,7 @@ def hf_dir(request, tmp_path_factory):
 
 def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     name, d, ref = hf_dir
-    cfg, params = convert.from_hf(d, F32)
+    cfg, params = hf_workdir.from_hf(d, F32)
     m = cfg.model
     assert (m.vocab_size, m.padded_vocab_size) == (VOCAB, 128)  # padded as jaxllm pads, the padding masked
     assert cfg.train.seq_length == m.max_position_embeddings == SEQ
@@ -198,7 +200,7 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     elif "qwen3moe" in name:  # the same experts, and layer 1 a dense MLP of 96
         assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 96)
         assert (m.moe_layer_freq, m.moe_router_pre_softmax, m.moe_aux_loss_coeff) == ("[1,0,1]", False, 0.02)
-        assert [g.moe for g in gpt.layer_groups(m)] == [True, False, True]
+        assert [g.kind.moe for g in gpt.layer_groups(m)] == [True, False, True]
     elif "deepseek" in name:  # MLA; layer 0 dense (96), then sigmoid-routed experts of 48 and a shared one
         assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
                 m.v_head_dim, m.kv_channels, m.norm_eps) == (True, 12 if "qlora" in name else 0, 16, 8, 4, 6, 0, 1e-5)
@@ -218,7 +220,7 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
 
     hf_config, tensors = to_hf(m, params)
     assert hf_config["architectures"] == [HF_CLASSES[name.split("-")[0]]]
-    convert.save_hf(m, params, str(tmp_path / "back"))
+    hf_workdir.save_hf(m, params, str(tmp_path / "back"))
     back = load_hf(tmp_path / "back")
     np.testing.assert_allclose(hf_logits(back, tokens()), ref, atol=TOL, rtol=0)
     # Exactly the same tensors as transformers itself saved (the tied head is not stored).
@@ -229,7 +231,7 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     for k in original:
         np.testing.assert_array_equal(tensors[k], original[k], err_msg=k)
     # and importing the export gives the same parameters, bit for bit
-    _, again = convert.from_hf(str(tmp_path / "back"), F32)
+    _, again = hf_workdir.from_hf(str(tmp_path / "back"), F32)
     jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
@@ -238,7 +240,7 @@ def test_rotary_layout_is_hf_llamas(hf_dir):
     """jaxllm's half-split rotary is HF Llama's (checked, not assumed): logits match on arbitrary
     positions, and the same weights read as the interleaved (GPT-J) layout would not."""
     _, d, _ = hf_dir
-    cfg, params = convert.from_hf(d, F32)
+    cfg, params = hf_workdir.from_hf(d, F32)
     m = load_hf(d)
     toks = tokens(batch=1, seq=8, seed=3)
     positions = (20 + 3 * np.arange(8, dtype=np.int32))[None]  # shifted, with gaps
@@ -268,13 +270,13 @@ def test_fused_experts_import(hf_dir, tmp_path):
     last = f"model.layers.{load_hf(d).config.num_hidden_layers - 1}.mlp.experts"  # a mixture of experts in both
     assert fused[f"{last}.gate_up_proj"].shape == (4, 2 * 48, 64)
     assert not any("block_sparse_moe" in k or ".experts.0." in k for k in fused)
-    cfg, params = convert.from_hf(str(tmp_path / "fused"), F32)
+    cfg, params = hf_workdir.from_hf(str(tmp_path / "fused"), F32)
     np.testing.assert_allclose(jax_logits(cfg.model, params, tokens()), ref, atol=TOL, rtol=0)
     fused[f"{last}.down_proj"] = fused[f"{last}.down_proj"][:3]
     save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
     with pytest.raises(ConvertError, match=rf"{last}.down_proj has shape \[3, 64, 48\], "
                                            r"config.json implies \[4, 64, 48\]"):
-        convert.from_hf(str(tmp_path / "fused"), F32)
+        hf_workdir.from_hf(str(tmp_path / "fused"), F32)
 
 
 @pytest.mark.parametrize("hf_dir", ["deepseekv3-qlora-untied"], indirect=True)
@@ -286,7 +288,7 @@ def test_deepseek_v3_rotary_routing_and_mtp_layers(hf_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     _, d, ref = hf_dir
-    cfg, params = convert.from_hf(d, F32)
+    cfg, params = hf_workdir.from_hf(d, F32)
     m = cfg.model
     attn = params["layers_0"]["attn"]
     interleaved = jax.tree.map(lambda x: x, params)  # our rotary rows as HF stores them: pairs (0, 1) and (2, 3)
@@ -303,7 +305,7 @@ def test_deepseek_v3_rotary_routing_and_mtp_layers(hf_dir, tmp_path):
     save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({**json.loads(Path(d, "config.json").read_text()),
                                                       "num_nextn_predict_layers": 1}))
-    _, again = convert.from_hf(str(tmp_path), F32)
+    _, again = hf_workdir.from_hf(str(tmp_path), F32)
     jax.tree.map(np.testing.assert_array_equal, again, params)
     hf, _ = to_hf(m, params)
     assert (hf["first_k_dense_replace"], hf["n_shared_experts"], hf["n_group"], hf["topk_group"],
@@ -323,13 +325,13 @@ def test_qwen3_moe_unnormalized_routing_and_sparse_step(tmp_path):
         head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ, rope_theta=500.0)), seed=6)
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
     ref = hf_logits(m, tokens())
-    cfg, params = convert.from_hf(str(tmp_path / "hf"), F32)
+    cfg, params = hf_workdir.from_hf(str(tmp_path / "hf"), F32)
     assert (cfg.model.moe_router_pre_softmax, cfg.model.moe_layer_freq) == (True, "[0,1,0,1]")
     out = jax_logits(cfg.model, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
     renormalized = jax_logits(dataclasses.replace(cfg.model, moe_router_pre_softmax=False), params, tokens())
     assert np.abs(renormalized - ref).max() > 100 * TOL
-    hf = convert.save_hf(cfg.model, params, str(tmp_path / "back"))
+    hf = hf_workdir.save_hf(cfg.model, params, str(tmp_path / "back"))
     assert (hf["norm_topk_prob"], hf["decoder_sparse_step"], hf["mlp_only_layers"]) == (False, 1, [0, 2])
     np.testing.assert_allclose(hf_logits(load_hf(tmp_path / "back"), tokens()), ref, atol=TOL, rtol=0)
 
@@ -404,8 +406,7 @@ def small_cfg(**changes):
     return resolve(c, num_devices=1)
 
 
-LLAMA_CFG = dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False,
-                 num_kv_heads=2, tie_embeddings=False, rotary_base=10000.0, norm_eps=1e-6)
+LLAMA_CFG = dict(**llama_family.PRESET, num_kv_heads=2, tie_embeddings=False, rotary_base=10000.0, norm_eps=1e-6)
 MOE_CFG = dict(LLAMA_CFG, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 
 
@@ -419,7 +420,7 @@ def test_jaxllm_model_exports(kind, tmp_path):
     keys = jax.random.split(jax.random.key(1), len(leaves))
     params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
                                           for x, k in zip(leaves, keys, strict=True)])
-    hf = convert.save_hf(m, params, str(tmp_path))
+    hf = hf_workdir.save_hf(m, params, str(tmp_path))
     assert (m.padded_vocab_size, hf["vocab_size"]) == (128, 100)
     toks = tokens(vocab=100)
     np.testing.assert_allclose(hf_logits(load_hf(tmp_path), toks), jax_logits(m, params, toks), atol=TOL, rtol=0)
@@ -525,7 +526,7 @@ def test_bfloat16_safetensors_import(tmp_path):
     torch.manual_seed(2)
     m = randomize(llama(True), seed=3).to(torch.bfloat16)
     m.save_pretrained(tmp_path, safe_serialization=True)
-    _, params = convert.from_hf(str(tmp_path), F32)
+    _, params = hf_workdir.from_hf(str(tmp_path), F32)
     want = m.model.embed_tokens.weight.detach().float().numpy()
     assert params["wte"].dtype == np.float32
     np.testing.assert_array_equal(params["wte"][:VOCAB], want)
@@ -537,7 +538,7 @@ def test_sharded_safetensors_import(tmp_path):
     m = randomize(llama(False), seed=5)
     m.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
-    cfg, params = convert.from_hf(str(tmp_path), F32)
+    cfg, params = hf_workdir.from_hf(str(tmp_path), F32)
     np.testing.assert_allclose(jax_logits(cfg.model, params, tokens()), hf_logits(m, tokens()), atol=TOL, rtol=0)
 
 
@@ -549,14 +550,14 @@ def test_gpt2_tokenizer_travels(tmp_path):
     torch.manual_seed(3)
     m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16))
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    convert.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"),
+    hf_workdir.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"),
                               {"data.tokenizer": "gpt2"})
-    hf = convert.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
+    hf = hf_workdir.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
     assert hf["eos_token_id"] == 50256
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     text = "Hello world!  It's   a test\n\nof tokens, ünïcode and\ttabs"
     assert tok(text)["input_ids"] == GPT2Tokenizer().encode(text).tolist()
-    cfg = convert.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2"))
+    cfg = hf_workdir.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2"))
     assert cfg.data.tokenizer == "gpt2" and cfg.data.gpt2_dir == str(tmp_path / "w2" / "tokenizer")
     GPT2Tokenizer(cfg.data.gpt2_dir)
 
@@ -574,17 +575,17 @@ def test_sentencepiece_tokenizer_travels(tmp_path):
     llama().save_pretrained(tmp_path / "hf", safe_serialization=True)
     model = train_sentencepiece(tmp_path / "hf" / "tokenizer.model", vocab_size=VOCAB - 1, byte_fallback=False,
                                 character_coverage=1.0)
-    cfg = convert.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"))
+    cfg = hf_workdir.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "w1"))
     assert cfg.data.tokenizer == str(tmp_path / "w1" / "tokenizer")
     tok = file_tokenizer(cfg.data.tokenizer)
     assert isinstance(tok, SentencePieceTokenizer) and tok.sha256 == SentencePieceTokenizer(str(model)).sha256
-    hf = convert.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
+    hf = hf_workdir.export_workdir(str(tmp_path / "w1"), str(tmp_path / "out"))
     assert (hf["bos_token_id"], hf["eos_token_id"]) == (tok.bos_id, tok.eot_id) == (1, 2)
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == model.read_bytes()
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     for text in ("First Citizen: Before we proceed any further, hear me speak.", "You are all resolved rather to die"):
         assert ref(text)["input_ids"] == tok.encode(text).tolist()
-    assert convert.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2")).data.tokenizer == str(
+    assert hf_workdir.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2")).data.tokenizer == str(
         tmp_path / "w2" / "tokenizer")
 
 
@@ -599,7 +600,7 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(Trap()))
     (tmp_path / "config.json").write_text(json.dumps(gpt2().config.to_dict()))
     with pytest.raises(ConvertError, match="pytorch_model.bin.*safetensors"):
-        convert.from_hf(str(tmp_path))
+        hf_workdir.from_hf(str(tmp_path))
     r = cli("--from-hf", str(tmp_path), str(tmp_path / "work"))
     assert r.returncode == 2 and "pytorch_model.bin" in r.stderr and "safetensors" in r.stderr
     assert not marker.exists() and not (tmp_path / "work" / "checkpoints").exists()
@@ -676,7 +677,7 @@ def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
         hf["model_type"] = "gemma"
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ConvertError) as e:
-        convert.from_hf(str(tmp_path))
+        hf_workdir.from_hf(str(tmp_path))
     assert e.value.keys == (key,) and key in str(e.value)
 
 
@@ -684,25 +685,25 @@ def test_unsupported_hf_config_names_key(tmp_path, model_type, change, key):
 def test_import_options_are_checked(hf_dir, tmp_path):
     name, d, _ = hf_dir
     with pytest.raises(ConvertError, match="model.hidden_size") as e:
-        convert.from_hf(d, {"model.hidden_size": "128"})
+        hf_workdir.from_hf(d, {"model.hidden_size": "128"})
     assert e.value.keys == ("model.hidden_size",)
     with pytest.raises(ConvertError, match="train.seq_length"):
-        convert.from_hf(d, {"train.seq_length": str(2 * SEQ)})
+        hf_workdir.from_hf(d, {"train.seq_length": str(2 * SEQ)})
     # A shorter training length keeps HF's whole position table.
-    cfg, params = convert.from_hf(d, {"train.seq_length": str(SEQ // 2)})
+    cfg, params = hf_workdir.from_hf(d, {"train.seq_length": str(SEQ // 2)})
     assert (cfg.train.seq_length, cfg.model.max_position_embeddings) == (SEQ // 2, SEQ)
     assert params["wpe"].shape[0] == SEQ if "gpt2" in name else "wpe" not in params
     # multi-token prediction on an imported model: its modules fresh, every other parameter the import's
-    cfg, mtp = convert.from_hf(d, {"train.seq_length": str(SEQ // 2), "model.mtp_num_layers": "1"})
+    cfg, mtp = hf_workdir.from_hf(d, {"train.seq_length": str(SEQ // 2), "model.mtp_num_layers": "1"})
     h = cfg.model.hidden_size
     assert mtp["mtp"]["eh_proj"].shape == (1, 2, h, h) and np.abs(mtp["mtp"]["eh_proj"]).max() > 0
     jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in mtp.items() if k != "mtp"}, params)
     with pytest.raises(config.ConfigError, match="data.nope.*no such key"):
-        convert.from_hf(d, {"data.nope": "1"})
+        hf_workdir.from_hf(d, {"data.nope": "1"})
     with pytest.raises(config.ConfigError, match="train.train_iters.*must be an integer"):
-        convert.from_hf(d, {"train.train_iters": "many"})
+        hf_workdir.from_hf(d, {"train.train_iters": "many"})
     with pytest.raises(config.ConfigError, match="data.input"):
-        convert.from_hf(d, {"data.input": " "})
-    convert.import_to_workdir(d, str(tmp_path / "w"))
+        hf_workdir.from_hf(d, {"data.input": " "})
+    hf_workdir.import_to_workdir(d, str(tmp_path / "w"))
     with pytest.raises(ConvertError, match="already holds checkpoints"):
-        convert.import_to_workdir(d, str(tmp_path / "w"))
+        hf_workdir.import_to_workdir(d, str(tmp_path / "w"))

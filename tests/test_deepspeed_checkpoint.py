@@ -25,7 +25,8 @@ import pytest
 import torch
 from test_megatron_checkpoint import Payload, assert_refused, restored, run_cli
 
-from jaxllm.model import gpt, megatron
+from jaxllm.formats import megatron
+from jaxllm.model import gpt
 
 DATA = Path(__file__).resolve().parent / "data" / "deepspeed"
 NATIVE = ["zero1_bf16_nested", "zero2_fp32_aligned", "zero3_bf16", "pipeline2_bf16", "llama_zero1_bf16_nested",

@@ -18,7 +18,9 @@ from harness import assert_same_training, run_layouts
 
 from jaxllm import config
 from jaxllm.config import ConfigError, moe_layer_pattern
-from jaxllm.model import gpt, hf, layers
+from jaxllm.families import llama, qwen3_moe
+from jaxllm.formats import hf
+from jaxllm.model import gpt, layers
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
 
@@ -73,7 +75,7 @@ def test_groups_run_the_layers_in_order(freq, kinds, loop):
     """The loss (with dropout) equals the embedding, each layer as its own Block with its slice of its group's
     parameters and its row keys, then the output loss."""
     cfg = _resolved(**{**MOE, "moe_layer_freq": freq, "dropout": 0.1, "layer_loop": loop}).model
-    assert [g.moe for g in gpt.layer_groups(cfg) for _ in range(g.num_layers)] == kinds
+    assert [g.kind.moe for g in gpt.layer_groups(cfg) for _ in range(g.num_layers)] == kinds
     spec, params = gpt.describe(cfg), gpt.init(cfg, 0)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
     key = jax.random.key(2)
@@ -84,10 +86,10 @@ def test_groups_run_the_layers_in_order(freq, kinds, loop):
     positions, aux = jnp.broadcast_to(jnp.arange(16), (2, 16)), []
     for group in gpt.layer_groups(cfg):
         for i in range(group.num_layers):
-            block = nnx.eval_shape(lambda g=group: layers.Block(cfg, nnx.Rngs(0), model.ops, moe=g.moe))
+            block = nnx.eval_shape(lambda g=group: layers.Block(cfg, nnx.Rngs(0), model.ops, kind=g.kind))
             block = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a, i=i: a[i], params[group.name]))
             x, out = block(x, positions, keys[group.first + i])
-            aux += [out["aux_loss"]] if group.moe else []
+            aux += [out["aux_loss"]] if group.kind.moe else []
     want = model.output_loss(x, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(stats["moe_aux_loss"], np.mean(aux), rtol=1e-6)
@@ -98,8 +100,8 @@ def test_parameters_and_flops_equal_a_count_by_hand():
     h, n, kv, f, fm, fs, E, k, V, L, s = 64, 4, 2, 96, 32, 48, 4, 2, 256, 4, 16
     cfg = _resolved(num_layers=L, hidden_size=h, num_attention_heads=n, num_kv_heads=kv, ffn_hidden_size=f,
                     moe_ffn_hidden_size=fm, moe_shared_expert_intermediate_size=fs, num_experts=E, moe_router_topk=k,
-                    activation="swiglu", use_bias=False, norm="rmsnorm", position_embedding="rotary",
-                    tie_embeddings=False, vocab_size=V, make_vocab_size_divisible_by=1, moe_layer_freq="[0,0,1,1]")
+                    **llama.PRESET, tie_embeddings=False, vocab_size=V, make_vocab_size_divisible_by=1,
+                    moe_layer_freq="[0,0,1,1]")
     d = h // n
     attention = h * n * d * 2 + h * kv * d * 2 + 2 * h  # wq, wo; wk, wv; the two norms
     dense, shared, experts = 3 * h * f, 3 * h * fs, E * 3 * h * fm
@@ -146,9 +148,9 @@ def test_bad_patterns_are_refused_with_the_key(model, mesh, key):
 def test_mixed_stack_exports_as_qwen3_moe():
     """Mixtral makes every layer a mixture of experts, Qwen3-MoE may keep some dense (mlp_only_layers): a mixed stack
     of Llama's layer is refused on export, naming the key for each; with Qwen3's query/key norms it is Qwen3-MoE."""
-    llama = dict(MOE, activation="swiglu", use_bias=False, norm="rmsnorm", position_embedding="rotary")
+    llama_moe = dict(MOE, **llama.PRESET)
     with pytest.raises(hf.ConvertError) as e:
-        hf.hf_architecture(_resolved(**llama).model)
+        hf.hf_architecture(_resolved(**llama_moe).model)
     assert "for MixtralForCausalLM change model.moe_layer_freq=" in str(e.value)
     assert "for Qwen3MoeForCausalLM change model.qk_layernorm=False (needs True)" in str(e.value)
-    assert hf.hf_architecture(_resolved(**llama, qk_layernorm=True).model) is hf.QWEN3_MOE
+    assert hf.hf_architecture(_resolved(**llama_moe, qk_layernorm=True).model) is qwen3_moe.QWEN3_MOE

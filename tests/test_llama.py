@@ -76,7 +76,7 @@ def test_open_model_keys_are_the_published_models(key):
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
-    from jaxllm.model import hf  # noqa: PLC0415
+    from jaxllm.formats import hf  # noqa: PLC0415
 
     cls, values = HF_CONFIGS[key]
     hf_config = getattr(transformers, cls)(**values)

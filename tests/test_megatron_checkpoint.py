@@ -27,7 +27,8 @@ from test_megatron import linked, megatron_split, megatron_tokens
 
 from jaxllm import config, convert, train
 from jaxllm.data.loader import Batches, Data
-from jaxllm.model import gpt, megatron
+from jaxllm.formats import megatron
+from jaxllm.model import gpt
 from jaxllm.resolve import resolve_model
 from jaxllm.runtime import checkpoint, optim, step
 
@@ -256,7 +257,7 @@ def test_float32_copies_skipped_updates_and_the_tracker(saved, tmp_path):
     optimizer's fully reshardable format) are imported over the model's; an update the fp16 loss scaler skipped
     leaves the schedule behind the iteration (its ``num_steps``); an export never moves a save directory's
     ``latest_checkpointed_iteration.txt`` back."""
-    from jaxllm.runtime import torch_dist  # noqa: PLC0415
+    from jaxllm.formats import torch_dist  # noqa: PLC0415
 
     original, _ = saved("gpt")
     path = original / f"iter_{ITERS:07d}"

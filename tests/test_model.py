@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxllm import config
+from jaxllm.families import deepseek_v3, llama
 from jaxllm.model import attention, gpt, layers
 from jaxllm.parallel import context_parallel, sharding
 from jaxllm.resolve import resolve
@@ -108,16 +109,14 @@ def reference_logits(cfg, p, tokens):
 
 VARIANTS = [
     {},
-    dict(position_embedding="rotary", norm="rmsnorm", activation="swiglu", num_kv_heads=2, tie_embeddings=False,
-         use_bias=False),
+    dict(**llama.PRESET, num_kv_heads=2, tie_embeddings=False),
 ]
 
 
 MATMULS = {"dense": layers.dense, "row_major_dense": cpu.row_major_dense}
 # multi-head latent attention (DeepSeek-V2/V3) in a tiny Llama-style model: query latent 12, key/value latent 16,
 # per head 8 query/key dimensions without position and 4 rotary ones, values 6 wide
-MLA = dict(multi_latent_attention=True, position_embedding="rotary", norm="rmsnorm", activation="swiglu",
-           use_bias=False, q_lora_rank=12, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+MLA = dict(**deepseek_v3.PRESET, q_lora_rank=12, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
 
 
 @pytest.mark.parametrize("matmuls", MATMULS)
@@ -506,7 +505,7 @@ def test_cast_layers_keeps_the_norms_float32(extra):
     every norm's scale (Qwen3's per-head query/key norms and MLA's latent norms included)."""
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, dtype="bfloat16",
-                   position_embedding="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, **extra)
+                   **llama.PRESET, **extra)
     m = resolve(c, num_devices=1).model
     cast = gpt.cast_layers(m, gpt.init(m, 0))
     leaves = {jax.tree_util.keystr(p): v.dtype for p, v in jax.tree_util.tree_flatten_with_path(cast["layers"])[0]}

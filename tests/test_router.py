@@ -19,7 +19,9 @@ from megatron.core.transformer.moe import moe_utils
 
 from jaxllm import config
 from jaxllm.config import ConfigError
-from jaxllm.model import hf, moe
+from jaxllm.families import llama
+from jaxllm.formats import hf
+from jaxllm.model import moe
 from jaxllm.resolve import resolve
 from jaxllm.runtime import step
 
@@ -87,8 +89,8 @@ def test_inconsistent_router_options_are_refused(model, key):
 
 def test_mixtral_export_needs_its_router():
     c = config.get_config()
-    c.model.update(num_experts=4, hidden_size=32, num_attention_heads=4, vocab_size=64, activation="swiglu",
-                   use_bias=False, norm="rmsnorm", position_embedding="rotary", moe_router_score_function="sigmoid")
+    c.model.update(num_experts=4, hidden_size=32, num_attention_heads=4, vocab_size=64, **llama.PRESET,
+                   moe_router_score_function="sigmoid")
     with pytest.raises(hf.ConvertError) as e:
         hf.hf_architecture(resolve(c, num_devices=1, data_files=False).model)
     assert "model.moe_router_score_function" in str(e.value)

@@ -9,10 +9,10 @@ import pytest
 from harness import MLA, assert_same_training, run_layouts
 
 from jaxllm import config
+from jaxllm.families import llama
 from jaxllm.parallel import sharding
 
-QWEN = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "swiglu", "use_bias": False,
-        "add_qkv_bias": True, "qk_layernorm": True, "use_rope_scaling": True,
+QWEN = {**llama.PRESET, "add_qkv_bias": True, "qk_layernorm": True, "use_rope_scaling": True,
         "rope_original_max_position_embeddings": 16, "sliding_window": 6}
 LAYOUTS = {
     "single": {"eval": True},

@@ -37,7 +37,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +123,25 @@ LOCAL = Ops()
 MOE_STATS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")  # the logged routing statistics
 
 
+class LayerKind(NamedTuple):
+    """What sets layers apart, so that the layers of one kind are stacked and scanned together (:class:`Group`).
+
+    Attributes:
+      moe: its MLP is a mixture of experts (:class:`jaxllm.model.layers.MoE`, ``cfg.moe_layers``), else dense.
+    """
+
+    moe: bool
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[LayerKind, ...]:
+    """Each layer's kind, in order.
+
+    Raises:
+      ConfigError: a ``model.moe_layer_freq`` that names no layers (:attr:`jaxllm.config.Model.moe_layers`).
+    """
+    return tuple(LayerKind(moe=moe) for moe in cfg.moe_layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """Consecutive layers of one kind, whose parameters are stacked on a leading ``layers`` axis in
@@ -130,13 +149,13 @@ class Group:
 
     Attributes:
       name: the parameters' key: ``"layers"`` when the model has one group, else ``"layers_0"``, ``"layers_1"``...
-      moe: whether its layers are mixtures of experts (:class:`jaxllm.model.layers.MoE`) or dense MLPs.
+      kind: its layers' kind (:class:`LayerKind`).
       first: the model's index of its first layer.
       num_layers: how many layers.
     """
 
     name: str
-    moe: bool
+    kind: LayerKind
     first: int
     num_layers: int
 
@@ -147,15 +166,14 @@ class Group:
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[Group, ...]:
-    """The runs of layers of one kind (dense or mixture of experts, ``cfg.moe_layers``), in order: one group
-    for a homogeneous model; with ``moe_layer_freq`` ``([0]*3+[1]*58)`` (DeepSeek-V3) a dense group of 3
-    then an MoE group of 58.
+    """The runs of layers of one kind (:func:`layer_kinds`), in order: one group for a homogeneous model; with
+    ``moe_layer_freq`` ``([0]*3+[1]*58)`` (DeepSeek-V3) a dense group of 3 then an MoE group of 58.
 
     Raises:
       ConfigError: a ``model.moe_layer_freq`` that names no layers (:attr:`jaxllm.config.Model.moe_layers`).
     """
     runs, first = [], 0
-    for kind, run in itertools.groupby(cfg.moe_layers):
+    for kind, run in itertools.groupby(layer_kinds(cfg)):
         runs.append((kind, first, len(list(run))))
         first += runs[-1][2]
     names = ["layers"] if len(runs) == 1 else [f"layers_{i}" for i in range(len(runs))]
@@ -204,7 +222,7 @@ class GPT(nnx.Module):
         @nnx.split_rngs(splits=group.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stack(rngs):
-            return layers.Block(self.cfg, rngs, self.ops, moe=group.moe)
+            return layers.Block(self.cfg, rngs, self.ops, kind=group.kind)
 
         return stack(rngs)
 
@@ -214,7 +232,7 @@ class GPT(nnx.Module):
         @nnx.split_rngs(splits=self.cfg.mtp_num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "mtp_layers"})
         def stack(rngs):
-            return layers.MTPLayer(self.cfg, rngs, self.ops, moe=self.cfg.moe_layers[-1])
+            return layers.MTPLayer(self.cfg, rngs, self.ops, kind=layer_kinds(self.cfg)[-1])
 
         return stack(rngs)
 
@@ -562,7 +580,7 @@ def active_params(cfg: ModelConfig, params) -> int:
     ``moe_router_topk / num_experts`` of theirs, the token's experts (Mixtral-8x7B: 12.9B of 46.7B), the multi-token
     prediction modules' too when their layers are mixtures."""
     n = num_params(params)
-    mlps = [params[g.name]["mlp"] for g in layer_groups(cfg) if g.moe]
+    mlps = [params[g.name]["mlp"] for g in layer_groups(cfg) if g.kind.moe]
     if cfg.mtp_num_layers and cfg.moe_layers[-1]:
         mlps.append(params["mtp"]["block"]["mlp"])
     for mlp in mlps:

@@ -360,13 +360,13 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (the MLP a
-    mixture of experts when ``moe``: the layer's kind, :func:`jaxllm.model.gpt.layer_groups`)."""
+    mixture of experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.gpt.LayerKind`)."""
 
-    def __init__(self, cfg, rngs, ops, *, moe: bool):
+    def __init__(self, cfg, rngs, ops, *, kind):
         self.dropout, self.ops = cfg.dropout, ops
         self.ln1 = Norm(cfg)
         self.attn = (LatentAttention if cfg.multi_latent_attention else Attention)(cfg, rngs, ops)
-        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if moe else MLP(cfg, rngs, ops))
+        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if kind.moe else MLP(cfg, rngs, ops))
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
         """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of
@@ -394,17 +394,17 @@ class MTPLayer(nnx.Module):
     The concatenation comes first the embedding, then the hidden states, as Megatron-LM's and DeepSeek-V3's
     checkpoints (``eh_proj`` ``[2 x hidden, hidden]``); it is held as ``eh_proj`` ``[2, embed, embed]``, ``[0]``
     the embedding's half, so that the two halves are two matmuls and nothing is concatenated.  The layer is a
-    :class:`Block` of the kind ``moe``; ``norm`` is the module's own final norm (Megatron-LM's
+    :class:`Block` of the kind ``kind``; ``norm`` is the module's own final norm (Megatron-LM's
     ``final_layernorm``, DeepSeek-V3's ``shared_head.norm``), whose output feeds both the shared output layer and
     the next depth.
     """
 
-    def __init__(self, cfg, rngs, ops, *, moe: bool):
+    def __init__(self, cfg, rngs, ops, *, kind):
         self.cfg, self.ops = cfg, ops
         self.enorm, self.hnorm = Norm(cfg), Norm(cfg)
         h = cfg.hidden_size
         self.eh_proj = param(rngs.params(), (2, h, h), cfg.init_std, (None, "embed", None))
-        self.block = Block(cfg, rngs, ops, moe=moe)
+        self.block = Block(cfg, rngs, ops, kind=kind)
         self.norm = Norm(cfg)
 
     def project(self, h, e):

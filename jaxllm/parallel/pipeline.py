@@ -152,7 +152,7 @@ def check(cfg) -> None:
     """
     stages, virtual = cfg.stages, cfg.parallel.pipeline_virtual_stages
     groups = gpt_module.layer_groups(cfg.model)
-    if stages > 1 and any(g.moe for g in groups[:-1]):
+    if stages > 1 and any(g.kind.moe for g in groups[:-1]):
         raise ConfigError("model.moe_layer_freq", cfg.model.moe_layer_freq,
                           "with pipeline parallelism only the last group of layers of one kind may be mixtures of "
                           "experts (the stages split that group; the dense layers before it run with the "
@@ -172,7 +172,7 @@ def check(cfg) -> None:
 def _no_stats(cfg, m):
     """Per stage and microbatch ``[p, m]`` sums over a stage's layers of the routing statistics
     (:func:`jaxllm.model.moe.route`; ``max_load`` their maximum), zero; None for dense pipelined layers."""
-    if not pipelined(cfg).moe:
+    if not pipelined(cfg).kind.moe:
         return None
     return {k: jnp.zeros((cfg.stages, m), jnp.float32) for k in ("aux_loss", "z_loss", "max_load", "dropped")}
 

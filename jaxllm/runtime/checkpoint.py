@@ -47,6 +47,8 @@ from absl import logging
 from jaxllm import config
 from jaxllm.errors import ConfigError
 from jaxllm.model import gpt
+from jaxllm.model.params import unpadded_shapes
+from jaxllm.resolve import resolve_model
 from jaxllm.runtime import checkpoint_tiers as tiers
 from jaxllm.runtime import optim
 from jaxllm.runtime.checksums import checksums, tokenizer_fingerprint
@@ -54,16 +56,24 @@ from jaxllm.runtime.checksums import checksums, tokenizer_fingerprint
 # Library detail (full Orbax/TensorStore errors): a log file, not the console (see jaxllm.platform.console).
 library = python_logging.getLogger("jaxllm.library")
 
-# The model keys that decide the parameters' shapes (the others, e.g. remat or dtype, may change on resume).
-_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size",
-               "vocab_size", "max_position_embeddings", "position_embedding", "norm", "activation", "use_bias",
-               "tie_embeddings", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-               "qk_pos_emb_head_dim", "v_head_dim")
-
-
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be restored (the message names each step and why), or a save failed
     with ``checkpoint.fail_on_save_error``."""
+
+
+class ModelMismatch(ConfigError, CheckpointError):
+    """The checkpoint is of another model: a model key that changes the parameters differs (a config error, exit 2,
+    not a damaged checkpoint); the message names each such key with both values."""
+
+
+def _parameter_shapes(model: dict, seq_length: int) -> dict[str, tuple[int, ...]] | None:
+    """The parameters (path -> shape, the vocabulary unpadded) of a saved config's ``model`` section; None if
+    it no longer resolves (then the restore itself says what is wrong)."""
+    try:
+        m = resolve_model(config.from_dict({"model": model}).model, seq_length=seq_length)
+        return unpadded_shapes(m, gpt.describe(m))
+    except (ConfigError, ValueError):
+        return None
 
 
 def _reason(e: Exception) -> str:
@@ -222,7 +232,7 @@ class Checkpointer:
           ConfigError: another tokenizer (``data.tokenizer``), ``train.seq_length`` or ``train.optimizer``,
             or a hyperparameter that decides the optimizer's arrays (:data:`jaxllm.runtime.optim.STATE_SWITCHES`)
             on the other side of 0.
-          CheckpointError: another model (the keys that differ).
+          ModelMismatch: another model (the keys that differ and change the parameters).
         """
         try:
             saved, run = tier.read_json(step, "config"), tier.read_json(step, "run")
@@ -265,14 +275,26 @@ class Checkpointer:
                                   "or train in another --workdir")
 
     def _check_model_matches(self, step: int, saved: dict, directory: str | None = None) -> None:
+        """Raises :class:`ModelMismatch` when the saved model's parameters (:func:`jaxllm.model.gpt.describe`)
+        are not this run's, naming each model key that differs and changes them on its own (or, if none does
+        alone, every model key that differs)."""
         ours, theirs = self.config["model"], saved.get("model", {})
-        differ = [f"model.{k}={theirs[k]!r} (this run: {ours[k]!r})" for k in _SHAPE_KEYS
-                  if k in ours and k in theirs and ours[k] != theirs[k] and ours[k] != 0]  # 0: derived, unknown here
-        if differ:
-            raise CheckpointError(
-                f"the checkpoint at step {step} in {directory or self.directory} is of another model: "
-                f"{', '.join(differ)}. Run with the config it was written with (--config=... and the same "
-                "--config.model.* flags), or use another --workdir")
+        seq = self.config["train"]["seq_length"]
+        saved_seq = saved.get("train", {}).get("seq_length", seq)
+        shapes = _parameter_shapes(theirs, saved_seq)
+        if shapes is None or shapes == _parameter_shapes(ours, seq):
+            return
+        derived = {k for k, f in config.Model.__dataclass_fields__.items() if f.metadata.get("derived")}
+        differ = [k for k in ours if k in theirs and ours[k] != theirs[k] and k not in derived]
+        keys = [k for k in differ if _parameter_shapes({**theirs, k: ours[k]}, saved_seq) != shapes] or differ
+        if not keys:  # nothing of the model section: the restore says what does not fit
+            return
+        raise ModelMismatch(
+            f"model.{keys[0]}", ours[keys[0]],
+            f"the checkpoint at step {step} in {directory or self.directory} is of another model: "
+            + ", ".join(f"model.{k}={theirs[k]!r} (this run: {ours[k]!r})" for k in keys)
+            + ". Run with the config it was written with (--config=... and the same --config.model.* flags), or use "
+            "another --workdir")
 
     def due(self, step: int) -> bool:
         """Whether a tier saves after ``step`` completed steps (besides the forced saves)."""

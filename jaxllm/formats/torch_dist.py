@@ -30,7 +30,7 @@ import warnings
 
 import numpy as np
 
-from jaxllm.model.hf import ConvertError
+from jaxllm.errors import ConvertError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INSTALL = 'pip install -e ".[megatron]"'

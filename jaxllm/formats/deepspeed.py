@@ -33,8 +33,8 @@ import re
 
 import numpy as np
 
-from jaxllm.model.hf import ConvertError
-from jaxllm.runtime import torch_dist
+from jaxllm.errors import ConvertError
+from jaxllm.formats import torch_dist
 
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
 TAG = re.compile(r"global_step\d+(_universal)?")  # DeepSpeed's default tags, and ds_to_universal's convention

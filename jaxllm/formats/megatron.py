@@ -1,6 +1,7 @@
 """Megatron-LM's GPT in jaxllm's terms: the saved arguments of a Megatron-LM run as config keys, and
 megatron-core ``GPTModel``'s parameters, as its distributed checkpoint (``torch_dist``) holds them, as
-jaxllm's parameters and back.  NumPy only: the files are :mod:`jaxllm.runtime.torch_dist`'s.
+jaxllm's parameters and back.  NumPy only: the files are :mod:`jaxllm.formats.torch_dist`'s; what of a
+family's features it does not hold, the family says (:mod:`jaxllm.families`).
 
 Names: megatron-core's sharded keys (``GPTModel.sharded_state_dict``), where the layers are one tensor
 with a leading ``[layers]`` axis (``decoder.layers.self_attention.linear_qkv.weight [L, (heads + 2 x
@@ -25,8 +26,10 @@ import numpy as np
 
 from jaxllm import config
 from jaxllm.data.tokenizers import GPT2_FILES, SENTENCEPIECE_FILE, TOKENIZER_NAMES, gpt2_dir_or_packaged
+from jaxllm.errors import ConvertError
+from jaxllm.families import registry
 from jaxllm.model import gpt
-from jaxllm.model.hf import ConvertError, by_path, unpadded_shapes
+from jaxllm.model.params import by_path, unpadded_shapes
 
 # --------------------------------------------------------------------------- arguments -> config keys
 
@@ -44,24 +47,18 @@ SAME_NAMES = {"lr": "train", "min_lr": "train", "rotary_base": "model", "eval_it
 # computed, and what the arguments do not say alone (the tokenizer: :func:`tokenizer_overrides`).
 NOT_TAKEN = ("mesh.", "parallel.", "model.remat", "model.attention_impl", "model.dtype", "data.json_key",
              "data.tokenizer", "data.cache_dir", "train.optimizer")
-# Arguments jaxllm holds only at these values: argument -> (the values, why)
+# Arguments jaxllm holds only at these values: argument -> (the values, why); those of a family's features are the
+# family's (jaxllm.families: Family.megatron_args)
 FIXED = {
-    "multi_latent_attention": ((False, None), "multi-head latent attention is not read from Megatron checkpoints"),
     "mtp_num_layers": ((None, 0), "multi-token prediction modules are not read from Megatron checkpoints"),
     "rotary_percent": ((1.0, None), "jaxllm rotates the whole head"),
     "rotary_interleaved": ((False, None), "jaxllm rotates halves, not interleaved pairs"),
     "apply_layernorm_1p": ((False, None), "jaxllm's norms scale by their weight, not 1 + weight"),
     "squared_relu": ((False, None), "jaxllm's activations are GELU and SwiGLU"),
-    "use_rope_scaling": ((False, None), "Llama 3's rope scaling is not read from Megatron checkpoints"),
-    "moe_layer_freq": ((1, None), "every layer must be a mixture of experts when one is"),
-    "moe_shared_expert_intermediate_size": ((None, 0), "shared experts are not read from Megatron checkpoints"),
-    "moe_router_score_function": (("softmax", None), "jaxllm reads softmax routers from Megatron checkpoints"),
     "rampup_batch_size": ((None,), "jaxllm's global batch is one size from the first step"),
     "train_samples": ((None,), "jaxllm's schedule is in iterations (--train-iters), not samples"),
-    "window_size": ((None,), "sliding windows are not read from Megatron checkpoints"),
-    "moe_router_topk_scaling_factor": ((None,), "jaxllm reads routers without a scaling factor"),
     "moe_expert_capacity_factor": ((None,), "jaxllm reads dropless mixtures of experts"),
-    "moe_router_enable_expert_bias": ((False, None), "the router's expert bias is not read"),
+    **registry.MEGATRON_ARGS,
 }
 # Arguments of training alone (not of the model) that jaxllm does not have: the import goes on without them.
 NOT_HELD = {"attention_dropout": "jaxllm has no dropout of the attention probabilities"}
@@ -292,8 +289,7 @@ def extra_state_keys(m: config.Model) -> list[str]:
 def check_representable(m: config.Model) -> None:
     """Raises ConvertError naming the model key that megatron-core's ``GPTModel`` (as :func:`rows` lays it
     out) cannot hold."""
-    bad = {"multi_latent_attention": False, "mtp_num_layers": 0, "sliding_window": 0,
-           "moe_shared_expert_intermediate_size": 0, "moe_router_score_function": "softmax"}
+    bad = {**registry.MEGATRON_KEYS, "mtp_num_layers": 0}
     for key, fine in bad.items():
         if getattr(m, key) != fine:
             raise ConvertError(f"model.{key}={getattr(m, key)!r}: not written to Megatron checkpoints "

@@ -1,0 +1,292 @@
+"""The Hugging Face format's engine: a model family's architecture tables (:class:`~jaxllm.families.tables.Arch`,
+registered in :mod:`jaxllm.families.registry`) read both ways, so import and export are inverses by construction.
+
+Each architecture is one table: the model keys it fixes, config.json keys <-> model keys, the config.json values
+supported, and its :class:`~jaxllm.families.tables.Tensor` rows (HF name, our parameters, layout).  Export:
+:func:`hf_architecture` (the table that holds a model section exactly; any other model is a ConvertError naming
+the keys that do not fit), :func:`to_hf` (config.json dict + tensors).  Import: :func:`model_from_hf`
+(config.json -> model keys, with the families' rope types), :func:`read_safetensors`, :func:`params_from_hf`.
+The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the logits of its
+padding rows, so without them HF's logits and softmax are exactly jaxllm's.  Only JSON and safetensors are read:
+pickle-based weights are refused unread.  Files, workdirs and tokenizers are :mod:`jaxllm.formats.hf_workdir`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import jax
+import numpy as np
+
+from jaxllm import config
+from jaxllm.errors import ConvertError
+from jaxllm.families.registry import ARCHITECTURES, ROPE_TYPES
+from jaxllm.families.tables import Arch, Tensor
+from jaxllm.model import gpt
+from jaxllm.model.params import by_path, unpadded_shapes
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Formats that need pickle (or another framework) to read: never loaded here.
+UNSAFE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
+                  "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
+
+
+def _placements(t: Tensor, m: config.Model) -> list[tuple[tuple[str, ...], list[tuple]]]:
+    """Where the HF tensors of row ``t`` come from: for each layer group the row is in (one entry for a
+    row of no layer), the paths of its parameters there and, layer-major, each tensor's ``(layer, index
+    along the group's stacked layers, expert)`` (None: no such axis)."""
+    experts = range(m.num_experts) if "{e}" in t.name else [None]
+    if "{i}" not in t.name:
+        return [(t.params, [(None, None, e) for e in experts])]
+    return [(tuple(g.name + p.removeprefix("layers") for p in t.params),
+             [(g.first + j, j, e) for j in range(g.num_layers) for e in experts])
+            for g in gpt.layer_groups(m) if t.moe is None or t.moe == g.kind.moe]
+
+
+def _slice(a: np.ndarray, i: int | None, e: int | None) -> np.ndarray:
+    """Layer ``i``'s, then expert ``e``'s slice of ``a`` (None: the whole axis is the tensor's)."""
+    a = a if i is None else a[i]
+    return a if e is None else a[e]
+
+
+def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
+    """HF's tensor of row ``t`` from one layer's slices of its parameters."""
+    flat = [a.reshape((math.prod(a.shape[:t.fan_in]), -1) if t.fan_in else -1) for a in arrays]
+    x = np.concatenate(flat, axis=-1)
+    return x.T if t.linear else x
+
+
+def _from_hf_layout(t: Tensor, x: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
+    """The inverse of :func:`_to_hf_layout`: one layer's slices, shaped ``shapes``, from HF's tensor."""
+    x = x.T if t.linear else x
+    sizes = [math.prod(s[t.fan_in:]) for s in shapes]
+    return [part.reshape(s) for part, s in zip(np.split(x, np.cumsum(sizes)[:-1], axis=-1), shapes, strict=True)]
+
+
+def _hf_shape(t: Tensor, shapes: list[tuple]) -> tuple[int, ...]:
+    """The shape :func:`_to_hf_layout` gives for parameters of (per-layer) ``shapes``."""
+    out = sum(math.prod(s[t.fan_in:]) for s in shapes)
+    if not t.fan_in:
+        return (out,)
+    inp = math.prod(shapes[0][:t.fan_in])
+    return (out, inp) if t.linear else (inp, out)
+
+
+# --------------------------------------------------------------------------- jaxllm -> HF
+
+
+def hf_architecture(m: config.Model) -> Arch:
+    """The Hugging Face architecture of :data:`~jaxllm.families.registry.ARCHITECTURES` that holds the (resolved)
+    model section ``m`` exactly.
+
+    Raises:
+      ConvertError: the model fits none; ``keys`` are the keys that do not fit the closest
+        architecture (the message lists the two closest).
+    """
+    misfits = {}
+    for arch in ARCHITECTURES.values():
+        bad = {f"model.{k}": v for k, v in arch.needs.items() if getattr(m, k) != v}
+        bad.update(arch.misfits(m))
+        if m.mtp_num_layers:  # no table writes multi-token prediction modules (transformers skips them) yet
+            bad["model.mtp_num_layers"] = 0
+        if not bad:
+            return arch
+        misfits[arch.model_type] = bad
+    likely = next(a for a in reversed(ARCHITECTURES) if ARCHITECTURES[a].likely(m))
+    dense = {a for a in misfits if "num_experts" in ARCHITECTURES[a].needs} if m.num_experts else set()
+    # the fewest changes first, then the likely one, then (for a mixture of experts) those with experts
+    closest, other = sorted(misfits, key=lambda a: (len(misfits[a]), a != likely, a in dense))[:2]
+
+    def changes(arch):
+        return ", ".join(f"{k}={getattr(m, k.split('.')[1])!r} (needs {v!r})" for k, v in misfits[arch].items())
+
+    raise ConvertError(
+        f"the model fits no Hugging Face architecture jaxllm converts to: for {ARCHITECTURES[closest].hf_class} "
+        f"change {changes(closest)}; for {ARCHITECTURES[other].hf_class} change {changes(other)}",
+        keys=tuple(misfits[closest]))
+
+
+def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
+    """A jaxllm model as a Hugging Face model of :func:`hf_architecture`.
+
+    Args:
+      m: the resolved ``model`` section (:func:`jaxllm.resolve.resolve_model`).
+      params: the nested parameters of :func:`jaxllm.model.gpt.init` (jax or numpy arrays), shaped
+        as ``gpt.describe(m).params``: ``wte [vocab, h]``, ``wpe [positions, h]`` (learned),
+        ``layers/attn/wq [L, h, heads, d]``, ``wk``/``wv [L, h, kv_heads, d]``, ``wo [L, heads, d, h]``,
+        ``layers/mlp/w1 [L, h, f]``, ``wg [L, h, f]`` (swiglu), ``w2 [L, f, h]``, norms, biases,
+        ``lm_head [h, vocab]`` (untied), where ``vocab`` = ``m.padded_vocab_size``; with experts
+        (``E`` = ``m.num_experts``, ``f`` = ``m.moe_ffn_hidden_size``) ``layers/mlp/router [L, h, E]``,
+        ``w1``/``wg [L, E, h, f]``, ``w2 [L, E, f, h]``.
+    Returns:
+      ``(hf_config, tensors)``: the ``config.json`` dict, and float32 C-contiguous arrays by HF
+      name, laid out by the architecture's table, with ``m.vocab_size`` rows (see the module doc):
+      GPT-2's ``Conv1D`` weights are ``[in, out]`` (``c_attn.weight [h, 3h]`` = ``[wq | wk | wv]``
+      flattened over ``(heads, d)``), Llama's
+      ``Linear`` weights ``[out, in]`` (``q_proj [heads*d, h]``, ``o_proj [h, heads*d]``,
+      ``gate_proj``/``up_proj [f, h]`` = ``wg``/``w1``), one tensor per layer; Mixtral's as Llama's, with
+      ``block_sparse_moe.gate.weight [E, h]`` (the router) and, per layer and expert ``e``,
+      ``block_sparse_moe.experts.{e}.w1``/``w3 [f, h]`` = ``wg``/``w1`` and ``w2 [h, f]`` (the layout of
+      the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves); Qwen3-MoE's as Mixtral's under
+      ``mlp.gate.weight`` and ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, and in its dense layers
+      Llama's MLP (a model of dense and MoE layers holds each kind's parameters in its layer groups,
+      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`); DeepSeek-V3's as Qwen3-MoE's experts
+      with ``self_attn.q_proj [n*(dn+dr), h]`` (or ``q_a_proj [rq, h]``, ``q_a_layernorm``, ``q_b_proj
+      [n*(dn+dr), rq]``), ``kv_a_proj_with_mqa [rkv+dr, h]``, ``kv_a_layernorm``, ``kv_b_proj [n*(dn+dv), rkv]``,
+      ``o_proj [h, n*dv]`` (rotary rows interleaved: :func:`_interleave`), ``mlp.gate.e_score_correction_bias
+      [E]`` and ``mlp.shared_experts.gate_proj``/``up_proj``/``down_proj``.
+    Raises:
+      ConvertError: the model fits no architecture, or ``params`` does not match it.
+    """
+    arch = hf_architecture(m)
+    spec = gpt.describe(m)
+    want = {k: v.shape for k, v in by_path(spec.params).items()}
+    flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in by_path(params).items()}
+    have = {k: v.shape for k, v in flat.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))
+        raise ConvertError("the parameters do not match the config (" + "; ".join(
+            f"{k}: {'config' if (k, s) in want.items() else 'parameters'} {list(s)}" for k, s in diff[:6]) + ")")
+    real = unpadded_shapes(m, spec)
+    flat = {k: x[tuple(map(slice, real[k]))] for k, x in flat.items()}
+    tensors = {}
+    for t in arch.tensors:
+        for paths, where in _placements(t, m):
+            if paths[0] not in flat:  # lm_head of a tied model
+                continue
+            arrays = [flat[p] for p in paths]
+            for i, j, e in where:
+                tensors[t.name.format(i=i, e=e)] = _to_hf_layout(t, [_slice(a, j, e) for a in arrays])
+    if arch.saves is not None:
+        tensors = arch.saves(tensors, m)
+    hf = {"architectures": [arch.hf_class], "model_type": arch.model_type,
+          **{key: allowed[0] for key, allowed in arch.supports.items()},
+          **{key: getattr(m, ours) for key, (ours, _) in arch.keys.items()}, **arch.extra(m),
+          "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    return hf, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+
+
+# --------------------------------------------------------------------------- HF -> jaxllm
+
+
+def read_safetensors(directory: str) -> dict[str, np.ndarray]:
+    """Every tensor of ``directory``'s ``model.safetensors`` (or of the shards its
+    ``model.safetensors.index.json`` names), as float32 numpy arrays.
+
+    Raises:
+      ConvertError: no safetensors weights (pickle-based ones are refused, never read).
+    """
+    from safetensors import safe_open
+
+    single, index = os.path.join(directory, SAFETENSORS), os.path.join(directory, SAFETENSORS_INDEX)
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as fp:
+            files = [os.path.join(directory, n) for n in sorted(set(json.load(fp)["weight_map"].values()))]
+    else:
+        unsafe = [n for n in UNSAFE_WEIGHTS if os.path.exists(os.path.join(directory, n))]
+        unsafe += sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth")) and n not in unsafe)
+        if unsafe:
+            raise ConvertError(
+                f"{directory} holds {', '.join(unsafe)} but no {SAFETENSORS}: jaxllm reads only safetensors, "
+                f"never pickle-based weights. Convert them to safetensors first (in an environment where you "
+                f"trust the file), e.g. AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, "
+                f"safe_serialization=True)")
+        raise ConvertError(f"{directory} has no {SAFETENSORS} or {SAFETENSORS_INDEX}")
+    tensors = {}
+    with jax.default_device(jax.devices("cpu")[0]):
+        for path in files:
+            with safe_open(path, framework="flax") as f:  # through jax: numpy has no bfloat16
+                for k in f.keys():  # noqa: SIM118  (a safe_open is not a dict)
+                    tensors[k] = np.asarray(f.get_tensor(k), np.float32)
+    return tensors
+
+
+def model_from_hf(hf: dict) -> tuple[Arch, dict]:
+    """The architecture and jaxllm's model keys of a config.json dict. Raises ConvertError."""
+    arch = ARCHITECTURES.get(hf.get("model_type"))
+    if arch is None:
+        known = ", ".join(f"{a.model_type!r} ({a.hf_class})" for a in ARCHITECTURES.values())
+        raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} is not supported: jaxllm converts "
+                           f"{known}", keys=("model_type",))
+
+    hf = {**{ours: hf[theirs] for theirs, ours in arch.aliases.items() if theirs in hf}, **hf}
+
+    def unsupported(key, value, need):
+        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
+
+    for key, allowed in arch.supports.items():
+        if hf.get(key, allowed[0]) not in allowed:
+            unsupported(key, hf[key], " or ".join(map(repr, allowed)))
+    keys = {}
+    for key, (ours, default) in arch.keys.items():
+        value = hf.get(key, default)
+        keys[ours] = 0 if value is None else config.key_type(f"model.{ours}")(value)  # 0: derived, as HF does
+    if arch.needs["position_embedding"] == "rotary":
+        rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}  # transformers 5, 4
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_TYPES:
+            known = " or ".join(["'default'", *(f"{k!r} ({t.what})" for k, t in ROPE_TYPES.items())])
+            unsupported("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
+                        hf.get("rope_scaling") or rope_type, f"rope type {known}")
+        if rope_type != "default":
+            keys.update(ROPE_TYPES[rope_type].read(rope, unsupported))
+        derived = keys["hidden_size"] // keys["num_attention_heads"]  # as transformers derives it (0: so does jaxllm)
+        keys["kv_channels"] = 0 if hf.get("head_dim") in (None, derived) else config.key_type("model.kv_channels")(
+            hf["head_dim"])
+        keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
+    if arch.derive is not None:
+        keys.update(arch.derive(hf, keys))
+    return arch, {**keys, **arch.needs}
+
+
+def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
+    """jaxllm's nested float32 parameters (``gpt.describe(m).params``) from HF's tensors, by
+    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's and Qwen3-MoE's experts also
+    fused, as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
+    ``down_proj [E, h, f]``); with ``m.mtp_num_layers`` the multi-token prediction modules initialized as
+    :func:`jaxllm.model.gpt.init` (seed 0) initializes them. Raises ConvertError."""
+    if arch.layouts is not None:
+        tensors = arch.layouts(tensors, m)
+    spec = gpt.describe(m)
+    shapes = unpadded_shapes(m, spec)
+    embed = arch.tensors[0].name
+    bare = embed not in tensors and embed.removeprefix(arch.prefix) in tensors  # a bare base model's names
+    used, out = set(), {}
+
+    def get(name: str, shape: tuple) -> np.ndarray:
+        key = name.removeprefix(arch.prefix) if bare else name
+        if key not in tensors:
+            raise ConvertError(f"model.safetensors: tensor {key} is missing (expected shape {list(shape)})")
+        x = tensors[key]
+        if x.shape != tuple(shape):
+            raise ConvertError(f"model.safetensors: {key} has shape {list(x.shape)}, config.json implies {list(shape)}")
+        used.add(key)
+        return x
+
+    for t in arch.tensors:
+        lead = ("{i}" in t.name) + ("{e}" in t.name)  # the leading [layers[, experts]] axes HF splits into tensors
+        for paths, where in _placements(t, m):
+            if paths[0] not in shapes:  # the tied copy of the head some checkpoints store: HF ignores it too
+                used.add(t.name)
+                continue
+            each = [shapes[p][lead:] for p in paths]
+            slices = [_from_hf_layout(t, get(t.name.format(i=i, e=e), _hf_shape(t, each)), each)
+                      for i, _, e in where]
+            for k, p in enumerate(paths):
+                out[p] = np.stack([s[k] for s in slices]).reshape(shapes[p]) if lead else slices[0][k]
+    if m.mtp_num_layers:  # no table holds multi-token prediction modules (transformers skips them): fresh ones
+        out.update(by_path({"mtp": jax.tree.map(np.asarray, jax.jit(lambda: gpt.init(m, 0)["mtp"])())}))
+    left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
+    if left:
+        raise ConvertError(f"model.safetensors: tensors jaxllm has no place for: {', '.join(left[:6])}"
+                           + (f" and {len(left) - 6} more" if len(left) > 6 else ""))
+    padded = {k: v.shape for k, v in by_path(spec.params).items()}  # the padding rows are zeros
+    leaves = [np.pad(out[k], [(0, p - n) for n, p in zip(out[k].shape, padded[k], strict=True)]) for k in shapes]
+    return jax.tree_util.tree_unflatten(jax.tree.structure(spec.params), leaves)
