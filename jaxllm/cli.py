@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 
-from jaxllm.errors import ConfigError, DataError
+from jaxllm.errors import MEGATRON_NAMES, ConfigError, DataError
 
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
 # XLA:CPU holds at most this many devices in one process: a device's global id is its process index x 2,048
@@ -160,14 +160,14 @@ def megatron_key(name: str) -> str | None:
     """What a flag name without ``--config.`` stands for: ``SECTION.KEY``, ``SECTION.KEY=VALUE`` (a
     Megatron switch), or a hint with a space (no flag of jaxllm is that one); None: no key.
 
-    Megatron-LM / Megatron-DeepSpeed names (:data:`jaxllm.config.MEGATRON_NAMES`, dashes or
+    Megatron-LM / Megatron-DeepSpeed names (:data:`jaxllm.errors.MEGATRON_NAMES`, dashes or
     underscores) first, then a key name that one section alone has (``lr`` -> ``train.lr``).
     """
     from jaxllm import config  # noqa: PLC0415
 
     name = name.replace("-", "_")
-    if name in config.MEGATRON_NAMES:
-        return config.MEGATRON_NAMES[name]
+    if name in MEGATRON_NAMES:
+        return MEGATRON_NAMES[name]
     owners = [section for section, holder in config.Config().sections().items()
               if name in holder.__dataclass_fields__ and not holder.__dataclass_fields__[name].metadata.get("derived")]
     return f"{owners[0]}.{name}" if len(owners) == 1 else None

@@ -348,21 +348,48 @@ def _digests(directory: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("key,value", [("model.qk_layernorm", True), ("model.num_experts", 4),
                                        ("model.add_qkv_bias", True), ("model.mtp_num_layers", 1)])
-def test_resuming_with_a_key_that_changes_the_parameters_is_refused(data_dir, reference, tmp_path, key, value):
+def test_a_key_that_changes_the_parameters_is_another_model(tmp_path, key, value):
     """Any model key that changes the parameters (the checkpoint's model against this run's, by gpt.describe: no
-    list of keys kept by hand) stops the resumed run with one line naming the key and both values, exit 2, before
-    anything compiles; the checkpoints are left as they were, byte for byte."""
+    list of keys kept by hand) is a ModelMismatch naming the key and both values: a config error (exit 2), not a
+    damaged checkpoint; nothing is deleted."""
+    spec = config.get_config()
+    spec.model.update(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, dtype="float32",
+                      use_bias=False)
+    cfg = resolve(spec, num_devices=1)
+    ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
+    ckpt.maybe_save(1, Run(cfg).initial_state(), force=True)
+    ckpt.close()
+    section, name = key.split(".")
+    setattr(getattr(spec, section), name, value)
+    saved = getattr(cfg.model, name)
+    cfg = resolve(spec, num_devices=1)
+    ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
+    with pytest.raises(checkpoint.ModelMismatch) as e:
+        ckpt.restore(Run(cfg).abstract_state)
+    ckpt.close()
+    assert isinstance(e.value, config.ConfigError) and e.value.key == key
+    assert f"another model: {key}={saved!r} (this run: {value!r})." in str(e.value), str(e.value)
+    assert (tmp_path / "checkpoints" / "1").exists()
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def test_resuming_another_model_stops_in_one_line_and_touches_nothing(data_dir, reference, tmp_path):
+    """The run itself: one line on stderr naming the key and both values, exit 2, before anything compiles; the
+    checkpoints are left as they were, byte for byte."""
     workdir = tmp_path / "run"
     shutil.copytree(reference[0], workdir)
     before = _digests(workdir / "checkpoints")
-    r = subprocess.run(command(workdir, {**overrides(data_dir), key: value}), cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(command(workdir, {**overrides(data_dir), "model.qk_layernorm": True}), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    saved = {"model.qk_layernorm": False, "model.num_experts": 0, "model.add_qkv_bias": False,
-             "model.mtp_num_layers": 0}[key]
-    assert len(lines) == 1 and f"{key}={saved!r} (this run: {value!r})" in lines[0], r.stderr
-    assert "another model" in lines[0] and "damaged" not in lines[0]
+    assert len(lines) == 1 and "another model: model.qk_layernorm=False (this run: True)" in lines[0], r.stderr
     assert _digests(workdir / "checkpoints") == before
 
 

@@ -13,6 +13,8 @@ from jaxllm.errors import ConvertError
 from jaxllm.families import llama, mixtral
 from jaxllm.families.tables import VEC, Arch, Condition, Family, Tensor
 
+PRESET = {**llama.PRESET, "multi_latent_attention": True}
+
 
 def _rotary_rows(m: config.Model) -> dict[str, tuple[int, int]]:
     """The HF tensors whose rows hold rotary dimensions, as ``name: (rows per block, rotary rows at its end)``:
@@ -156,7 +158,7 @@ DEEPSEEK_V3 = Arch(
 
 
 FAMILY = Family(
-    name="deepseek_v3", preset={**llama.PRESET, "multi_latent_attention": True},
+    name="deepseek_v3", preset=PRESET,
     architectures=(DEEPSEEK_V3,),
     megatron_args={
         "multi_latent_attention": ((False, None), "multi-head latent attention is not read from Megatron checkpoints"),

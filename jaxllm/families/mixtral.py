@@ -13,6 +13,8 @@ from jaxllm.errors import ConvertError
 from jaxllm.families import llama
 from jaxllm.families.tables import Arch, Condition, Family, Tensor
 
+PRESET = llama.PRESET  # Llama's layer; experts come with a size (model.num_experts)
+
 
 def fused_experts(moe: str, gate: str, up: str, down: str) -> Callable[[dict, config.Model], dict]:
     """The ``layouts`` of a mixture of experts whose table holds each expert's SwiGLU as
@@ -97,7 +99,7 @@ MIXTRAL = Arch(
     likely=lambda m: bool(m.num_experts))
 
 FAMILY = Family(
-    name="mixtral", preset=llama.PRESET, architectures=(MIXTRAL,),
+    name="mixtral", preset=PRESET, architectures=(MIXTRAL,),
     # transformers' MixtralConfig defaults (its docstring names mistralai/Mixtral-8x7B-v0.1); 46.7B parameters,
     # 12.9B active per token
     sizes={"Mixtral-8x7B": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,

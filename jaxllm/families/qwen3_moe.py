@@ -6,6 +6,8 @@ from jaxllm.errors import ConvertError
 from jaxllm.families import llama, mixtral
 from jaxllm.families.tables import Arch, Family
 
+PRESET = {**llama.PRESET, "qk_layernorm": True}
+
 
 def _qwen3_moe_keys(hf: dict, keys: dict) -> dict:
     """Qwen3-MoE's routing and layer kinds as model keys: ``norm_topk_prob`` false (transformers'
@@ -51,7 +53,7 @@ QWEN3_MOE = Arch(
 
 
 FAMILY = Family(
-    name="qwen3_moe", preset=llama.PRESET, architectures=(QWEN3_MOE,),
+    name="qwen3_moe", preset=PRESET, architectures=(QWEN3_MOE,),
     megatron_args={"moe_layer_freq": ((1, None), "every layer must be a mixture of experts when one is")},
     # Qwen/Qwen3-30B-A3B config.json: 32 heads of 128 (kv_channels: 4096 wide, not hidden / heads); intermediate_size
     # 6144 is the dense layers' FFN, of which mlp_only_layers [] leaves none; 30.53B parameters, 3.35B active

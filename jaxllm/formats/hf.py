@@ -124,21 +124,12 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         ``w1``/``wg [L, E, h, f]``, ``w2 [L, E, f, h]``.
     Returns:
       ``(hf_config, tensors)``: the ``config.json`` dict, and float32 C-contiguous arrays by HF
-      name, laid out by the architecture's table, with ``m.vocab_size`` rows (see the module doc):
-      GPT-2's ``Conv1D`` weights are ``[in, out]`` (``c_attn.weight [h, 3h]`` = ``[wq | wk | wv]``
-      flattened over ``(heads, d)``), Llama's
-      ``Linear`` weights ``[out, in]`` (``q_proj [heads*d, h]``, ``o_proj [h, heads*d]``,
-      ``gate_proj``/``up_proj [f, h]`` = ``wg``/``w1``), one tensor per layer; Mixtral's as Llama's, with
-      ``block_sparse_moe.gate.weight [E, h]`` (the router) and, per layer and expert ``e``,
-      ``block_sparse_moe.experts.{e}.w1``/``w3 [f, h]`` = ``wg``/``w1`` and ``w2 [h, f]`` (the layout of
-      the Hub's checkpoints, which transformers 4 and 5 both read and 5 saves); Qwen3-MoE's as Mixtral's under
-      ``mlp.gate.weight`` and ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, and in its dense layers
-      Llama's MLP (a model of dense and MoE layers holds each kind's parameters in its layer groups,
-      ``layers_0``, ``layers_1``, ...: :func:`jaxllm.model.gpt.layer_groups`); DeepSeek-V3's as Qwen3-MoE's experts
-      with ``self_attn.q_proj [n*(dn+dr), h]`` (or ``q_a_proj [rq, h]``, ``q_a_layernorm``, ``q_b_proj
-      [n*(dn+dr), rq]``), ``kv_a_proj_with_mqa [rkv+dr, h]``, ``kv_a_layernorm``, ``kv_b_proj [n*(dn+dv), rkv]``,
-      ``o_proj [h, n*dv]`` (rotary rows interleaved: :func:`_interleave`), ``mlp.gate.e_score_correction_bias
-      [E]`` and ``mlp.shared_experts.gate_proj``/``up_proj``/``down_proj``.
+      name, laid out by the architecture's table (its rows' ``fan_in`` and ``linear``: a ``Conv1D``'s ``[in, out]``,
+      a ``Linear``'s ``[out, in]``; several parameters concatenated along the output axis; one tensor per layer,
+      and per layer and expert for ``{e}`` rows; each layer group's rows for its kind of layer:
+      :func:`jaxllm.model.gpt.layer_groups`), then as the checkpoint holds them (the table's ``saves``), with
+      ``m.vocab_size`` rows (see the module doc).  The families' modules (:mod:`jaxllm.families`) document each
+      table's names and layouts.
     Raises:
       ConvertError: the model fits no architecture, or ``params`` does not match it.
     """
@@ -248,10 +239,10 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
 
 def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
     """jaxllm's nested float32 parameters (``gpt.describe(m).params``) from HF's tensors, by
-    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s; Mixtral's and Qwen3-MoE's experts also
-    fused, as transformers 5 holds them in memory: ``mlp.experts.gate_up_proj [E, 2f, h]``,
-    ``down_proj [E, h, f]``); with ``m.mtp_num_layers`` the multi-token prediction modules initialized as
-    :func:`jaxllm.model.gpt.init` (seed 0) initializes them. Raises ConvertError."""
+    ``arch``'s table read backwards (the layouts are :func:`to_hf`'s, after the table's ``layouts`` turned the
+    checkpoint's other layouts of the same parameters into the table's, e.g. fused experts); with
+    ``m.mtp_num_layers`` the multi-token prediction modules initialized as :func:`jaxllm.model.gpt.init` (seed 0)
+    initializes them. Raises ConvertError."""
     if arch.layouts is not None:
         tensors = arch.layouts(tensors, m)
     spec = gpt.describe(m)

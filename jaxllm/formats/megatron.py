@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxllm import config
 from jaxllm.data.tokenizers import GPT2_FILES, SENTENCEPIECE_FILE, TOKENIZER_NAMES, gpt2_dir_or_packaged
-from jaxllm.errors import ConvertError
+from jaxllm.errors import MEGATRON_NAMES, ConvertError
 from jaxllm.families import registry
 from jaxllm.model import gpt
 from jaxllm.model.params import by_path, unpadded_shapes
@@ -40,7 +40,7 @@ VALUES = {
     "lr_decay_style": {s: s for s in config.LR_DECAY_STYLES},
     "lr_wsd_decay_style": {s: s for s in config.LR_WSD_DECAY_STYLES},
 }
-# Arguments with a key of the same name (those config.MEGATRON_NAMES does not list).
+# Arguments with a key of the same name (those MEGATRON_NAMES does not list).
 SAME_NAMES = {"lr": "train", "min_lr": "train", "rotary_base": "model", "eval_iters": "train", "qk_layernorm": "model",
               "add_qkv_bias": "model"}
 # Keys an import does not take from the arguments: the layout (the run goes on with any), how the model is
@@ -124,7 +124,7 @@ def args_overrides(args: dict) -> dict[str, str]:
     ``args``, as a dict) stand for: the model exactly, the optimizer and its schedule, the batch sizes, the
     data, split and seed (the sample order is Megatron-LM's, :mod:`jaxllm.data.samples`).
 
-    Megatron's names are :data:`jaxllm.config.MEGATRON_NAMES`'s and :data:`SAME_NAMES`; ``padded_vocab_size``
+    Megatron's names are :data:`jaxllm.errors.MEGATRON_NAMES`'s and :data:`SAME_NAMES`; ``padded_vocab_size``
     is ``model.vocab_size`` (Megatron's softmax runs over its padding rows, and so does jaxllm's with them as
     vocabulary), the query groups are ``model.num_kv_heads`` only with ``group_query_attention``, and
     ``--optimizer adam`` with decoupled weight decay is ``train.optimizer=adamw``.
@@ -132,7 +132,7 @@ def args_overrides(args: dict) -> dict[str, str]:
       ConvertError: an argument jaxllm cannot represent (``keys`` names it), e.g. GELU without ``--openai-gelu``.
     """
     _refuse_unrepresentable(args)
-    names = {**config.MEGATRON_NAMES, **{n: f"{section}.{n}" for n, section in SAME_NAMES.items()}}
+    names = {**MEGATRON_NAMES, **{n: f"{section}.{n}" for n, section in SAME_NAMES.items()}}
     out = {}
     for name, target in names.items():
         value = args.get(name)

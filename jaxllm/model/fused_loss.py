@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxllm_kernels.reference import MASKED
 
 # logits per chunk (256 MiB in float32): the loss's working set, per device; chunks of 1,024 tokens or more for
-# GPT-2's vocabulary, so that the output layer's matmuls keep a GPU busy (256-token chunks ran the logits' matmul
+# a 50k vocabulary, so that the output layer's matmuls keep a GPU busy (256-token chunks ran the logits' matmul
 # at 18 % of an H100's peak, docs/performance.md)
 CHUNK_LOGITS = 1 << 26
 

@@ -279,6 +279,8 @@ class Checkpointer:
         are not this run's, naming each model key that differs and changes them on its own (or, if none does
         alone, every model key that differs)."""
         ours, theirs = self.config["model"], saved.get("model", {})
+        if not ours.get("padded_vocab_size"):  # an unresolved config (a tool's): its sizes of 0 are unknown here
+            ours = {k: theirs.get(k, v) if type(v) is int and v == 0 else v for k, v in ours.items()}
         seq = self.config["train"]["seq_length"]
         saved_seq = saved.get("train", {}).get("seq_length", seq)
         shapes = _parameter_shapes(theirs, saved_seq)
