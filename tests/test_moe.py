@@ -28,6 +28,7 @@ from jaxllm.model import gpt, layers, moe
 from jaxllm.parallel import experts
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
+from jaxllm_kernels import grouped_matmul as grouped_gemm
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 SWIGLU = {**MOE, "activation": "swiglu", "use_bias": False, "moe_shared_expert_intermediate_size": 64}
@@ -211,9 +212,12 @@ def test_flops_count_the_active_experts():
     assert flops.flops_per_token(moe_cfg.model, 16) - flops.flops_per_token(dense_cfg.model, 16) == extra
 
 
-def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
-    """Tiles of 8 rows (:func:`moe._tile_rows`): groups of 0, 1, 8, 9 and 30 rows and rows past the groups, against
-    each group's rows times its weight in jax.numpy; the gradients of both, and under vmap (the pipeline's stages)."""
+@pytest.mark.parametrize("impl", ["cpu", "gpu_kernels"])
+def test_grouped_matmul_and_its_gradients_are_each_groups_matmul(impl):
+    """Groups of 0, 1, 8, 9 and 30 rows and rows past the groups, against each group's rows times its weight in
+    jax.numpy; the gradients of both, and under vmap (the pipeline's stages).  ``cpu``: moe.grouped_matmul as
+    this CPU runs it (the tiled loops, tiles of 8 rows); ``gpu_kernels``: the GPUs' grouped GEMM kernels
+    (jaxllm_kernels.grouped_matmul) in Pallas's interpret mode, tiles of 16 rows past group ends and the array's."""
     sizes = jnp.array([9, 0, 30, 1, 8], jnp.int32)
     rows, groups = 56, len(sizes)  # 48 rows in groups, 8 past them
     k = jax.random.split(jax.random.key(0), 3)
@@ -228,7 +232,9 @@ def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
         y, vjp = jax.vjp(f, x, w)
         return y, *vjp(dy)
 
-    ours = jax.jit(jax.vmap(functools.partial(value_and_grads, lambda x, w: moe.grouped_matmul(x, w, sizes))))
+    kernels = lambda x, w, s: grouped_gemm.gmm(x, w, s, grouped_gemm.Tiles(16, 16, 16), True)  # noqa: E731
+    matmul = moe.grouped_matmul if impl == "cpu" else kernels
+    ours = jax.jit(jax.vmap(functools.partial(value_and_grads, lambda x, w: matmul(x, w, sizes))))
     got = ours(jnp.stack([x, -x]), jnp.stack([dy, 2 * dy]))
     for i, (xi, dyi) in enumerate([(x, dy), (-x, 2 * dy)]):
         for g, r in zip(got, value_and_grads(reference, xi, dyi), strict=True):
