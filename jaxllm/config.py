@@ -167,7 +167,7 @@ class Model(Section):
     # how expert parallelism (mesh.expert) brings tokens to their experts (Megatron-LM's dispatchers;
     # jaxllm.parallel.experts): allgather, every token to every device of the expert group; alltoall, each token
     # copy only to its expert's device, in buffers sized for the worst case; auto, the one that sends fewer rows
-    moe_token_dispatcher_type: str = _key("allgather", choices=("allgather", "alltoall", "auto"))
+    moe_token_dispatcher_type: str = _key("allgather", choices=("allgather", "alltoall", "ragged", "auto"))
     moe_shared_expert_intermediate_size: int = _key(0, ">=0")  # a dense MLP every token also takes; 0: none
     # the router (Megatron-LM's names and topk_routing_with_score_function): softmax or sigmoid scores (DeepSeek-V3;
     # the k chosen ones renormalized); pre_softmax: the softmax over all experts before the top k, not renormalized

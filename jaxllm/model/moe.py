@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model import attention
 from jaxllm_kernels import grouped_matmul as grouped_gemm
 
 
@@ -120,14 +121,18 @@ def grouped_matmul(x, w, group_sizes):
     The one place its implementation is chosen, by the platform the program is lowered for
     (``jax.lax.platform_dependent``): on CPUs :func:`tiled_matmul`; on GPUs (CUDA, ROCm) the grouped GEMM
     kernels of :func:`jaxllm_kernels.grouped_matmul.gmm`, one launch each for the product, its input gradient and
-    its weight gradient (Pallas through Triton).  Not ``jax.lax.ragged_dot``: jaxlib 0.10.2's XLA rewrites it, on
-    the CPU and for the GPU, into dense dots over a ``[groups, rows, in]`` masked copy of ``x`` (``groups`` times
-    the memory and the FLOPs); with ``--xla_gpu_experimental_use_ragged_dot_fusion`` (cuDNN's grouped GEMM) and a
-    cuDNN 9 target its deviceless compile for an H100 aborts; jax 0.10.2's wheel lacks the module its
+    its weight gradient (Pallas through Triton); in a GPU's plan compiled here
+    (:func:`jaxllm.model.attention.planned_gpu`) the same kernels interpreted.  Not ``jax.lax.ragged_dot``:
+    jaxlib 0.10.2's XLA rewrites it, on the CPU and for the GPU, into dense dots over a ``[groups, rows, in]``
+    masked copy of ``x`` (``groups`` times the memory and the FLOPs); with
+    ``--xla_gpu_experimental_use_ragged_dot_fusion`` (cuDNN's grouped GEMM) and a cuDNN 9 target its deviceless
+    compile for an H100 aborts; jax 0.10.2's wheel lacks the module that
     ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` imports (docs/moe.md).
     """
     dtype = jnp.result_type(x, w)
     x, w = x.astype(dtype), w.astype(dtype)
+    if attention.planned_gpu():  # a GPU's step compiled here for its memory: the kernels interpreted
+        return grouped_gemm.gmm(x, w, group_sizes, grouped_gemm.Tiles(), True)
     return jax.lax.platform_dependent(x, w, group_sizes, cpu=tiled_matmul, default=grouped_gemm.gmm)
 
 

@@ -102,7 +102,8 @@ class Count(NamedTuple):
 
 
 GROUPS = ("GEMM", "attention", "fusion", "copy/transpose", "collective", "other")
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "send", "recv")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+                "send", "recv")
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                 "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
 _GEMM_CALLS = {"__cublas$gemm": "cuBLAS", "__cublas$lt$matmul": "cuBLASLt", "__cublas$lt$matmul$f8": "cuBLASLt"}
