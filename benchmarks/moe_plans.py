@@ -35,7 +35,7 @@ for _, _, layouts in list(MODELS.values())[1:]:
     layouts += [(n, ["--config.mesh.expert=8", f"--config.mesh.fsdp={n // 8}", f"--config.train.global_batch_size={n}"])
                 for n in (16, 64)]
 TARGETS = [["--cluster=frontier", "--mfu=0.35"], ["--cluster=polaris", "--mfu=0.35"]]
-DISPATCHERS = ("allgather", "alltoall")
+DISPATCHERS = ("allgather", "alltoall", "ragged")
 
 
 def commands(models, extra):

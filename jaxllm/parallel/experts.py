@@ -7,8 +7,8 @@ data axes, ``expert_length`` over the sequence axes) and holds the experts of it
 summed over ``tensor``).  With ``mesh.expert_tensor=1`` (Megatron-LM's expert tensor-parallel size 1, its "MoE
 parallel folding") the tensor devices, which hold the same tokens, each dispatch their share of them
 (``expert_length`` also over ``tensor``) and hold whole experts (``experts`` over ``expert`` x ``tensor``, the
-group the dispatchers below run over), so no expert's work is repeated on them.  Two of Megatron-LM's token
-dispatchers (``model.moe_token_dispatcher_type``, ``megatron/core/transformer/moe/token_dispatcher.py``):
+group the dispatchers below run over), so no expert's work is repeated on them.  Megatron-LM's token dispatchers
+(``model.moe_token_dispatcher_type``, ``megatron/core/transformer/moe/token_dispatcher.py``) and a ragged one:
 
 ``allgather``
   1. the tokens and their routing are all-gathered over the ``expert`` axes (each device of an expert group
@@ -25,13 +25,21 @@ dispatchers (``model.moe_token_dispatcher_type``, ``megatron/core/transformer/mo
   2. each device runs its experts on the copies it received (grouped matmuls, weighted by the router);
   3. the reverse all-to-all returns each copy's output to its token's device, which sums a token's k copies.
 
-Both are dropless with static shapes and equal to one device's computation: a capacity factor's drops are
+``ragged``
+  as ``alltoall``, but each rank is sent only the copies routed to it (``jax.lax.ragged_all_to_all``, with the
+  send sizes of :func:`send_sizes` and their offsets), into a receive buffer sized for the worst case; the outputs
+  return the same way (MaxText's dropless ragged dispatch).  XLA:CPU has no ragged-all-to-all: on CPUs
+  :func:`ragged_all_to_all` emulates the primitive exactly (the same offsets and sizes) through ``all_to_all`` of
+  padded buffers, so every layout test runs it.
+
+All are dropless with static shapes and equal to one device's computation: a capacity factor's drops are
 the router's (:func:`jaxllm.model.moe.route`, over the micro batch's tokens, before dispatch), so a dropped copy
 is simply not sent.  The all-to-all's buffers are sized for the worst case (:func:`send_rows`): with no
 capacity factor every local copy may go to one rank, so it moves ``min(topk, local experts)`` times the bytes of
 the allgather dispatcher (which moves each token once); it moves less only when the capacity bounds a rank's
-copies below its tokens.  :func:`choose` picks the one that moves fewer bytes (``auto``).  XLA:CPU has no
-``ragged_all_to_all``, the exchange of only the copies routed (MaxText's dropless dispatch), so it is not used.
+copies below its tokens.  The ragged exchange sends the routed copies only, ``topk x`` a device's tokens at
+most, ``(expert - 1) / expert`` of them with a balanced router: fewer rows than allgather's where the expert axis is
+larger than top k.  :func:`choose` picks the one that sends the fewest rows (``auto``).
 """
 
 from __future__ import annotations
@@ -92,8 +100,8 @@ class Experts:
     Called as :func:`jaxllm.model.moe.local_experts`: ``x`` ``[batch, len, embed]``, ``ids`` int32 and
     ``weights`` float32 ``[batch, len, topk]``, the expert weights ``[experts, ...]`` (global shapes) ->
     ``[batch, len, embed]`` in ``dtype``, laid out as ``x``'s ``(batch, length)``.  ``dispatcher``:
-    ``"allgather"`` or ``"alltoall"``; ``capacity_factor``: the router's (``model.moe_capacity_factor``), which
-    bounds the all-to-all's buffers.
+    ``"allgather"``, ``"alltoall"`` or ``"ragged"``; ``capacity_factor``: the router's
+    (``model.moe_capacity_factor``), which bounds the all-to-all's buffers.
     """
 
     layout: Layout
