@@ -1,4 +1,4 @@
-"""Plans of mixture-of-experts models at scale under both token dispatchers, and the step-time model's ranking.
+"""Plans of mixture-of-experts models at scale under each token dispatcher, and the step-time model's ranking.
 
     python benchmarks/moe_plans.py --output=benchmarks/results/DATE-plans/moe_plans.jsonl   # runs every plan
     python benchmarks/moe_plans.py --output=FILE --table                                    # the table of FILE
@@ -6,11 +6,12 @@
 
 Each case is one ``python -m jaxllm.plan ... --output=FILE`` (compiled on this machine, the other devices on
 stand-in processes; no GPU): Mixtral-8x7B (8 experts, top 2) on 64 GPUs, a 64-expert and a 128-expert top-8
-model of Qwen3-30B-A3B's shape (hidden 2048, 48 layers) on 16 and 64 GPUs, each with ``allgather`` and
-``alltoall``, modelled on Frontier and Polaris (``--cluster``, an MFU of 35% assumed for the compute), and the
-128-expert model's memory on 16 H100s.  The table: each plan's bytes sent per device per step over the
-``expert`` axis (the dispatch: the compiled step's all-gathers and reduce-scatters, or all-to-alls, forward,
-recomputed and backward), its memory against the device, and the model's step time.
+model of Qwen3-30B-A3B's shape (hidden 2048, 48 layers) on 16 and 64 GPUs, each with ``allgather``,
+``alltoall`` and ``ragged`` (its exchange compiled here as a stand-in of its buffers: an all-to-all of the
+routed copies, ``jaxllm.parallel.experts._planned``), modelled on Frontier and Polaris (``--cluster``, an MFU of
+35% assumed for the compute), and the 128-expert model's memory on 16 H100s.  The table: each plan's bytes sent
+per device per step over the ``expert`` axis (the dispatch: the compiled step's all-gathers and reduce-scatters,
+or all-to-alls, forward, recomputed and backward), its memory against the device, and the model's step time.
 """
 
 import argparse
@@ -35,7 +36,7 @@ for _, _, layouts in list(MODELS.values())[1:]:
     layouts += [(n, ["--config.mesh.expert=8", f"--config.mesh.fsdp={n // 8}", f"--config.train.global_batch_size={n}"])
                 for n in (16, 64)]
 TARGETS = [["--cluster=frontier", "--mfu=0.35"], ["--cluster=polaris", "--mfu=0.35"]]
-DISPATCHERS = ("allgather", "alltoall")
+DISPATCHERS = ("allgather", "alltoall", "ragged")
 
 
 def commands(models, extra):

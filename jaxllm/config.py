@@ -165,8 +165,9 @@ class Model(Section):
     moe_capacity_factor: float = _key(0.0, ">=0")
     # how expert parallelism (mesh.expert) brings tokens to their experts (Megatron-LM's dispatchers;
     # jaxllm.parallel.experts): allgather, every token to every device of the expert group; alltoall, each token
-    # copy only to its expert's device, in buffers sized for the worst case; auto, the one that sends fewer rows
-    moe_token_dispatcher_type: str = _key("allgather", choices=("allgather", "alltoall", "auto"))
+    # copy only to its expert's device, in buffers sized for the worst case; ragged, only the copies routed
+    # (jax.lax.ragged_all_to_all); auto, the one that sends the fewest rows
+    moe_token_dispatcher_type: str = _key("allgather", choices=("allgather", "alltoall", "ragged", "auto"))
     moe_shared_expert_intermediate_size: int = _key(0, ">=0")  # a dense MLP every token also takes; 0: none
     # the router (Megatron-LM's names and topk_routing_with_score_function): softmax or sigmoid scores (DeepSeek-V3;
     # the k chosen ones renormalized); pre_softmax: the softmax over all experts before the top k, not renormalized

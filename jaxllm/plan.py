@@ -117,9 +117,10 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     ``dispatcher`` (a mixture of experts' token dispatcher as it runs, ``auto`` resolved; None without
     experts), ``collectives`` (with ``collectives=True``: :func:`jaxllm.analysis.collectives.collectives`, else None),
     ``gpu`` (the GPU XLA:GPU compiled for, or None), ``kernels`` (with ``gpu``:
-    :func:`jaxllm.platform.xla_gpu.kernels`, else None), ``cudnn_workspace`` (with ``gpu``: the estimate of
-    :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else 0), ``gemm_workspace`` (with
-    ``gpu``: the largest cuBLAS workspace, already in ``temp``; else 0).
+    :func:`jaxllm.platform.xla_gpu.kernels`, else None), ``gemm_loops`` (with ``gpu``: its loops of GEMMs whose
+    trip count XLA does not know, :func:`jaxllm.platform.xla_gpu.gemm_loops`; else 0), ``cudnn_workspace``
+    (with ``gpu``: the estimate of :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else
+    0), ``gemm_workspace`` (with ``gpu``: the largest cuBLAS workspace, already in ``temp``; else 0).
     Raises:
       ConfigError: the config does not fit the mesh or the model, or this process sees fewer than
         ``num_devices`` devices; ``model.fp8`` on a GPU without FP8 matmuls.
@@ -163,9 +164,11 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
 
 
 def _gpu_figures(hlo: str, gpu: str | None) -> dict:
-    """:func:`plan`'s ``gpu``, ``kernels``, ``cudnn_workspace`` (bytes) and ``gemm_workspace`` (bytes) of the
-    optimized program ``hlo`` compiled for ``gpu`` (None: not for a GPU, and no kernels or workspaces)."""
+    """:func:`plan`'s ``gpu``, ``kernels``, ``gemm_loops`` (:func:`jaxllm.platform.xla_gpu.gemm_loops`),
+    ``cudnn_workspace`` (bytes) and ``gemm_workspace`` (bytes) of the optimized program ``hlo`` compiled for ``gpu``
+    (None: not for a GPU, and no kernels or workspaces)."""
     return {"gpu": gpu, "kernels": xla_gpu.kernels(hlo) if gpu else None,
+            "gemm_loops": xla_gpu.gemm_loops(hlo) if gpu else 0,
             "cudnn_workspace": xla_gpu.cudnn_workspace(hlo) if gpu else 0,
             "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0}
 

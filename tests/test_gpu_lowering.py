@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxllm.model import attention
-from jaxllm_kernels import lowering
+from jaxllm_kernels import grouped_matmul, lowering
 from jaxllm_kernels import pallas_attention as pa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,3 +287,25 @@ def test_pallas_kernels_compile_to_machine_code(target):
             assert res["spill"] == 0 and res["scratch"] in (None, 0), (name, d, res)
             assert res["matrix"].get(mod.MATRIX[target], 0) > 0 and mod.problem(
                 dict(res, target=target)) is None, (name, d, res)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
+def test_grouped_gemm_kernels_compile_to_machine_code(target):
+    """The mixture of experts' grouped GEMM kernels (jaxllm_kernels.grouped_matmul: the product, its input and its
+    weight gradient), lowered for a Qwen3-30B-A3B expert matmul (hidden 2048, FFN 768, 16 local experts), bfloat16,
+    compile to the target's code within its shared memory, without spills, on its matrix instructions."""
+    pytest.importorskip("triton", reason="the Triton compiler (pip install -e '.[test]' installs it on Linux)")
+    mod = _offline()
+    platform, limit = mod.TARGETS[target][4], mod.TARGETS[target][5]
+    args = (jax.ShapeDtypeStruct((32768, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((16, 2048, 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16,), jnp.int32))
+    value = lambda x, w, g: grouped_matmul.gmm(x, w, g)  # noqa: E731
+    grads = jax.grad(lambda x, w, g: value(x, w, g).astype(jnp.float32).sum(), (0, 1))
+    kernels = [k for f in (value, grads) for k in lowering.triton_kernels(lowering.export_for(f, args, platform))]
+    assert sorted(k.name for k in kernels) == ["jaxllm_grouped_matmul", "jaxllm_grouped_matmul_dw",
+                                               "jaxllm_grouped_matmul_dx"]
+    for k in kernels:
+        res = mod.compile_pallas(k, target)
+        assert 0 < res["smem"] <= limit and res["spill"] == 0 and res["scratch"] in (None, 0), (k.name, res)
+        assert res["matrix"].get(mod.MATRIX[target], 0) > 0, (k.name, res)

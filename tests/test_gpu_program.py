@@ -10,7 +10,8 @@
 * no more copies and transposes than the layer scan reads (the bound is in ``test_copies_are_bounded``);
 * GPT1_5B's plan on an H200 within 10 % of the peaks measured there (sequence 32,768 with full remat, 2,048
   with full and without remat);
-* the command line: the kernel table, ``--compiler``, FP8 refused for an A100.
+* the command line: the kernel table, ``--compiler``, FP8 refused for an A100;
+* a mixture of experts' expert matmuls as grouped GEMM kernels, one launch each.
 
 The compiles run in subprocesses (``tests/gpu_program.py``): JAX's CUDA plugin registers without a GPU only
 with ``JAX_PLATFORMS=cpu`` set before JAX starts.  Skipped without the plugin (the ``test`` extra installs it).
@@ -46,7 +47,7 @@ def _programs(*cases, xla_flags=""):
 
 @pytest.fixture(scope="module")
 def programs():
-    return _programs("bf16", "bf16_packed", "fp8", "fp8_none", *MEASURED)
+    return _programs("bf16", "bf16_packed", "fp8", "fp8_none", "qwen3_moe", *MEASURED)
 
 
 def _gemms(p, dtype=None) -> int:
@@ -74,6 +75,18 @@ def test_packed_documents_step_keeps_cudnn_attention(programs):
     attention = {k: c for k, c in p["kernels"].items() if k.startswith("attention|")}
     assert attention == {k: c for k, c in plain["kernels"].items() if k.startswith("attention|")}, attention
     assert not [k for k in p["kernels"] if k.startswith("other|custom call")], p["kernels"]
+
+
+@needs_plugin
+def test_experts_matmuls_are_grouped_gemms(programs):
+    """Two Qwen3-30B-A3B layers (128 experts, top 8, SwiGLU experts of 768, hidden 2048) on 4,096 tokens: each
+    expert matmul is one grouped GEMM launch (jaxllm_kernels.grouped_matmul), 12 per layer and step with full
+    remat (the 3 matmuls forward, recomputed, and their input and weight gradients), where the tiled loops
+    launched one GEMM per tile of 32 rows (about 1,024 tiles per loop, 12 loops per layer); no GEMM in a loop
+    of unknown trip count."""
+    p = programs["qwen3_moe"]
+    assert p["kernels"]["GEMM|Pallas grouped bf16"][1] == 12 * p["layers"] <= 16 * p["layers"], p["kernels"]
+    assert p["dynamic_gemm_loops"] == 0, p["kernels"]
 
 
 @needs_plugin
@@ -211,6 +224,7 @@ def test_kernels_are_counted_by_kind_in_the_program_and_per_step():
         ("copy/transpose", "copy"): (1, 6), ("copy/transpose", "transpose (fused)"): (1, 1),
         ("collective", "all-reduce"): (1, 1)}
     assert xla_gpu.gemm_workspace(HLO) == 4194304
+    assert xla_gpu.gemm_loops(HLO) == 0 and xla_gpu.gemm_loops(HLO.replace('"known_trip_count"', '"k"')) == 1
 
 
 def test_cudnn_workspace_is_estimated_from_the_backward_call():

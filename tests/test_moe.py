@@ -28,10 +28,12 @@ from jaxllm.model import gpt, layers, moe
 from jaxllm.parallel import experts
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
+from jaxllm_kernels import grouped_matmul as grouped_gemm
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 SWIGLU = {**MOE, "activation": "swiglu", "use_bias": False, "moe_shared_expert_intermediate_size": 64}
 A2A = {"moe_token_dispatcher_type": "alltoall"}
+RAGGED = {"moe_token_dispatcher_type": "ragged"}
 
 
 def layout(mesh, micro, model_extra=None, **parallel):
@@ -61,6 +63,12 @@ LAYOUTS = {
     "expert2_pipeline2_data2_1f1b_alltoall": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, A2A,
                                                     pipeline_schedule="1f1b"),
     "expert4_data2_alltoall_capacity": layout({"expert": 4, "data": 2}, 1, {**A2A, "moe_capacity_factor": 1.0}),
+    # the ragged dispatcher (on CPUs the emulated jax.lax.ragged_all_to_all)
+    "expert8_ragged_experts8": layout({"expert": 8}, 1, {**RAGGED, "num_experts": 8}),
+    "expert4_data2_ragged": layout({"expert": 4, "data": 2}, 1, RAGGED),
+    "expert2_tensor2_data2_ragged": layout({"expert": 2, "tensor": 2, "data": 2}, 2, RAGGED),
+    "expert2_pipeline2_data2_1f1b_ragged": layout({"expert": 2, "pipeline": 2, "data": 2}, 2, RAGGED,
+                                                  pipeline_schedule="1f1b"),
     # mesh.expert_tensor=1: whole experts over expert x tensor, each tensor device dispatching half its tokens
     "expert2_tensor2_data2_etp1": layout({"expert": 2, "tensor": 2, "data": 2, "expert_tensor": 1}, 2),
     "expert2_tensor2_data2_etp1_alltoall": layout({"expert": 2, "tensor": 2, "data": 2, "expert_tensor": 1}, 2, A2A),
@@ -86,10 +94,11 @@ def test_expert_parallel_layout_matches_single_device(results, name):
         np.testing.assert_allclose(got["eval_loss"], ref["eval_loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("allgather", ["expert4_data2", "expert4_data2_capacity"])
-def test_alltoall_and_allgather_dispatchers_train_alike(results, allgather):
-    """The two dispatchers on the same layout: the same losses and routing statistics."""
-    alltoall = results[allgather.replace("data2", "data2_alltoall")]
+@pytest.mark.parametrize("allgather, other", [("expert4_data2", "alltoall"), ("expert4_data2_capacity", "alltoall"),
+                                              ("expert4_data2", "ragged")])
+def test_alltoall_and_allgather_dispatchers_train_alike(results, allgather, other):
+    """The dispatchers on the same layout: the same losses and routing statistics."""
+    alltoall = results[allgather.replace("data2", f"data2_{other}")]
     np.testing.assert_allclose(alltoall["losses"], results[allgather]["losses"], rtol=1e-5)
     for a, b in zip(alltoall["moe"], results[allgather]["moe"], strict=True):
         np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-7)
@@ -211,9 +220,12 @@ def test_flops_count_the_active_experts():
     assert flops.flops_per_token(moe_cfg.model, 16) - flops.flops_per_token(dense_cfg.model, 16) == extra
 
 
-def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
-    """Tiles of 8 rows (:func:`moe._tile_rows`): groups of 0, 1, 8, 9 and 30 rows and rows past the groups, against
-    each group's rows times its weight in jax.numpy; the gradients of both, and under vmap (the pipeline's stages)."""
+@pytest.mark.parametrize("impl", ["cpu", "gpu_kernels"])
+def test_grouped_matmul_and_its_gradients_are_each_groups_matmul(impl):
+    """Groups of 0, 1, 8, 9 and 30 rows and rows past the groups, against each group's rows times its weight in
+    jax.numpy; the gradients of both, and under vmap (the pipeline's stages).  ``cpu``: moe.grouped_matmul as
+    this CPU runs it (the tiled loops, tiles of 8 rows); ``gpu_kernels``: the GPUs' grouped GEMM kernels
+    (jaxllm_kernels.grouped_matmul) in Pallas's interpret mode, tiles of 16 rows past group ends and the array's."""
     sizes = jnp.array([9, 0, 30, 1, 8], jnp.int32)
     rows, groups = 56, len(sizes)  # 48 rows in groups, 8 past them
     k = jax.random.split(jax.random.key(0), 3)
@@ -228,7 +240,9 @@ def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
         y, vjp = jax.vjp(f, x, w)
         return y, *vjp(dy)
 
-    ours = jax.jit(jax.vmap(functools.partial(value_and_grads, lambda x, w: moe.grouped_matmul(x, w, sizes))))
+    kernels = lambda x, w, s: grouped_gemm.gmm(x, w, s, grouped_gemm.Tiles(16, 16, 16), True)  # noqa: E731
+    matmul = moe.grouped_matmul if impl == "cpu" else kernels
+    ours = jax.jit(jax.vmap(functools.partial(value_and_grads, lambda x, w: matmul(x, w, sizes))))
     got = ours(jnp.stack([x, -x]), jnp.stack([dy, 2 * dy]))
     for i, (xi, dyi) in enumerate([(x, dy), (-x, 2 * dy)]):
         for g, r in zip(got, value_and_grads(reference, xi, dyi), strict=True):
@@ -311,7 +325,7 @@ def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
 
 
 DISPATCH = """
-import json, os, re, sys
+import itertools, json, os, re, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -340,23 +354,23 @@ params = (jax.random.normal(keys[1], (8, 32, 48)) * 0.2, jax.random.normal(keys[
           jax.random.normal(keys[3], (8, 48)), jax.random.normal(keys[4], (8, 32)))
 # skewed: most copies to expert 0, none to experts 5-7
 logits = jax.random.normal(jax.random.key(1), (8, 8, 8)) + jnp.asarray([4.0, 1, 1, 0, 0, -30, -30, -30])
-for name, mesh in {"expert8": {"expert": 8}, "expert2_tensor2_data2": {"expert": 2, "tensor": 2, "data": 2}}.items():
-    for factor in (0.0, 1.0):
-        cfg = resolved(mesh, moe_capacity_factor=factor)
-        layout = sharding.Layout(sharding.make_mesh(cfg), sharding.rules(cfg))
-        ids, weights, stats = moe.route(logits, 2, factor)
+meshes = {"expert8": {"expert": 8}, "expert2_tensor2_data2": {"expert": 2, "tensor": 2, "data": 2}}
+for (name, mesh), factor, dispatcher in itertools.product(meshes.items(), (0.0, 1.0), ("alltoall", "ragged")):
+    cfg = resolved(mesh, moe_capacity_factor=factor)
+    layout = sharding.Layout(sharding.make_mesh(cfg), sharding.rules(cfg))
+    ids, weights, stats = moe.route(logits, 2, factor)
 
-        def loss(op, x, w1, w2, b1, b2):
-            y = op(x, ids, weights, w1, None, w2, b1, b2, activation=layers.gelu, dtype=jnp.float32)
-            return (y * cot).sum(), y
+    def loss(op, x, w1, w2, b1, b2):
+        y = op(x, ids, weights, w1, None, w2, b1, b2, activation=layers.gelu, dtype=jnp.float32)
+        return (y * cot).sum(), y
 
-        grad = lambda op: jax.value_and_grad(lambda *a: loss(op, *a), (0, 1, 2, 3, 4), has_aux=True)  # noqa: E731
-        (_, got), got_grads = jax.jit(grad(experts.Experts(layout, "alltoall", factor)))(x, *params)
-        (_, ref), ref_grads = grad(moe.local_experts)(x, *params)
-        out[f"{name}_capacity{factor}"] = {
-            "load": np.bincount(np.asarray(ids).ravel(), minlength=9).tolist(), "dropped": float(stats["dropped"]),
-            "error": max(float(np.max(np.abs(g - r)) / np.max(np.abs(r)))
-                         for g, r in zip((got, *got_grads), (ref, *ref_grads)))}
+    grad = lambda op: jax.value_and_grad(lambda *a: loss(op, *a), (0, 1, 2, 3, 4), has_aux=True)  # noqa: E731
+    (_, got), got_grads = jax.jit(grad(experts.Experts(layout, dispatcher, factor)))(x, *params)
+    (_, ref), ref_grads = grad(moe.local_experts)(x, *params)
+    out[f"{dispatcher}_{name}_capacity{factor}"] = {
+        "load": np.bincount(np.asarray(ids).ravel(), minlength=9).tolist(), "dropped": float(stats["dropped"]),
+        "error": max(float(np.max(np.abs(g - r)) / np.max(np.abs(r)))
+                     for g, r in zip((got, *got_grads), (ref, *ref_grads)))}
 for dispatcher in ("allgather", "alltoall"):  # the compiled train step's all-gathers and all-to-alls
     cfg = resolved({"expert": 8}, moe_token_dispatcher_type=dispatcher)
     run = Run(cfg)
@@ -376,12 +390,14 @@ def dispatched():
     return json.loads(r.stdout)
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "ragged"])
 @pytest.mark.parametrize("case", ["expert8_capacity0.0", "expert8_capacity1.0", "expert2_tensor2_data2_capacity0.0",
                                   "expert2_tensor2_data2_capacity1.0"])
-def test_alltoall_dispatch_matches_one_device_under_a_skewed_router(dispatched, case):
-    """The alltoall experts operation on 8 devices: its output and gradients (input, weights, biases) those of one
-    device's, with most copies routed to expert 0 and none to experts 5-7, dropless and with the router's drops."""
-    got = dispatched[case]
+def test_alltoall_dispatch_matches_one_device_under_a_skewed_router(dispatched, dispatcher, case):
+    """The alltoall and ragged experts operations on 8 devices: their output and gradients (input, weights,
+    biases) those of one device's, with most copies routed to expert 0 and none to experts 5-7, dropless and with
+    the router's drops (ragged: on CPUs the emulated jax.lax.ragged_all_to_all, experts.ragged_all_to_all)."""
+    got = dispatched[f"{dispatcher}_{case}"]
     load = got["load"]  # copies per expert, then dropped ones
     assert load[0] == max(load[:8]) and load[5:8] == [0, 0, 0]
     assert (got["dropped"] > 0) == case.endswith("1.0")
@@ -396,20 +412,95 @@ def test_alltoall_step_exchanges_copies_not_gathered_tokens(dispatched):
     assert gathered(dispatched["allgather"]["all-gather"]) and not dispatched["allgather"]["all-to-all"]
 
 
-@pytest.mark.parametrize("factor, expected", [(0.0, "allgather"), (0.5, "allgather"), (0.25, "alltoall")])
-def test_auto_dispatcher_sends_fewer_rows(factor, expected):
-    """64 experts, top-2, expert 8, 16 tokens per device: alltoall's buffer per rank is the 8 local experts'
-    capacities, 8 x ceil(factor x 128 x 2 / 64), against allgather's 16 tokens: 16 and 8 at factors 0.5 and
-    0.25; dropless it is 16 x min(topk, 8) = 32."""
+@pytest.mark.parametrize("topk, factor, expected", [(2, 0.0, "ragged"), (2, 0.25, "ragged"), (8, 0.0, "allgather")])
+def test_auto_dispatcher_sends_fewer_rows(topk, factor, expected):
+    """64 experts, expert 8, 16 tokens per device: alltoall's buffer per rank is min(topk, 8 local experts) rows a
+    token, or the 8 local experts' capacities, 8 x ceil(factor x 128 x topk / 64); ragged sends a balanced
+    router's copies, 16 x topk / 8 a rank; allgather the 16 tokens.  Top 2: ragged (4 rows a rank against 16 and
+    32 or 8); top 8: ragged's 16 equal allgather's, which wins the tie."""
     c = config.get_config()
     c.model.update(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, num_experts=64,
-                   moe_router_topk=2, moe_capacity_factor=factor, moe_token_dispatcher_type="auto")
+                   moe_router_topk=topk, moe_capacity_factor=factor, moe_token_dispatcher_type="auto")
     c.train.update(seq_length=16, micro_batch_size=1, global_batch_size=8)
     c.mesh.update(expert=8)
     assert resolve(c, num_devices=8, vocab_size=64).model.moe_token_dispatcher_type == expected
-    rows = {d: experts.dispatch_rows(d, tokens=16, micro_tokens=128, experts=64, expert_size=8, topk=2,
-                                     capacity_factor=factor) for d in ("allgather", "alltoall")}
-    assert rows == {"allgather": 7 * 16, "alltoall": 7 * {0.0: 32, 0.5: 16, 0.25: 8}[factor]}
+    rows = {d: experts.dispatch_rows(d, tokens=16, micro_tokens=128, experts=64, expert_size=8, topk=topk,
+                                     capacity_factor=factor) for d in experts.DISPATCHERS}
+    alltoall = {(2, 0.0): 32, (2, 0.25): 8, (8, 0.0): 128}[(topk, factor)]
+    assert rows == {"allgather": 7 * 16, "alltoall": 7 * alltoall, "ragged": 7 * 2 * topk}
+
+
+def test_ragged_dispatch_sends_a_quarter_of_allgathers_rows():
+    """64 experts, top 8, expert 32 (2 experts a rank), 256 tokens a device, a router of random logits: the rows
+    each device's ragged exchange sends to the other ranks (experts.send_sizes, the step's exchange sizes, less
+    the copies it keeps) are its copies routed to other ranks, counted here from the expert ids, and on average
+    a quarter of allgather's 31 x 256 (7.75 x 256: 8 copies a token, 1/32 of them kept)."""
+    ranks, tokens, num_experts = 32, 256, 64
+    ids, _, _ = moe.route(jax.random.normal(jax.random.key(0), (ranks, tokens, num_experts)), 8)
+    _, sizes = jax.vmap(lambda i: experts.send_sizes(i, ranks, num_experts // ranks))(ids)
+    sent = np.asarray(sizes).sum(1) - np.diagonal(np.asarray(sizes))
+    np.testing.assert_array_equal(sent, (np.asarray(ids) // 2 != np.arange(ranks)[:, None, None]).sum((1, 2)))
+    allgather = experts.dispatch_rows("allgather", tokens=tokens, micro_tokens=ranks * tokens, experts=num_experts,
+                                      expert_size=ranks, topk=8, capacity_factor=0.0)
+    assert allgather == 31 * tokens and sent.mean() <= allgather / 4, (sent.mean(), sent.max(), allgather)
+
+
+RAGGED_GPU = """
+import json, os, re, sys
+os.environ["JAX_PLATFORMS"] = "cpu"  # JAX's CUDA plugin without a GPU (jaxllm.platform.xla_gpu)
+import jax
+import jax.numpy as jnp
+from jaxllm import config
+from jaxllm.model import layers, moe
+from jaxllm.parallel import experts, sharding
+from jaxllm.platform import xla_gpu
+from jaxllm.resolve import resolve
+
+out = {}
+for dispatcher in ("allgather", "ragged"):  # 64 experts of 128, top 8, expert 32: 64 tokens of hidden 64 a GPU
+    c = config.get_config()
+    c.model.update(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, num_experts=64,
+                   moe_router_topk=8)
+    c.train.update(seq_length=64, micro_batch_size=1, global_batch_size=32)
+    c.mesh.update(expert=32)
+    cfg = resolve(c, num_devices=32, backend="cuda")
+    mesh = sharding.make_mesh(cfg, xla_gpu.devices("H100", 32))
+    layout = sharding.Layout(mesh, sharding.rules(cfg))
+    arg = lambda shape, dtype, axes: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
+                                                          sharding=jax.NamedSharding(mesh, layout.spec(axes)))
+
+    def loss(x, logits, w1, w2):
+        ids, weights, _ = moe.route(logits, 8)
+        y = experts.Experts(layout, dispatcher)(x, ids, weights, w1, None, w2, None, None, activation=layers.gelu,
+                                                dtype=jnp.bfloat16)
+        return y.astype(jnp.float32).sum()
+
+    tokens = ("batch", "expert_length", None)
+    hlo = jax.jit(jax.grad(loss, (0, 2, 3))).lower(
+        arg((32, 64, 64), jnp.bfloat16, tokens), arg((32, 64, 64), jnp.float32, tokens),
+        arg((64, 64, 128), jnp.bfloat16, ("experts", None, "expert_mlp")),
+        arg((64, 128, 64), jnp.bfloat16, ("experts", "expert_mlp", None))).compile(
+            compiler_options=xla_gpu.compiler_options()).as_text()
+    # the rows of the arrays of hidden 64 (tokens) each collective reads or writes
+    out[dispatcher] = {kind: sorted({int(n) for line in re.findall(r"^.* " + kind + r"-start\\(.*$", hlo, re.M)
+                                     for n in re.findall(r"\\[(\\d+),64\\]", line)})
+                       for kind in ("all-gather", "ragged-all-to-all")}
+    out[dispatcher]["grouped_gemms"] = xla_gpu.kernels(hlo).get(("GEMM", "Pallas grouped bf16"), (0, 0))[1]
+print(json.dumps(out))
+"""
+
+
+def test_ragged_exchange_compiles_for_32_gpus_from_the_routed_copies():
+    """XLA:GPU's program for 32 H100s without them (expert 32, 64 experts, top 8, 64 tokens a GPU): the ragged
+    dispatcher's exchanges of token rows send out of the device's 64 x 8 routed copies (at most those: 512 rows
+    against allgather's 31 x 64 = 1,984, less the copies it keeps) and return out of the 32 x 128 rows of its
+    receive buffer (the copies it received); allgather all-gathers 32 x 64 rows; ragged all-gathers no token; the
+    expert matmuls are grouped GEMMs."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason='JAX\'s CUDA plugin (pip install -e ".[test]")')
+    out = json.loads(run_python("-c", RAGGED_GPU).stdout.splitlines()[-1])
+    assert out["allgather"]["all-gather"] == [64, 32 * 64] and not out["ragged"]["all-gather"], out
+    assert out["ragged"]["ragged-all-to-all"] == [64 * 8, 32 * 64 * 2], out
+    assert out["ragged"]["grouped_gemms"] >= 3 and out["allgather"]["grouped_gemms"] >= 3
 
 
 EXPERT_TENSOR = """

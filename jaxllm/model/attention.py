@@ -267,6 +267,14 @@ def _xla(q, k, v, **kw):
     return reference.attention(q, k, v, **kw)
 
 
+def planned_gpu() -> str | None:
+    """The GPU kind (``"cuda"``, ``"rocm"``) a step traced inside ``lowering_target(kind, interpret=True)`` is
+    planned for (compiled by this machine's XLA with that GPU's memory, :mod:`jaxllm.plan`), else None: what
+    the other GPU-only operations (a mixture of experts' grouped GEMMs and ragged exchange) stand in for too."""
+    target = _TARGET.get()
+    return target[0] if target is not None and target[1] is None else None
+
+
 def _interpreted():
     """True inside ``lowering_target(..., interpret=True)``: flash implementations run as the interpreted kernel."""
     target = _TARGET.get()

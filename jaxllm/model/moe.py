@@ -10,10 +10,10 @@ token reaches its k experts.  With a capacity factor an expert takes at most
 ``ceil(capacity_factor x tokens x k / experts)`` tokens, those of highest router probability (Megatron's
 ``--moe-token-drop-policy probs``), so which tokens are dropped does not depend on their order.
 
-The experts run as grouped matmuls (:func:`grouped_matmul`, one matmul per tile of a few rows of one expert)
-over the token copies sorted by expert (MegaBlocks, Gale et al. 2023; MaxText's sparse matmul): no capacity
-padding, no ``[tokens, experts]`` dispatch tensor, and buffers that grow with the routed tokens, not with
-experts x tokens.
+The experts run as grouped matmuls (:func:`grouped_matmul`: on GPUs grouped GEMM kernels, on CPUs one matmul per
+tile of a few rows of one expert) over the token copies sorted by expert (MegaBlocks, Gale et al. 2023; MaxText's
+sparse matmul): no capacity padding, no ``[tokens, experts]`` dispatch tensor, and buffers that grow with the
+routed tokens, not with experts x tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.model import attention
+from jaxllm_kernels import grouped_matmul as grouped_gemm
 
 
 def _tile_rows(rows: int, groups: int) -> int:
@@ -78,27 +81,21 @@ def _tiled_matmul(x, w, group_sizes):
 
 
 @jax.custom_vjp
-def grouped_matmul(x, w, group_sizes):
-    """Row block ``g`` of ``x`` times ``w[g]``: ``x`` ``[rows, in]`` sorted by group, ``w`` ``[groups, in, out]``,
-    group_sizes int32 ``[groups]`` -> ``[rows, out]`` (dtype: ``x``'s and ``w``'s promoted, float32
-    accumulation), zero for the rows past ``sum(group_sizes)``.
-
-    ``jax.lax.ragged_dot``'s product, computed tile by tile (MegaBlocks' block-sparse layout, Gale et al. 2023):
-    each group's rows padded to whole tiles of 8 to 128 rows (:func:`_tile_rows`), one matmul per tile with its
-    group's weight, the weight gradient summed over the tiles into ``[groups, in, out]``.  So the compiled program's
-    buffers grow with the rows plus ``groups`` tiles.  ``jax.lax.ragged_dot`` is not used: jaxlib 0.10.2's CPU and GPU
-    compilers (the GPU's with or without ``--xla_gpu_experimental_use_ragged_dot_fusion``) rewrite it into dense
-    dots over a ``[groups, rows, in]`` masked copy of ``x``, ``groups`` times the memory and the FLOPs.  The
-    gradients are the same tiled products (also under ``vmap``, the pipeline's stages).
-    """
+def tiled_matmul(x, w, group_sizes):
+    """:func:`grouped_matmul` tile by tile, as XLA compiles it well on CPUs (MegaBlocks' block-sparse layout, Gale
+    et al. 2023): each group's rows padded to whole tiles of 8 to 128 rows (:func:`_tile_rows`), one matmul per
+    tile with its group's weight in a loop of as many steps as the groups fill, the weight gradient summed over the
+    tiles into ``[groups, in, out]``.  So the compiled program's buffers grow with the rows plus ``groups`` tiles; on
+    a GPU each tile would be a GEMM launch of its own.  The gradients are the same tiled products (also under
+    ``vmap``, the pipeline's stages)."""
     return _tiled_matmul(x, w, group_sizes)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes):
-    return grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
+def _tiled_fwd(x, w, group_sizes):
+    return tiled_matmul(x, w, group_sizes), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(res, dy):
+def _tiled_bwd(res, dy):
     x, w, group_sizes = res
     dx = _tiled_matmul(dy, jnp.swapaxes(w, 1, 2), group_sizes)
     tile = _tile_rows(x.shape[0], w.shape[0])
@@ -113,7 +110,30 @@ def _grouped_matmul_bwd(res, dy):
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
-grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def grouped_matmul(x, w, group_sizes):
+    """Row block ``g`` of ``x`` times ``w[g]``: ``x`` ``[rows, in]`` sorted by group, ``w`` ``[groups, in, out]``,
+    group_sizes int32 ``[groups]`` -> ``[rows, out]`` (dtype: ``x``'s and ``w``'s promoted, float32
+    accumulation), zero for the rows past ``sum(group_sizes)``: ``jax.lax.ragged_dot``'s product.
+
+    The one place its implementation is chosen, by the platform the program is lowered for
+    (``jax.lax.platform_dependent``): on CPUs :func:`tiled_matmul`; on GPUs (CUDA, ROCm) the grouped GEMM
+    kernels of :func:`jaxllm_kernels.grouped_matmul.gmm`, one launch each for the product, its input gradient and
+    its weight gradient (Pallas through Triton); in a GPU's plan compiled here
+    (:func:`jaxllm.model.attention.planned_gpu`) the same kernels interpreted.  Not ``jax.lax.ragged_dot``:
+    jaxlib 0.10.2's XLA rewrites it, on the CPU and for the GPU, into dense dots over a ``[groups, rows, in]``
+    masked copy of ``x`` (``groups`` times the memory and the FLOPs); with
+    ``--xla_gpu_experimental_use_ragged_dot_fusion`` (cuDNN's grouped GEMM) and a cuDNN 9 target its deviceless
+    compile for an H100 aborts; jax 0.10.2's wheel lacks the module that
+    ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` imports (docs/moe.md).
+    """
+    dtype = jnp.result_type(x, w)
+    x, w = x.astype(dtype), w.astype(dtype)
+    if attention.planned_gpu():  # a GPU's step compiled here for its memory: the kernels interpreted
+        return grouped_gemm.gmm(x, w, group_sizes, grouped_gemm.Tiles(), True)
+    return jax.lax.platform_dependent(x, w, group_sizes, cpu=tiled_matmul, default=grouped_gemm.gmm)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -7,8 +7,8 @@ data axes, ``expert_length`` over the sequence axes) and holds the experts of it
 summed over ``tensor``).  With ``mesh.expert_tensor=1`` (Megatron-LM's expert tensor-parallel size 1, its "MoE
 parallel folding") the tensor devices, which hold the same tokens, each dispatch their share of them
 (``expert_length`` also over ``tensor``) and hold whole experts (``experts`` over ``expert`` x ``tensor``, the
-group the dispatchers below run over), so no expert's work is repeated on them.  Two of Megatron-LM's token
-dispatchers (``model.moe_token_dispatcher_type``, ``megatron/core/transformer/moe/token_dispatcher.py``):
+group the dispatchers below run over), so no expert's work is repeated on them.  Megatron-LM's token dispatchers
+(``model.moe_token_dispatcher_type``, ``megatron/core/transformer/moe/token_dispatcher.py``) and a ragged one:
 
 ``allgather``
   1. the tokens and their routing are all-gathered over the ``expert`` axes (each device of an expert group
@@ -25,23 +25,33 @@ dispatchers (``model.moe_token_dispatcher_type``, ``megatron/core/transformer/mo
   2. each device runs its experts on the copies it received (grouped matmuls, weighted by the router);
   3. the reverse all-to-all returns each copy's output to its token's device, which sums a token's k copies.
 
-Both are dropless with static shapes and equal to one device's computation: a capacity factor's drops are
+``ragged``
+  as ``alltoall``, but each rank is sent only the copies routed to it (``jax.lax.ragged_all_to_all``, with the
+  send sizes of :func:`send_sizes` and their offsets), into a receive buffer sized for the worst case; the outputs
+  return the same way (MaxText's dropless ragged dispatch).  XLA:CPU has no ragged-all-to-all: on CPUs
+  :func:`ragged_all_to_all` emulates the primitive exactly (the same offsets and sizes) through ``all_to_all`` of
+  padded buffers, so every layout test runs it.
+
+All are dropless with static shapes and equal to one device's computation: a capacity factor's drops are
 the router's (:func:`jaxllm.model.moe.route`, over the micro batch's tokens, before dispatch), so a dropped copy
 is simply not sent.  The all-to-all's buffers are sized for the worst case (:func:`send_rows`): with no
 capacity factor every local copy may go to one rank, so it moves ``min(topk, local experts)`` times the bytes of
 the allgather dispatcher (which moves each token once); it moves less only when the capacity bounds a rank's
-copies below its tokens.  :func:`choose` picks the one that moves fewer bytes (``auto``).  XLA:CPU has no
-``ragged_all_to_all``, the exchange of only the copies routed (MaxText's dropless dispatch), so it is not used.
+copies below its tokens.  The ragged exchange sends the routed copies only, ``topk x`` a device's tokens at
+most, ``(expert - 1) / expert`` of them with a balanced router: fewer rows than allgather's where the expert axis is
+larger than top k.  :func:`choose` picks the one that sends the fewest rows (``auto``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model import moe
+from jaxllm.model import attention, moe
 from jaxllm.parallel.sharding import Layout
 
 
@@ -56,24 +66,31 @@ def send_rows(tokens: int, topk: int, local_experts: int, capacity: int) -> int:
     return min(tokens * min(topk, local_experts), local_experts * min(capacity, tokens))
 
 
+DISPATCHERS = ("allgather", "alltoall", "ragged")  # auto's order of preference where they send as many rows
+
+
 def dispatch_rows(dispatcher: str, *, tokens: int, micro_tokens: int, experts: int, expert_size: int, topk: int,
                   capacity_factor: float) -> int:
     """Token rows each device sends per dispatch (its incoming traffic is the same, and so is the return's):
     ``allgather`` its ``tokens`` to each of the other ``expert_size - 1`` devices of its group, ``alltoall`` one
-    :func:`send_rows` buffer to each (``micro_tokens``: the micro batch's, which a capacity is taken over)."""
+    :func:`send_rows` buffer to each (``micro_tokens``: the micro batch's, which a capacity is taken over),
+    ``ragged`` the copies routed to each: with a balanced router ``tokens x topk / expert_size``, at most
+    :func:`send_rows` (the count is the routing's; this is the estimate ``auto`` compares)."""
     if dispatcher == "allgather":
         return (expert_size - 1) * tokens
     c = moe.capacity(micro_tokens, experts, topk, capacity_factor)
-    return (expert_size - 1) * send_rows(tokens, topk, experts // expert_size, c)
+    rows = send_rows(tokens, topk, experts // expert_size, c)
+    if dispatcher == "ragged":
+        rows = min(rows, math.ceil(tokens * topk / expert_size))
+    return (expert_size - 1) * rows
 
 
 def choose(dispatcher: str, **sizes) -> str:
-    """``model.moe_token_dispatcher_type`` as it runs: ``auto`` is ``alltoall`` where it sends fewer rows than
-    ``allgather`` (:func:`dispatch_rows`; ``sizes`` its keywords), else ``allgather``."""
+    """``model.moe_token_dispatcher_type`` as it runs: ``auto`` is the dispatcher of :data:`DISPATCHERS` that sends
+    the fewest rows (:func:`dispatch_rows`; ``sizes`` its keywords), the first of them on a tie."""
     if dispatcher != "auto":
         return dispatcher
-    rows = {d: dispatch_rows(d, **sizes) for d in ("allgather", "alltoall")}
-    return "alltoall" if rows["alltoall"] < rows["allgather"] else "allgather"
+    return min(DISPATCHERS, key=lambda d: dispatch_rows(d, **sizes))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,8 +100,8 @@ class Experts:
     Called as :func:`jaxllm.model.moe.local_experts`: ``x`` ``[batch, len, embed]``, ``ids`` int32 and
     ``weights`` float32 ``[batch, len, topk]``, the expert weights ``[experts, ...]`` (global shapes) ->
     ``[batch, len, embed]`` in ``dtype``, laid out as ``x``'s ``(batch, length)``.  ``dispatcher``:
-    ``"allgather"`` or ``"alltoall"``; ``capacity_factor``: the router's (``model.moe_capacity_factor``), which
-    bounds the all-to-all's buffers.
+    ``"allgather"``, ``"alltoall"`` or ``"ragged"``; ``capacity_factor``: the router's
+    (``model.moe_capacity_factor``), which bounds the all-to-all's buffers.
     """
 
     layout: Layout
@@ -118,6 +135,8 @@ class Experts:
                 y = run(*flat)
             elif self.dispatcher == "alltoall":
                 y = _all_to_all(run, *flat, ep, n_ep, w1.shape[0], capacity)
+            elif self.dispatcher == "ragged":
+                y = _ragged(run, *flat, ep, n_ep, w1.shape[0], capacity)
             else:
                 flat = [jax.lax.all_gather(a, ep, axis=0, tiled=True) for a in flat]
                 y = run(*flat, first=jax.lax.axis_index(ep) * w1.shape[0])
@@ -153,4 +172,80 @@ def _all_to_all(run, x, ids, weights, ep, n_ep: int, local: int, capacity: int):
     y = exchange(run(got_x, got_ids[:, None], got_w[:, None]))  # each copy's weighted output, back at its source
     y = jnp.zeros((t * k, x.shape[1]), y.dtype).at[order].set(y.at[slot].get(mode="fill", fill_value=0),
                                                                 unique_indices=True)
+    return y.reshape(t, k, -1).sum(1, dtype=jnp.float32).astype(y.dtype)
+
+
+def send_sizes(ids, n_ep: int, local: int):
+    """This device's token copies (``ids`` int32 ``[tokens, topk]``, ``n_ep x local`` for a dropped one) by the
+    expert-parallel rank holding their expert: ``(order, sizes)``, int32 ``[tokens x topk]`` the copies sorted
+    by rank (stable: then by token), dropped ones last; int32 ``[n_ep]`` the copies for each rank, the ``ragged``
+    dispatcher's send sizes."""
+    rank = jnp.minimum(ids.reshape(-1) // local, n_ep)
+    return jnp.argsort(rank, stable=True).astype(jnp.int32), jnp.bincount(rank, length=n_ep + 1)[:n_ep].astype(
+        jnp.int32)
+
+
+def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, rows: int):
+    """``jax.lax.ragged_all_to_all``'s result through ``jax.lax.all_to_all`` of padded buffers (XLA:CPU has no
+    ragged-all-to-all): slice ``i`` (``send_sizes[i] <= rows`` rows from ``input_offsets[i]``) padded to ``rows``,
+    exchanged, and written into ``output`` at ``all_to_all(output_offsets)[i]`` for ``recv_sizes[i]`` rows."""
+    j = jnp.arange(rows, dtype=input_offsets.dtype)
+    take = jnp.where(j < send_sizes[:, None], input_offsets[:, None] + j, operand.shape[0])  # [slices, rows]
+    sent = operand.at[take].get(mode="fill", fill_value=0)
+    got = jax.lax.all_to_all(sent, axis_name, 0, 0, tiled=True)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)[:, None] + j
+    at = jnp.where(j < recv_sizes[:, None], at, output.shape[0])  # past the end: not written
+    return output.at[at.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
+
+
+def _planned(operand, output, *offsets_and_sizes, axis_name, n_ep: int):
+    """A GPU's ragged exchange in its plan compiled by XLA:CPU (:func:`jaxllm.model.attention.planned_gpu`): the
+    GPU's buffers (``operand``, ``output``) and, on the wire, an all-to-all of as many rows as the smaller of them
+    holds (the routed copies, which a balanced router sends ``(n_ep - 1) / n_ep`` of); not its values."""
+    del offsets_and_sizes
+    rows = min(operand.shape[0], output.shape[0]) // n_ep * n_ep
+    got = jax.lax.all_to_all(operand[:rows], axis_name, 0, 0, tiled=True)
+    return output.at[:rows].set(got)
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+                      rows: int, n_ep: int):
+    """``jax.lax.ragged_all_to_all`` (one slice per rank of ``axis_name``, ``n_ep`` of them) as the platform runs
+    it, chosen here: on GPUs the primitive; on CPUs its exact emulation (:func:`_emulated`: the same offsets and
+    sizes, ``rows`` the bound on a slice); in a GPU's plan compiled here a stand-in of its buffers
+    (:func:`_planned`)."""
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    if attention.planned_gpu():
+        return _planned(*args, axis_name=axis_name, n_ep=n_ep)
+    return jax.lax.platform_dependent(
+        *args, cpu=functools.partial(_emulated, axis_name=axis_name, rows=rows),
+        default=functools.partial(jax.lax.ragged_all_to_all, axis_name=axis_name))
+
+
+def _ragged(run, x, ids, weights, ep, n_ep: int, local: int, capacity: int):
+    """The ``ragged`` dispatcher on one device (module docstring): as :func:`_all_to_all`, but each rank is sent
+    only the copies routed to it (:func:`ragged_all_to_all`), into a receive buffer of the worst case,
+    ``n_ep x`` :func:`send_rows` rows; ``run`` this device's ``local`` experts; returns ``[tokens, embed]``."""
+    t, k = ids.shape
+    rows = send_rows(t, k, local, capacity)
+    order, sizes = send_sizes(ids, n_ep, local)
+    dest = jnp.minimum(ids.reshape(-1)[order] // local, n_ep)
+    offsets = jnp.cumsum(sizes) - sizes  # where each rank's copies start here
+    recv = jax.lax.all_to_all(sizes, ep, 0, 0, tiled=True)  # the copies each rank sends here
+    recv_offsets = jnp.cumsum(recv) - recv  # where they land here
+    there = jax.lax.all_to_all(recv_offsets, ep, 0, 0, tiled=True)  # where this device's land on each rank
+    size = n_ep * rows
+
+    def exchange(a, fill):
+        out = jnp.full((size, *a.shape[1:]), fill, a.dtype)
+        return ragged_all_to_all(a, out, offsets, sizes, there, recv, axis_name=ep, rows=rows, n_ep=n_ep)
+
+    got_x = exchange(x[order // k], 0)
+    got_ids = exchange(ids.reshape(-1)[order] - dest * local, local)  # past the received rows: no expert
+    got_w = exchange(weights.reshape(-1)[order], 0)
+    y = run(got_x, got_ids[:, None], got_w[:, None])  # each copy's weighted output, back to its source:
+    back = ragged_all_to_all(y, jnp.zeros((t * k, y.shape[1]), y.dtype), recv_offsets, recv,
+                             jax.lax.all_to_all(offsets, ep, 0, 0, tiled=True), sizes, axis_name=ep, rows=rows,
+                             n_ep=n_ep)
+    y = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
     return y.reshape(t, k, -1).sum(1, dtype=jnp.float32).astype(y.dtype)

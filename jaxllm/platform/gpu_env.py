@@ -36,6 +36,7 @@ JAX_TIPS = "https://docs.jax.dev/en/latest/gpu_performance_tips.html"
 AMD_AXLEARN = "https://github.com/AMD-AGI/axlearn/blob/main/launch_70B_multi_nodes.sh"
 AMD_CVS = "https://rocm.docs.amd.com/projects/cvs/en/latest/reference/configuration-files/jax.html"
 AMD_MI300X = "https://rocm.docs.amd.com/en/latest/how-to/rocm-for-ai/inference-optimization/workload.html"
+MARIN_RAGGED = "https://github.com/marin-community/marin/issues/8077"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,12 @@ SETTINGS: tuple[Setting, ...] = (
             "of them", f"{JAX_TOOLBOX}; {AMD_AXLEARN}"),
     Setting("--xla_gpu_enable_reduce_scatter_combine_by_dim", "false", BOTH,
             "the same for reduce-scatters", f"{JAX_TOOLBOX}; {AMD_AXLEARN}"),
+    Setting("--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel", "false", ("cuda",),
+            "the ragged token dispatcher's jax.lax.ragged_all_to_all through NCCL: XLA's one-shot kernel, which it "
+            "picks for groups of at most 8 GPUs of one node, corrupted gradients at expert 8 (Marin's EP8 runs, "
+            "2026); XLA's other workaround, --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer, pads every "
+            "rank's slice to the whole send buffer (its source: ragged_all_to_all_decomposer.cc), which sends more "
+            "than the alltoall dispatcher", MARIN_RAGGED),
     Setting("--xla_gpu_enable_cublaslt", "true", ("rocm",),
             "matmuls through hipBLASLt (cuBLASLt's ROCm counterpart) as AMD's JAX training scripts select",
             AMD_AXLEARN),

@@ -102,10 +102,13 @@ class Count(NamedTuple):
 
 
 GROUPS = ("GEMM", "attention", "fusion", "copy/transpose", "collective", "other")
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "send", "recv")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+                "send", "recv")
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                 "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
 _GEMM_CALLS = {"__cublas$gemm": "cuBLAS", "__cublas$lt$matmul": "cuBLASLt", "__cublas$lt$matmul$f8": "cuBLASLt"}
+# Pallas kernels (Triton custom calls) that are GEMMs, by the kernel name's start (jaxllm_kernels.grouped_matmul)
+_PALLAS_GEMMS = {"jaxllm_grouped_matmul": "Pallas grouped"}
 _GEMM_FUSIONS = {"__triton_gemm": "Triton", "__triton_nested_gemm_fusion": "Triton", "__cudnn$fusion": "cuDNN"}
 def _operand_dtypes(op: Op, body: list[Op], count: int = 2) -> str:
     """The distinct dtypes of ``op``'s first ``count`` operands (named in ``body``), sorted and joined: ``"bf16"``,
@@ -159,6 +162,11 @@ def classify(op: Op, body: list[Op], bodies: dict[str, list[Op]]) -> tuple[str, 
         target = target.group(1) if target else "?"
         if target in _GEMM_CALLS:
             return "GEMM", f"{_GEMM_CALLS[target]} {_operand_dtypes(op, body)}"
+        name = re.search(r'name = "(\w+)"', op.rest)
+        gemm = name and next((v for k, v in _PALLAS_GEMMS.items() if name.group(1).startswith(k)), None)
+        if target == "__gpu$xla.gpu.triton" and gemm:  # its float operands (the integer ones: the tile layout)
+            floats = [t for t in _operand_dtypes(op, body, 3).split(" x ") if not re.fullmatch(r"[su]\d+", t)]
+            return "GEMM", f"{gemm} {' x '.join(floats)}"
         if target.startswith("__cudnn$fmha"):
             return "attention", "cuDNN " + ("backward" if "Backward" in target else "forward") + f" ({target})"
         return "other", f"custom call {target}"
@@ -208,6 +216,23 @@ def kernels(hlo: str) -> dict[tuple[str, str], Count]:
                 counts[kind][0] += 1
                 counts[kind][1] += times
     return {k: Count(*v) for k, v in sorted(counts.items(), key=lambda kv: (GROUPS.index(kv[0][0]), kv[0][1]))}
+
+
+def gemm_loops(hlo: str) -> int:
+    """Loops of the XLA:GPU-compiled program ``hlo`` that launch a GEMM and whose trip count XLA does not know (a
+    loop over data-dependent tiles): :func:`kernels` counts their GEMMs once per run, a lower bound."""
+    _, bodies = parse(hlo)
+
+    def launches_gemm(name: str, depth: int = 0) -> bool:
+        for op in bodies.get(name, []):
+            kind = classify(op, bodies[name], bodies)
+            if (kind is not None and kind[0] == "GEMM") or (
+                    depth < 64 and any(launches_gemm(c, depth + 1) for c, _ in _executed(op))):
+                return True
+        return False
+
+    loops = [op for ops in bodies.values() for op in ops if op.opcode == "while" and "known_trip_count" not in op.rest]
+    return sum(launches_gemm(re.search(r"body=%([\w.-]+)", op.rest).group(1)) for op in loops)
 
 
 def _executed(op: Op) -> list[tuple[str, int]]:
