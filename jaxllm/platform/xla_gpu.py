@@ -195,7 +195,7 @@ def kernels(hlo: str) -> dict[tuple[str, str], Count]:
             return
         runs[name] += times
         for op in bodies[name]:
-            for called, n in _executed(op):
+            for called, n in executed(op):
                 visit(called, times * n, depth + 1)
 
     if entry is not None:
@@ -210,7 +210,7 @@ def kernels(hlo: str) -> dict[tuple[str, str], Count]:
     return {k: Count(*v) for k, v in sorted(counts.items(), key=lambda kv: (GROUPS.index(kv[0][0]), kv[0][1]))}
 
 
-def _executed(op: Op) -> list[tuple[str, int]]:
+def executed(op: Op) -> list[tuple[str, int]]:
     """The computations ``op`` runs as sequences of kernels, each with its runs per run of ``op``: a loop's body
     (its known trip count, else 1) and condition (one more), a conditional's branches (each once: an upper
     bound), a call's callee; not a fusion's or a reduction's computation."""
