@@ -285,7 +285,7 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
     ``overrides``, ``jax``), the device's ``device_memory_bytes`` and ``fits``, :func:`plan`'s figures (bytes
     per device, FLOPs per step), its ``collectives`` by mesh axes joined by " x " (``ops``, ``wire_bytes`` sent
     per device per step, ``kinds``), with XLA:GPU's compile the step-time model's predictions
-    (:func:`_predicted_figures`: ``predicted_step_time_s``, ``predicted_tokens_per_sec``, ...) and, with ``--cluster``,
+    (:func:`predicted_figures`: ``predicted_step_time_s``, ``predicted_tokens_per_sec``, ...) and, with ``--cluster``,
     ``step_time``: the model's seconds (:func:`jaxllm.analysis.step_time.estimate`), each axis's ``[seconds, bytes
     sent per device, off the node]``."""
     figures = {k: p[k] for k in ("mesh", "num_params", "active_params", "dtype", "dispatcher", "params", "grads",
@@ -299,14 +299,14 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
             "overrides": [a for a in argv[1:] if a.startswith("--config.")], "jax": jax.__version__,
             "device_name": device, "device_memory_bytes": device_memory,
             "fits": p["device"] <= device_memory if device_memory else None, **figures, "collectives": traffic,
-            **_predicted_figures(p),
+            **predicted_figures(p),
             "step_time": None if estimate is None else {
                 **{k: estimate[k] for k in ("cluster", "mfu", "compute", "bubble", "step", "tokens_per_s",
                                      "tflops_per_device")},
                 "comms": {" x ".join(axes): list(v) for axes, v in estimate["comms"].items()}}}
 
 
-def _predicted_figures(p: dict) -> dict:
+def predicted_figures(p: dict) -> dict:
     """:func:`record`'s keys of the GPU step-time model (:mod:`jaxllm.analysis.gpu_time`): ``predicted_step_time_s``,
     ``predicted_tokens_per_sec``, ``predicted_mfu`` and ``predicted_categories`` (seconds a step by the profile's
     category); None each without an XLA:GPU compile."""

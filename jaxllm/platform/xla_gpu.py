@@ -18,6 +18,7 @@ and cuDNN's workspace, which XLA sizes when it builds the cuDNN graph on a devic
 from __future__ import annotations
 
 import collections
+import glob
 import importlib.resources
 import importlib.util
 import math
@@ -60,6 +61,14 @@ def unavailable(name: str) -> str | None:
         return ("JAX's CUDA plugin did not start (on a machine without a GPU it starts only with "
                 "JAX_PLATFORMS=cpu set before JAX starts)")
     return None
+
+
+def deviceless_target(argv: list[str]) -> str | None:
+    """The GPU of :data:`SPECS` that ``argv``'s ``--device=NAME`` names when this machine has no NVIDIA GPU (no
+    ``/dev/nvidia0``...), or None: a tool that compiles for it must start JAX with ``JAX_PLATFORMS=cpu``.  Read
+    before JAX starts."""
+    named = next((a.split("=", 1)[1] for a in argv if a.startswith("--device=")), None)
+    return named if named in SPECS and not glob.glob("/dev/nvidia[0-9]*") else None
 
 
 def spec_text(name: str) -> str:
