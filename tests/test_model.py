@@ -338,8 +338,8 @@ def test_attention_in_batch_chunks_is_attention():
 
 
 def test_layer_loop_auto_follows_the_backend_and_remat():
-    for backend, remat, loop in (("cpu", "none", "unrolled"), ("cpu", "full", "scan"), ("cuda", "none", "scan"),
-                                 ("rocm", "none", "scan")):
+    for backend, remat, loop in (("cpu", "none", "unrolled"), ("cpu", "full", "scan"), ("cuda", "none", "unrolled"),
+                                 ("cuda", "save_dots", "scan"), ("rocm", "none", "scan")):
         c = config.get_config()
         c.model.remat = remat
         cfg = resolve(c, num_devices=1, vocab_size=97, backend=backend, data_files=False)
