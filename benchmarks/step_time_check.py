@@ -1,6 +1,6 @@
 """The GPU step-time model against every committed jaxllm GPU measurement.
 
-    python benchmarks/step_time_check.py [--output=benchmarks/results/step_time_check.jsonl] [--cache=DIR]
+    python benchmarks/step_time_check.py [--output=benchmarks/results/step_time_check.jsonl] [--records=FILE:LINE,...]
 
 For each jaxllm record of :data:`RECORDS` (``jaxllm.bench`` lines of ``benchmarks/results/*/call*.jsonl`` on a GPU;
 the PyTorch reference's lines are left out), the step time :mod:`jaxllm.analysis.gpu_time` predicts for the
@@ -16,10 +16,12 @@ The program: a profiled record's optimized HLO, committed beside its trace; ever
 (``python -m jaxllm.plan --device=H100``, its optimized HLO dumped) from the source tree of the commit that ran it
 (``git archive``; :data:`RECORDS` says which, and how the commit is known), with jaxlib 0.10.2's XLA (the GPU ran
 0.11.2's: the profiled records' ``predicted_from_deviceless_s`` beside their own HLO's say how much that moves).
+The compiled programs are committed in ``benchmarks/results/step_time_check/`` (:data:`PROGRAMS`), so the check
+runs from the repository's files alone; a record without one is compiled (that needs the git history).
 
 The model's constants are fitted to the four profiled H100 steps of 2026-11-26 (:data:`FIT`) and to nothing
-else: the script fits them again (:func:`jaxllm.analysis.gpu_fit.fit`; the factor between their own programs
-and their configs compiled here, :func:`jaxllm.analysis.gpu_fit.deviceless_factor`) and stops if they differ from
+else: the script fits them again (:func:`jaxllm.analysis.gpu_fit.fit`; the factor between their own programs'
+predictions and their configs' compiled here, :func:`check_fit`) and stops if they differ from
 :data:`jaxllm.analysis.gpu_time.FITTED` and ``DEVICELESS``.  Every other record is ``held_out``; a program compiled
 here is predicted with the factor.  Prints the table of
 docs/performance.md and the issue's checks.
@@ -44,7 +46,9 @@ sys.path.insert(0, ROOT)
 from jaxllm.analysis import gpu_fit, gpu_time, profile  # noqa: E402
 from jaxllm.platform.hardware import GPU_KINDS  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # its git history: the commits' trees
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PROGRAMS = os.path.join(RESULTS, "step_time_check")  # the records' configs compiled here at their commits
 # call 1 of 2026-11-26 ran main at 1a5fcb2 with b3d2939's measuring tools (docs/performance.md, "jaxllm against a
 # PyTorch GPT on one H100"): b3d2939 without its two changes to the step, which call 2 measured
 CALL1 = (("jaxllm/model/fused_loss.py", "CHUNK_LOGITS = 1 << 26", "CHUNK_LOGITS = 1 << 24"),
@@ -85,15 +89,16 @@ def traced(name: str, index: int, rec: dict) -> str | None:
     return path if path and os.path.exists(path + ".step.hlo.txt.gz") else None
 
 
-def source_tree(commit: str, changes: tuple, cache: str) -> str:
-    """The repository at ``commit`` with ``changes`` (file, old text, new text) made, under ``cache`` (once)."""
+def source_tree(commit: str, changes: tuple, trees: str) -> str:
+    """The repository at ``commit`` with ``changes`` (file, old text, new text) made, under ``trees`` (once); the
+    commits from this checkout's git history (``git archive``)."""
     tag = commit + ("-" + hashlib.sha1(repr(changes).encode()).hexdigest()[:8] if changes else "")
-    tree = os.path.join(cache, "src", tag)
+    tree = os.path.join(trees, tag)
     if os.path.isdir(tree):
         return tree
     partial = tree + ".partial"
     os.makedirs(partial, exist_ok=True)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", commit], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "-C", REPO, "archive", commit], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", partial], input=archive, check=True)
     for path, old, new in changes:
         with open(os.path.join(partial, path), encoding="utf-8") as f:
@@ -107,40 +112,41 @@ def source_tree(commit: str, changes: tuple, cache: str) -> str:
     return tree
 
 
-def compiled(name: str, rec: dict, cache: str) -> str:
-    """The optimized HLO of ``rec``'s config compiled by XLA:GPU here at its commit (:data:`RECORDS`), cached."""
+def compiled(name: str, index: int, rec: dict, trees: str) -> str:
+    """The optimized HLO of ``rec``'s config compiled by XLA:GPU here at its commit (:data:`RECORDS`): committed in
+    :data:`PROGRAMS` (named by the record and a hash of what was compiled), else compiled and written there."""
     commit, changes, _ = RECORDS[name]
     device = DEVICES[rec["device_kind"]]
     flags = rec.get("xla_flags") or rec.get("xla_flags_added", "")
     args = [f"--config={rec['config_file']}", *rec["overrides"], "--devices=1", f"--device={device}"]
-    key = hashlib.sha1(json.dumps([commit, changes, args, flags]).encode()).hexdigest()[:16]
-    path = os.path.join(cache, f"{key}.hlo.txt.gz")
+    key = hashlib.sha1(json.dumps([commit, changes, args, flags]).encode()).hexdigest()[:12]
+    path = os.path.join(PROGRAMS, f"{name.replace('/', '-').removesuffix('.jsonl')}-{index}-{key}.hlo.txt.gz")
     if not os.path.exists(path):
-        tree = source_tree(commit, changes, cache)
-        with tempfile.TemporaryDirectory(dir=cache) as dump:
+        tree = source_tree(commit, changes, trees)
+        with tempfile.TemporaryDirectory(dir=trees) as dump:
             env = {**os.environ, "PYTHONPATH": tree, "JAX_PLATFORMS": "cpu",
                    "XLA_FLAGS": f"{flags} --xla_dump_to={dump} --xla_dump_hlo_module_re=train_step".strip()}
-            print(f"  compiling {name}:{rec['name'] or ''} at {commit}: {' '.join(args)}", flush=True)
+            print(f"  compiling {name}:{index} at {commit}: {' '.join(args)}", flush=True)
             subprocess.run([sys.executable, "-m", "jaxllm.plan", *args], cwd=tree, env=env, check=True,
                            capture_output=True)
             (found,) = [f for f in os.listdir(dump) if f.endswith("gpu_after_optimizations.txt")]
+            os.makedirs(PROGRAMS, exist_ok=True)
             with open(os.path.join(dump, found), encoding="utf-8") as f, gzip.open(path, "wt") as out:
                 out.write(f.read())
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return f.read()
 
 
-def check_fit(cache: str) -> None:
-    """Fits the constants to :data:`FIT` again (:func:`jaxllm.analysis.gpu_fit.fit`, and
-    :func:`jaxllm.analysis.gpu_fit.deviceless_factor` against their configs compiled here); exits 1 if they are not
-    :data:`jaxllm.analysis.gpu_time.FITTED` and :data:`jaxllm.analysis.gpu_time.DEVICELESS`."""
-    steps, pairs = [], []
-    for name, index, rec in records():
-        if (name, index) in FIT:
-            hlo_text, trace = gpu_fit.load(traced(name, index, rec))
-            steps.append((hlo_text, trace, rec["step_time_s"]))
-            pairs.append((hlo_text, compiled(name, rec, cache)))
-    fitted, factor = gpu_fit.fit(steps), gpu_fit.deviceless_factor(pairs)
+def check_fit(lines: list[dict]) -> None:
+    """Fits the constants to :data:`FIT` again (:func:`jaxllm.analysis.gpu_fit.fit`; the deviceless factor, the mean
+    of their own programs' predictions over their compiles here, from ``lines`` when they hold every fitted record);
+    exits 1 if they are not :data:`jaxllm.analysis.gpu_time.FITTED` and ``DEVICELESS``."""
+    steps = [(*gpu_fit.load(traced(name, index, rec)), rec["step_time_s"])
+             for name, index, rec in records() if (name, index) in FIT]
+    fitted = gpu_fit.fit(steps)
+    fit_lines = [x for x in lines if not x["held_out"]]
+    factor = (float(f"{statistics.mean(x['predicted_step_time_s'] / x['deviceless_raw_s'] for x in fit_lines):.3g}")
+              if len(fit_lines) == len(FIT) else gpu_time.DEVICELESS)
     if fitted != gpu_time.FITTED or factor != gpu_time.DEVICELESS:
         sys.exit("the fit gives other constants than jaxllm.analysis.gpu_time's FITTED and DEVICELESS:\n"
                  f"{json.dumps(fitted, indent=1)}\nDEVICELESS = {factor}")
@@ -155,12 +161,13 @@ def categories(rec: dict, prefix: str, predicted: dict) -> dict:
             for c in sorted(set(measured) | set(predicted["categories"]))}
 
 
-def line(name: str, index: int, rec: dict, cache: str) -> dict:
+def line(name: str, index: int, rec: dict, trees: str) -> dict:
     """The output line of one record (module docstring)."""
     device = gpu_time.device(DEVICES[rec["device_kind"]])
     prefix = traced(name, index, rec)
     commit, changes, how = RECORDS[name]
-    own = gpu_fit.load(prefix)[0] if prefix else compiled(name, rec, cache)
+    here = compiled(name, index, rec, trees)
+    own = gpu_fit.load(prefix)[0] if prefix else here
     predicted = gpu_time.predict(gpu_time.census(own), device, deviceless=not prefix)
     out = {"record": f"benchmarks/results/{name}:{index}", "device_kind": rec["device_kind"],
            "held_out": (name, index) not in FIT, "measured_step_time_s": rec["step_time_s"],
@@ -175,8 +182,8 @@ def line(name: str, index: int, rec: dict, cache: str) -> dict:
                                                                  in rec.get("xla_flags", "") else None)}}
     if prefix:
         out["categories"] = categories(rec, prefix, predicted)
-        out["predicted_from_deviceless_s"] = gpu_time.predict(gpu_time.census(compiled(name, rec, cache)), device,
-                                                              deviceless=True)["step_s"]
+        raw = gpu_time.predict(gpu_time.census(here), device)["step_s"]
+        out["predicted_from_deviceless_s"], out["deviceless_raw_s"] = raw * gpu_time.DEVICELESS, raw
     return out
 
 
@@ -184,8 +191,8 @@ def checks(lines: list[dict]) -> list[str]:
     """The issue's checks of the model against the records, one line each: the held-out H200 records' median and
     largest error, the order of every two variants of one model, device and date whose measured times differ by
     more than 10 %, and every category above 5 % of a profiled step within 25 %."""
-    h200 = [abs(x["error"]) for x in lines if x["held_out"] and "H200" in x["device_kind"]]
-    held = [abs(x["error"]) for x in lines if x["held_out"]]
+    h200 = [abs(x["error"]) for x in lines if x["held_out"] and "H200" in x["device_kind"]] or [0.0]
+    held = [abs(x["error"]) for x in lines if x["held_out"]] or [0.0]
     out = [f"held-out H200 records: {len(h200)}, median |error| {statistics.median(h200):.1%} (bar 10 %), largest "
            f"{max(h200):.1%} (bar 20 %), {sum(e > 0.2 for e in h200)} above 20 %",
            f"all held-out records: {len(held)}, median |error| {statistics.median(held):.1%}, largest {max(held):.1%}"]
@@ -228,12 +235,13 @@ def markdown(lines: list[dict]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=os.path.join(RESULTS, "step_time_check.jsonl"))
-    p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "step_time_check"),
-                   help="where the commits' trees and their compiled programs are kept")
+    p.add_argument("--records", default="", help="FILE:LINE,... of benchmarks/results (default: every record)")
     a = p.parse_args(argv)
-    os.makedirs(a.cache, exist_ok=True)
-    check_fit(a.cache)
-    lines = [line(name, index, rec, a.cache) for name, index, rec in records()]
+    chosen = {tuple(r.rsplit(":", 1)) for r in a.records.split(",") if r}
+    todo = [(n, i, r) for n, i, r in records() if not chosen or (n, str(i)) in chosen]
+    with tempfile.TemporaryDirectory(prefix="step-time-check-") as trees:
+        lines = [line(name, index, rec, trees) for name, index, rec in todo]
+    check_fit(lines)
     with open(a.output, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
     print(markdown(lines))

@@ -154,11 +154,3 @@ def load(prefix: str) -> tuple[str, str]:
     with gzip.open(prefix + ".step.hlo.txt.gz", "rt", encoding="utf-8") as f:
         return f.read(), prefix + ".perfetto_trace.json.gz"
 
-
-def deviceless_factor(pairs: list[tuple[str, str]], device: str = "H100") -> float:
-    """:data:`jaxllm.analysis.gpu_time.DEVICELESS`: the mean over ``pairs`` (the optimized HLO a GPU ran, the same
-    config's compile here) of the step predicted from the first over the step predicted from the second, to 3
-    significant digits."""
-    dev = gpu_time.device(device)
-    step = lambda text: gpu_time.predict(gpu_time.census(text), dev)["step_s"]  # noqa: E731
-    return _round(sum(step(own) / step(here) for own, here in pairs) / len(pairs))

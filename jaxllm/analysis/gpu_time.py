@@ -234,8 +234,8 @@ FITTED: dict[str, dict[str, float]] = {
 
 # A program compiled here is jaxlib 0.10.2's XLA:GPU without autotuning; the GPUs of the fit ran jaxlib 0.11.2's, with
 # it.  The same configs at the same commit compiled here predict less than the programs the GPU ran: the
-# 4 fitted steps' own HLO over their compile here, 1.027-1.040, the mean this factor (jaxllm.analysis.gpu_fit.
-# deviceless_factor; benchmarks/step_time_check.py fits it again).  :func:`predict` applies it to every category of a
+# 4 fitted steps' own HLO over their compile here, 1.027-1.040, the mean this factor (fitted and checked by
+# benchmarks/step_time_check.py's check_fit).  :func:`predict` applies it to every category of a
 # program compiled here (``deviceless``): a step of 0.400 s on a GPU's own program is predicted as 0.400 s from its
 # compile here, not 0.388.
 DEVICELESS = 1.03
