@@ -368,6 +368,7 @@ def main(argv):
     if estimate is not None:
         print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))
     if F.output:
+        os.makedirs(os.path.dirname(F.output) or ".", exist_ok=True)
         with open(F.output, "a", encoding="utf-8") as f:
             f.write(json.dumps(record(p, estimate, F.device, memory, sys.argv)) + "\n")
     cli.exit_now()  # XLA:CPU would join a thread per fake device

@@ -28,7 +28,8 @@ LAYERS = (
     tuple(sorted(TOOLS)),
 )
 # how the tree in docs/architecture.md names each layer, in the same order
-TREE_NAMES = ("config.py", "platform/", "data/", "model/", "parallel/", "resolve.py", "runtime/", "analysis/", "api.py", "train.py")
+TREE_NAMES = ("config.py", "platform/", "data/", "model/", "parallel/", "resolve.py", "runtime/", "analysis/",
+              "api.py", "train.py")
 
 
 def _modules() -> dict[str, Path]:

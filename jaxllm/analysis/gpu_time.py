@@ -17,9 +17,10 @@ one linear cost per kind, whose coefficients :data:`FITTED` holds (fitted by
 :func:`jaxllm.analysis.gpu_fit.fit` to the kernels of the H100 traces of 2026-11-26; each constant's value,
 data and meaning are there), plus a gap between consecutive kernels (the GPU idle while the next launches);
 collectives by NCCL's ring algorithms over the link the group spans (:func:`collective_time`, constants
-assumed from published NCCL figures: no multi-GPU trace exists to fit them).  The step is the sum: one stream,
-nothing overlaps (true of the one-GPU traces: XLA:GPU ran every kernel on one stream; with several GPUs an
-upper bound where XLA overlaps collectives with compute).
+assumed from published nccl-tests figures: no multi-GPU trace exists to fit them).  The step is the sum: one
+stream, nothing overlaps (true of the one-GPU traces: XLA:GPU ran every kernel on one stream; with several GPUs an
+upper bound where XLA overlaps collectives with compute).  A program compiled here (jaxlib 0.10.2, no autotuning)
+is scaled by :data:`DEVICELESS`, fitted on the same four steps.
 
 What it ignores: clocks (a hot GPU's lower clock is inside the fitted efficiencies of the H100 of the fit),
 the L2 cache (a kernel that rereads what the one before wrote is priced as a read from memory), cuBLAS's
@@ -37,6 +38,7 @@ import re
 
 from jaxllm.analysis import collectives as comms
 from jaxllm.analysis import profile
+from jaxllm.analysis.step_time import crosses_nodes
 from jaxllm.platform import hlo, xla_gpu
 from jaxllm.platform.hardware import GPU_KINDS, NVLINK_BANDWIDTH, lookup_peak_flops, memory_bandwidth
 
@@ -208,7 +210,7 @@ def census(hlo_text: str, mesh_shape: dict | None = None) -> list[Kernel]:
 # bandwidth, s per element-wise operation), as fractions of the device: FLOP efficiency e_f = 1 / (a x peak),
 # bandwidth efficiency e_b = 1 / (b x bandwidth).  Fitted by jaxllm.analysis.gpu_fit.fit (its docstring: the data,
 # the weights) to the 4 H100 traces of benchmarks/results/2026-11-26-h100 (GPT1_5B, micro batches 4 and 8, remat
-# full and save_dots: 47,000 kernel runs); tests/test_gpu_time.py fits again and compares.  What each says:
+# full and save_dots: 65,788 kernel runs, two steps each); tests/test_gpu_time.py fits again and compares.  What each says:
 FITTED: dict[str, dict[str, float]] = {
     # cuBLAS GEMMs (and XLA's Triton GEMM fusions): no overhead beyond the gap; the FLOP and byte terms together, a
     # 16384 x 1536 x 6144 bfloat16 GEMM at 80 % of the peak, one of K = 1536 at 73 %, the loss head's float32
@@ -272,9 +274,11 @@ def device(name: str, per_node: int = 8) -> Device:
 
 
 # NCCL's ring collectives (assumed, not fitted: no multi-GPU trace exists).  A ring step's latency: NCCL's LL
-# protocol's few microseconds per hop inside a node, more across; the fraction of the link's bandwidth a ring
-# reaches on large messages, and the message size at which it reaches half of that (the bus bandwidth curves
-# of nccl-tests: NVIDIA's DGX H100 all-reduce reaches about 360 of NVLink's 450 GB/s one way above ~256 MiB).
+# protocol's few microseconds per hop inside a node, more across; the fraction of the link's bandwidth a ring's bus
+# bandwidth reaches on large messages, and the message size at which it reaches half of that.  nccl-tests'
+# all_reduce_perf bus bandwidth at large sizes as a third party reports it ("NCCL-tests in practice",
+# docs.alayanew.com, 2026-05-06): 8 x A100 SXM 230-250 GB/s, 0.8 of NVLink 3's 300; 8 x H100 SXM 460-480, NVSwitch's
+# in-network reduction above NVLink 4's 450: 0.8 assumed for both (rings, no NVLink SHARP).
 NCCL = {"latency_intra_s": 5e-6, "latency_inter_s": 10e-6, "efficiency": 0.8, "half_bytes": 4 * 2**20}
 
 
@@ -283,8 +287,6 @@ def collective_time(c: tuple, dev: Device, mesh_shape: dict | None) -> float:
     each device sending ``wire`` bytes over the slowest link its group spans (off the node when the group does,
     the mesh's devices numbered node by node, :func:`jaxllm.analysis.step_time.crosses_nodes`) at
     ``efficiency x size / (size + half_bytes)`` of it, plus a latency per ring step."""
-    from jaxllm.analysis.step_time import crosses_nodes  # noqa: PLC0415
-
     _, axes, _, size, wire, hops = c
     off = bool(mesh_shape) and crosses_nodes(axes, mesh_shape, dev.per_node)
     link = dev.links[1] if off else dev.links[0]
@@ -298,7 +300,7 @@ def kernel_time(k: Kernel, dev: Device, mesh_shape: dict | None = None) -> float
     if k.kind == "collective":
         return collective_time(k.collective, dev, mesh_shape) if k.collective else 0.0
     c = FITTED[k.kind]
-    peak = dev.peaks.get(k.dtype[:3].replace("f8e", "f8"), dev.peaks["bf16"])
+    peak = dev.peaks["f8" if k.dtype.startswith("f8") else k.dtype if k.dtype in dev.peaks else "bf16"]
     per = lambda work, rate, efficiency: work / (rate * efficiency) if efficiency else 0.0  # noqa: E731
     return (c["overhead_s"] + per(k.flops, peak, c["flop_efficiency"])
             + per(k.bytes, dev.bandwidth, c["bandwidth_efficiency"]) + k.ops * c["s_per_op"])
