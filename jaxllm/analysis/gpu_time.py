@@ -210,11 +210,12 @@ def census(hlo_text: str, mesh_shape: dict | None = None) -> list[Kernel]:
 # bandwidth, s per element-wise operation), as fractions of the device: FLOP efficiency e_f = 1 / (a x peak),
 # bandwidth efficiency e_b = 1 / (b x bandwidth).  Fitted by jaxllm.analysis.gpu_fit.fit (its docstring: the data,
 # the weights) to the 4 H100 traces of benchmarks/results/2026-11-26-h100 (GPT1_5B, micro batches 4 and 8, remat
-# full and save_dots: 65,788 kernel runs, two steps each); tests/test_gpu_time.py fits again and compares.  What each says:
+# full and save_dots: 65,788 kernel runs, two steps each); tests/test_gpu_time.py fits again and compares.  What
+# each says:
 FITTED: dict[str, dict[str, float]] = {
-    # cuBLAS GEMMs (and XLA's Triton GEMM fusions): no overhead beyond the gap; the FLOP and byte terms together, a
-    # 16384 x 1536 x 6144 bfloat16 GEMM at 80 % of the peak, one of K = 1536 at 73 %, the loss head's float32
-    # products lower (their bytes); efficiencies above 1 are a linear fit's terms, not rates a kernel reaches alone
+    # cuBLAS GEMMs (and XLA's Triton GEMM fusions): no overhead beyond the gap; the FLOP and byte terms together give
+    # a 16384 x 1536 x 6144 bfloat16 GEMM 81 % of the peak (measured 80 %), one of K = 1536 76 % (measured 73 %), the
+    # loss head's float32 products less (their bytes); efficiencies above 1 are a linear fit's terms, not rates
     "gemm": {"overhead_s": 0.0, "flop_efficiency": 0.935, "bandwidth_efficiency": 1.62, "s_per_op": 0.0},
     # cuDNN flash attention (sequence 2048, head size 64, causal; only that shape was traced): 35 % of the peak
     # forward, 28 % backward (its three kernels)
