@@ -34,6 +34,10 @@ needs_plugin = pytest.mark.skipif(
 # memory_stats()["peak_bytes_in_use"] after the timed steps of jaxllm.bench, in GiB
 MEASURED = {"GPT1_5B_long": 28.96, "GPT1_5B_full": 30.20, "GPT1_5B_none": 62.10}
 GiB = 2**30
+# what the step no longer keeps since: without remat, autodiff's LayerNorm kept two float32 [tokens, hidden] arrays
+# (the centred and the normalized input) of each of a layer's two norms, layers.norm keeps its bfloat16 input and
+# each row's statistics (2026-11-29): 48 layers x 2 norms x 2 x 4 x 2048 x 1536 x 4 bytes
+SINCE = {"GPT1_5B_none": 48 * 2 * 2 * 4 * 2048 * 1536 * 4 / GiB}
 
 
 def _programs(*cases, xla_flags=""):
@@ -120,8 +124,8 @@ def test_copies_are_bounded(programs, name):
 @needs_plugin
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_plan_is_within_ten_percent_of_the_measured_peak(programs, name):
-    planned = programs[name]["device"] / GiB
-    assert abs(planned / MEASURED[name] - 1) <= 0.10, (name, planned, MEASURED[name])
+    planned, measured = programs[name]["device"] / GiB, MEASURED[name] - SINCE.get(name, 0.0)
+    assert abs(planned / measured - 1) <= 0.10, (name, planned, measured)
 
 
 def _plan(*flags):
