@@ -136,13 +136,18 @@ def _plan(*flags):
 
 
 @needs_plugin
-def test_plan_prints_the_kernels_of_the_gpu_program():
-    r = _plan("--device=H100")
+def test_plan_prints_the_kernels_of_the_gpu_program(tmp_path):
+    r = _plan("--device=H100", f"--output={tmp_path / 'plan.jsonl'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compiled by XLA:GPU for H100 (no GPU here)" in r.stdout and "cuDNN workspace" in r.stdout, r.stdout
     table = r.stdout[r.stdout.index("kernels of the program"):]
     for row in ("GEMM", "Triton bf16", "cuDNN forward", "cuDNN backward", "loop (elementwise)", "copy/transpose"):
         assert row in table, table
+    # the step-time model's prediction, printed and in the record: 8 sequences of 256 tokens a step
+    assert "step-time MODEL of this XLA:GPU program on 1 x H100 (predicted, not measured" in r.stdout
+    record = json.loads((tmp_path / "plan.jsonl").read_text())
+    assert 0 < record["predicted_step_time_s"] == pytest.approx(8 * 256 / record["predicted_tokens_per_sec"])
+    assert record["predicted_step_time_s"] == pytest.approx(sum(record["predicted_categories"].values()))
     cpu = _plan("--device=H100", "--compiler=cpu")  # the XLA:CPU plan with the H100's memory, as before
     assert cpu.returncode == 0 and "XLA:GPU" not in cpu.stdout and "kernels" not in cpu.stdout, cpu.stdout
 

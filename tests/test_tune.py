@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import io
 import itertools
-import json
 import math
 import os
 import re
@@ -290,7 +289,7 @@ def test_optuna_tries_the_baselines_layout_under_the_other_schedules_first(tmp_p
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None, reason="JAX's CUDA plugin is not installed")
 def test_cli_ranks_by_the_predicted_step_time_without_the_gpu(tmp_path):
     # --device=H100 on this machine (no GPU): each candidate compiled by XLA:GPU for an H100 and ranked by the step
-    # time jaxllm.analysis.gpu_time predicts; the winner's figure is what jaxllm.plan predicts for its flags
+    # time jaxllm.analysis.gpu_time predicts (plan's prediction and its record: tests/test_gpu_program.py)
     r = cli(*TINY, "--config.train.micro_batch_size=2", "--config.train.global_batch_size=4",
             "--config.model.remat=full", "--axes=data", "--micro-batch=2", "--remat=none,full", "--budget=2",
             "--device=H100", f"--output_dir={tmp_path}")
@@ -302,13 +301,6 @@ def test_cli_ranks_by_the_predicted_step_time_without_the_gpu(tmp_path):
     speeds = [float(row["tokens_per_sec"]) for row in rows]
     assert speeds == sorted(speeds, reverse=True) and speeds[-1] > 0
     assert "ranked by the step time PREDICTED" in (tmp_path / "tune.md").read_text()
-    chosen = r.stdout.split("chosen: ")[1].split()
-    out = tmp_path / "plan.jsonl"
-    plan = subprocess.run([sys.executable, "-m", "jaxllm.plan", *TINY, "--config.train.global_batch_size=4", *chosen,
-                           "--devices=1", "--device=H100", f"--output={out}"], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    assert "step-time MODEL of this XLA:GPU program on 1 x H100 (predicted, not measured" in plan.stdout
-    record = json.loads(out.read_text())  # plan's record carries the prediction
-    assert record["predicted_tokens_per_sec"] == pytest.approx(speeds[0], rel=1e-3)
-    assert record["predicted_step_time_s"] == pytest.approx(4 * S / speeds[0], rel=1e-3)
+    # each row's tokens/s is its predicted step's: micro batch 2 of 4 tokens rows, S tokens each
+    assert all(float(row["step_time_s"]) == pytest.approx(4 * S / float(row["tokens_per_sec"]), rel=1e-3)
+               for row in rows)
