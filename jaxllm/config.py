@@ -143,8 +143,8 @@ class Model(Section):
     # sequences, where they bound the length); train.seq_length / mesh.sequence must divide by it
     mlp_chunks: int = _key(1, ">0")
     # the layers as one jax.lax.scan (compile time independent of depth) or written out one after another;
-    # auto: unrolled on CPUs without remat (XLA:CPU zero-fills and copies a scan's stacked activations every
-    # step; its schedule of unrolled layers keeps what remat would free), else scan
+    # auto: unrolled on CPUs and NVIDIA GPUs without remat (XLA zero-fills and copies a scan's stacked activations
+    # every step; its schedule of unrolled layers keeps what remat would free), else scan (jaxllm.resolve.layer_loop)
     layer_loop: str = _key("auto", choices=("auto", "scan", "unrolled"))
     # compute dtype (parameters are float32); auto: float32 on CPUs (bfloat16 is emulated there, slower), else bfloat16
     dtype: str = _key("auto", choices=("auto", "float32", "bfloat16", "float16"))

@@ -37,7 +37,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from jaxllm import cli, config  # noqa: E402
 from jaxllm.analysis import collectives as comms  # noqa: E402
-from jaxllm.analysis import step_time  # noqa: E402
+from jaxllm.analysis import gpu_time, step_time  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import (  # noqa: E402
     attention,  # noqa: E402
@@ -118,9 +118,11 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     experts), ``collectives`` (with ``collectives=True``: :func:`jaxllm.analysis.collectives.collectives`, else None),
     ``gpu`` (the GPU XLA:GPU compiled for, or None), ``kernels`` (with ``gpu``:
     :func:`jaxllm.platform.xla_gpu.kernels`, else None), ``gemm_loops`` (with ``gpu``: its loops of GEMMs whose
-    trip count XLA does not know, :func:`jaxllm.platform.xla_gpu.gemm_loops`; else 0), ``cudnn_workspace``
-    (with ``gpu``: the estimate of :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else
-    0), ``gemm_workspace`` (with ``gpu``: the largest cuBLAS workspace, already in ``temp``; else 0).
+    trip count XLA does not know, :func:`jaxllm.platform.xla_gpu.gemm_loops`; else 0), ``cudnn_workspace`` (with
+    ``gpu``: the estimate of :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else 0),
+    ``gemm_workspace`` (with ``gpu``: the largest cuBLAS workspace, already in ``temp``; else 0), ``predicted`` (with
+    ``gpu``: the step-time model of the program, :func:`jaxllm.analysis.gpu_time.predict`'s ``step_s``,
+    ``categories``, ``kinds``, ``launches``; else None).
     Raises:
       ConfigError: the config does not fit the mesh or the model, or this process sees fewer than
         ``num_devices`` devices; ``model.fp8`` on a GPU without FP8 matmuls.
@@ -134,7 +136,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     state = run.abstract_state
     grads = sharding.stored(run.logical_state["params"], sharding.grad_shardings(cfg, run.spec.axes, run.mesh))
     tables, host = sharding.zero_tables(cfg), mem["host"] if gpu else offloaded_bytes(cfg, run)
-    on_gpu = _gpu_figures(hlo, gpu)
+    on_gpu = _gpu_figures(hlo, gpu, dict(run.mesh.shape))
     split = lambda table: {a: run.mesh.shape[a] for a in table["embed"] if run.mesh.shape[a] > 1}  # noqa: E731
     return {
         "split": {"params": split(tables.params), "grads": split(tables.grads), "opt_state": split(tables.opt_state)},
@@ -163,14 +165,18 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     }
 
 
-def _gpu_figures(hlo: str, gpu: str | None) -> dict:
+def _gpu_figures(hlo: str, gpu: str | None, mesh_shape: dict) -> dict:
     """:func:`plan`'s ``gpu``, ``kernels``, ``gemm_loops`` (:func:`jaxllm.platform.xla_gpu.gemm_loops`),
-    ``cudnn_workspace`` (bytes) and ``gemm_workspace`` (bytes) of the optimized program ``hlo`` compiled for ``gpu``
-    (None: not for a GPU, and no kernels or workspaces)."""
+    ``cudnn_workspace`` (bytes), ``gemm_workspace`` (bytes) and ``predicted``
+    (:func:`jaxllm.analysis.gpu_time.predict`, its ``kernels`` left out) of the optimized program ``hlo`` compiled
+    for ``gpu`` over ``mesh_shape`` (None: not for a GPU, and none of them)."""
+    predicted = (gpu_time.predict(gpu_time.census(hlo, mesh_shape), gpu_time.device(gpu), mesh_shape, deviceless=True)
+                 if gpu else None)
     return {"gpu": gpu, "kernels": xla_gpu.kernels(hlo) if gpu else None,
             "gemm_loops": xla_gpu.gemm_loops(hlo) if gpu else 0,
             "cudnn_workspace": xla_gpu.cudnn_workspace(hlo) if gpu else 0,
-            "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0}
+            "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0,
+            "predicted": predicted and {k: v for k, v in predicted.items() if k != "kernels"}}
 
 
 def cpu_compile(cfg, num_devices: int, backend: str | None):
@@ -212,7 +218,16 @@ def gpu_compile(cfg, num_devices: int, gpu: str):
     t0 = time.perf_counter()
     with attention.lowering_target("cuda", arch):
         lowered = run.train_step.lower(run.abstract_state, *run.abstract_batch())
-    compiled = lowered.compile(compiler_options=xla_gpu.compiler_options())
+    options = xla_gpu.compiler_options()
+    try:
+        compiled = lowered.compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+        if "Block level fusion config is required" not in str(e):
+            raise
+        # jaxlib 0.10.2's XLA:GPU without autotuning: a Triton GEMM that the while loops' double buffering clones (the
+        # layers written out inside the micro batches' loop, at some shapes) loses its tiles; compiled again without
+        # the double buffering, which changed no measured step (an H200, 2026-11-27: docs/performance.md)
+        compiled = lowered.compile(compiler_options={**options, "xla_gpu_enable_while_loop_double_buffering": False})
     return run, compiled, time.perf_counter() - t0
 
 
@@ -281,8 +296,10 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
     """The plan as one JSON record (``--output``): how it was made (``date``, ``command``, ``config_file``,
     ``overrides``, ``jax``), the device's ``device_memory_bytes`` and ``fits``, :func:`plan`'s figures (bytes
     per device, FLOPs per step), its ``collectives`` by mesh axes joined by " x " (``ops``, ``wire_bytes`` sent
-    per device per step, ``kinds``) and, with ``--cluster``, ``step_time``: the model's seconds
-    (:func:`jaxllm.analysis.step_time.estimate`), each axis's ``[seconds, bytes sent per device, off the node]``."""
+    per device per step, ``kinds``), with XLA:GPU's compile the step-time model's predictions
+    (:func:`predicted_figures`: ``predicted_step_time_s``, ``predicted_tokens_per_sec``, ...) and, with ``--cluster``,
+    ``step_time``: the model's seconds (:func:`jaxllm.analysis.step_time.estimate`), each axis's ``[seconds, bytes
+    sent per device, off the node]``."""
     figures = {k: p[k] for k in ("mesh", "num_params", "active_params", "dtype", "dispatcher", "params", "grads",
                                  "opt_state", "batch", "temp", "total", "host", "device", "model_flops",
                                  "compile_s", "gpu", "seq_tokens")}
@@ -294,10 +311,25 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
             "overrides": [a for a in argv[1:] if a.startswith("--config.")], "jax": jax.__version__,
             "device_name": device, "device_memory_bytes": device_memory,
             "fits": p["device"] <= device_memory if device_memory else None, **figures, "collectives": traffic,
+            **predicted_figures(p),
             "step_time": None if estimate is None else {
                 **{k: estimate[k] for k in ("cluster", "mfu", "compute", "bubble", "step", "tokens_per_s",
                                      "tflops_per_device")},
                 "comms": {" x ".join(axes): list(v) for axes, v in estimate["comms"].items()}}}
+
+
+def predicted_figures(p: dict) -> dict:
+    """:func:`record`'s keys of the GPU step-time model (:mod:`jaxllm.analysis.gpu_time`): ``predicted_step_time_s``,
+    ``predicted_tokens_per_sec``, ``predicted_mfu`` and ``predicted_categories`` (seconds a step by the profile's
+    category); None each without an XLA:GPU compile."""
+    pred = p["predicted"]
+    if not pred:
+        return dict.fromkeys(("predicted_step_time_s", "predicted_tokens_per_sec", "predicted_mfu",
+                              "predicted_categories"))
+    peak = gpu_time.device(p["gpu"]).peaks["bf16"]
+    return {"predicted_step_time_s": pred["step_s"], "predicted_tokens_per_sec": p["seq_tokens"] / pred["step_s"],
+            "predicted_mfu": p["model_flops"] / pred["step_s"] / math.prod(p["mesh"].values()) / peak,
+            "predicted_categories": pred["categories"]}
 
 
 def gpu_target(device: str | None, backend: str | None, num_devices: int, compiler: str) -> tuple[str | None, str]:
@@ -343,9 +375,12 @@ def main(argv):
     if note:
         print(note)
     print(report(p, memory, F.device))
+    if p["predicted"]:
+        print(gpu_time.report(p["predicted"], p["gpu"], p["seq_tokens"], p["model_flops"], F.devices))
     if estimate is not None:
         print(step_time.report(estimate, p, F.cluster, cluster, F.mfu))
     if F.output:
+        os.makedirs(os.path.dirname(F.output) or ".", exist_ok=True)
         with open(F.output, "a", encoding="utf-8") as f:
             f.write(json.dumps(record(p, estimate, F.device, memory, sys.argv)) + "\n")
     cli.exit_now()  # XLA:CPU would join a thread per fake device

@@ -201,10 +201,12 @@ def _ffn_size(m: Model) -> int:
 
 def layer_loop(backend: str, remat: str) -> str:
     """``model.layer_loop="auto"`` for ``backend`` (a :func:`jaxllm.platform.hardware.backend_kind`):
-    ``"unrolled"`` on CPUs without remat (XLA:CPU zero-fills a scan's stacked activations and copies
-    them every step), else ``"scan"`` (with remat a scan's loop bounds what is live, and XLA:CPU would
-    keep every unrolled layer's recomputed activations)."""
-    return "unrolled" if backend == "cpu" and remat == "none" else "scan"
+    ``"unrolled"`` on CPUs and NVIDIA GPUs without remat (XLA zero-fills a scan's stacked activations and copies
+    them every step: on an H200 GPT125M's step ran 1.22x faster written out, measured on 2026-11-27; GPT1_5B's is
+    predicted 0.30 s against 0.38 s scanned, in 11 GiB less, docs/performance.md), else ``"scan"`` (with remat a
+    scan's loop bounds what is live, and XLA:CPU would keep every unrolled layer's recomputed activations; a scan
+    compiles in a time independent of depth)."""
+    return "unrolled" if backend in ("cpu", "cuda") and remat == "none" else "scan"
 
 
 def resolve_dtype(dtype: str, backend: str | None = None) -> str:

@@ -26,6 +26,12 @@ virtual stages (only with pipeline > 1: ``--pipeline_schedules`` x ``--virtual_s
    and the baseline are measured once more at the end, interleaved, and ranked by the mean of
    their two measurements (the machine's load moves single measurements).
 
+Without the GPU (``--device=H100``, ``H200``, ``A100-40GB`` or ``A100-80GB`` on a machine with no NVIDIA GPU):
+step 2 compiles each candidate with XLA:GPU for that GPU (:func:`jaxllm.plan.plan` with ``gpu=``, JAX's CUDA
+plugin, :mod:`jaxllm.platform.xla_gpu`) and step 3 is the step time :mod:`jaxllm.analysis.gpu_time` predicts for the
+program (constants fitted to H100 traces): candidates are ranked by a prediction, not a measurement, and the report
+says so.  ``--layer_loop=scan,unrolled`` adds the layers' loop to the space.
+
 At a cluster's scale (``--cluster=frontier --mfu=0.4``): step 3 is the step-time model of the plan
 (:mod:`jaxllm.analysis.step_time`: the FLOPs at the stated MFU, the compiled collectives over the cluster's
 links, the pipeline bubble), not a measurement on this machine's devices; the memory limit is the
@@ -46,10 +52,12 @@ import sys
 
 if __name__ == "__main__":  # the CPU device count and the GPU settings must be fixed before jax starts a backend
     from jaxllm.cli import force_host_devices
-    from jaxllm.platform import gpu_env, host_memory
+    from jaxllm.platform import gpu_env, host_memory, xla_gpu
 
     force_host_devices(sys.argv)  # with --cluster, the devices above this process's on stand-in processes (main)
     if any(a.startswith("--cluster") for a in sys.argv):  # a cluster is planned (fake CPU devices), not measured
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if xla_gpu.deviceless_target(sys.argv):  # a GPU named that this machine lacks: XLA:GPU compiles for it here
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
     host_memory.keep_freed_memory()
@@ -67,6 +75,7 @@ from jaxllm.analysis import layouts, step_time  # noqa: E402
 from jaxllm.analysis.layouts import AXES, Candidate  # noqa: E402
 from jaxllm.data.tokenizers import KNOWN_VOCAB_SIZES  # noqa: E402
 from jaxllm.model import attention  # noqa: E402
+from jaxllm.platform import xla_gpu  # noqa: E402
 from jaxllm.platform.hardware import CLUSTERS, DEVICES, GiB, named_cluster, named_device  # noqa: E402
 from jaxllm.resolve import mesh_shape, resolve  # noqa: E402
 
@@ -74,7 +83,7 @@ from jaxllm.resolve import mesh_shape, resolve  # noqa: E402
 @dataclasses.dataclass
 class Result:
     candidate: Candidate
-    status: str  # measured | modeled (--cluster) | pruned (memory) | failed
+    status: str  # measured | modeled (--cluster) | predicted (a GPU this machine lacks) | pruned (memory) | failed
     memory: float | None = None  # plan total, bytes per device
     tokens_per_sec: list = dataclasses.field(default_factory=list)  # tokens/s of each measurement
     record: dict | None = None  # the last bench record
@@ -133,13 +142,15 @@ class Tuner:
       log: a function taking one line of progress (default: print it).
       cluster: ``(name, mfu)``: rank by the step-time model on :data:`jaxllm.platform.hardware.CLUSTERS` ``[name]``
         at that MFU instead of measuring (plans for the cluster's backend); None: measure.
+      gpu: a GPU of :data:`jaxllm.platform.xla_gpu.SPECS`: rank by the step time
+        :mod:`jaxllm.analysis.gpu_time` predicts for each candidate's program compiled for it here; None: measure.
     """
 
     def __init__(self, base, num_devices: int, *, memory_limit: float | None, steps: int = 3, warmup: int = 1,
-                 log=None, cluster: tuple[str, float] | None = None):
+                 log=None, cluster: tuple[str, float] | None = None, gpu: str | None = None):
         self.base, self.n, self.memory_limit = base, num_devices, memory_limit
-        self.cluster = cluster
-        self.backend = named_device(named_cluster(cluster[0]).device)[1] if cluster else None
+        self.cluster, self.gpu = cluster, gpu
+        self.backend = named_device(named_cluster(cluster[0]).device)[1] if cluster else "cuda" if gpu else None
         self.steps, self.warmup = steps, warmup
         self.log = log or (lambda line: print(line, flush=True))
         self.results: dict[Candidate, Result] = {}
@@ -164,7 +175,7 @@ class Tuner:
             return self.results[c]
         cfg = layouts.candidate_config(self.base, c)
         try:
-            p = plan.plan(cfg, self.n, backend=self.backend, collectives=self.cluster is not None)
+            p = plan.plan(cfg, self.n, backend=self.backend, collectives=self.cluster is not None, gpu=self.gpu)
         except Exception as e:  # noqa: BLE001  (a candidate XLA cannot compile is a result, not the end)
             r = self.results[c] = Result(c, "failed", error=f"plan: {type(e).__name__}: {str(e)[:200]}",
                                          baseline=baseline)
@@ -175,10 +186,12 @@ class Tuner:
             self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} plan {p['total'] / GiB:.3f} GiB > "
                      f"{self.memory_limit / GiB:.3f} GiB: pruned")
             return r
-        r = self.results[c] = Result(c, "modeled" if self.cluster else "measured", memory=p["device"],
-                                     baseline=baseline)
+        r = self.results[c] = Result(c, "modeled" if self.cluster else "predicted" if self.gpu else "measured",
+                                     memory=p["device"], baseline=baseline)
         if self.cluster:
             self._model(r, p)
+        elif self.gpu:
+            self._predict(r, p)
         else:
             self._measure(r)
         self.measured_count += 1
@@ -195,6 +208,17 @@ class Tuner:
         self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} plan {r.memory / GiB:.3f} GiB: modeled "
                  f"{est['tokens_per_s']:,.0f} tokens/s, {est['tflops_per_device']:.1f} TFLOP/s per device "
                  f"({est['step']:.3g} s/step)" + (" [baseline]" if r.baseline else ""))
+
+    def _predict(self, r: Result, p: dict) -> None:
+        record = plan.predicted_figures(p)
+        step = record["predicted_step_time_s"]
+        r.tokens_per_sec.append(record["predicted_tokens_per_sec"])
+        r.record = {"tokens_per_step": p["seq_tokens"], "microbatches": p["pipeline"][2],
+                    "mfu": record["predicted_mfu"], "step_time_s": step}
+        c = r.candidate
+        self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} {c.layer_loop:<8} plan {r.memory / GiB:.3f} "
+                 f"GiB: predicted {record['predicted_tokens_per_sec']:,.0f} tokens/s ({step:.4g} s/step)"
+                 + (" [baseline]" if r.baseline else ""))
 
     def _measure(self, r: Result) -> None:
         c = r.candidate
@@ -243,7 +267,7 @@ class Tuner:
                 self.evaluate(c)
         else:
             self._optuna(budget_left, seed)
-        if confirm and not self.cluster:  # a model gives the same number again
+        if confirm and not self.cluster and not self.gpu:  # a model gives the same number again
             best = sorted((r for r in self.results.values() if r.status == "measured" and not r.baseline),
                           key=lambda r: -r.throughput)[:confirm]
             self.log(f"confirming: the baseline and the best {len(best)}, measured again")
@@ -285,7 +309,7 @@ class Tuner:
     # -- report -----------------------------------------------------------------------------
 
     def ranked(self) -> list[Result]:
-        order = {"measured": 0, "modeled": 0, "pruned (memory)": 1, "failed": 2}
+        order = {"measured": 0, "modeled": 0, "predicted": 0, "pruned (memory)": 1, "failed": 2}
         return sorted(self.results.values(), key=lambda r: (order[r.status], -r.throughput,
                                                              r.memory or 0))
 
@@ -297,17 +321,21 @@ class Tuner:
         rejected = sum(self.rejected.values())
         pruned = sum(r.status == "pruned (memory)" for r in self.results.values())
         failed = sum(r.status == "failed" for r in self.results.values())
-        measured = sum(r.status in ("measured", "modeled") for r in self.results.values())
+        measured = sum(r.status in ("measured", "modeled", "predicted") for r in self.results.values())
         limit = f"{self.memory_limit / GiB:.3f} GiB/device" if self.memory_limit else "none"
         lines = [f"- search space: {self.space_size} candidates on {self.n} device(s); sampler {self.sampler}",
                  f"- rejected by the constraints (config.resolve + tune.constraint), never compiled: {rejected}"]
         lines += [f"  - {key}: {count}" for key, count in sorted(self.rejected.items(), key=lambda kv: -kv[1])]
         lines += [f"- planned (ahead-of-time memory plan): {len(self.results)} of {len(self.valid)} valid",
                   f"- pruned by the memory plan (> {limit}), not run: {pruned}",
-                  f"- {'modeled' if self.cluster else 'measured'}: {measured}; failed: {failed}"]
+                  f"- {'modeled' if self.cluster else 'predicted' if self.gpu else 'measured'}: {measured}; "
+                  f"failed: {failed}"]
         if self.cluster:
             lines.append(f"- ranked by the step-time MODEL on {self.cluster[0]} at MFU {self.cluster[1]:.0%} "
                          "(jaxllm/analysis/step_time.py), not by measurements")
+        if self.gpu:
+            lines.append(f"- ranked by the step time PREDICTED for each candidate's XLA:GPU program on {self.n} x "
+                         f"{self.gpu} (jaxllm/analysis/gpu_time.py, constants fitted to H100 traces), not measured")
         return lines
 
     def rows(self) -> list[dict]:
@@ -322,7 +350,7 @@ class Tuner:
                 "micro_batch": c.micro_batch, "microbatches": rec.get("microbatches", ""),
                 "remat": c.remat, "attention": c.attention, "pipeline_schedule": c.schedule,
                 "virtual_stages": c.virtual_stages,
-                "sequence_impl": c.sequence_impl,
+                "sequence_impl": c.sequence_impl, "layer_loop": c.layer_loop,
                 "plan_memory_gib": round(r.memory / GiB, 4) if r.memory is not None else "",
                 "tokens_per_sec": round(r.throughput, 1) if r.tokens_per_sec else "",
                 "measurements": len(r.tokens_per_sec),
@@ -343,13 +371,14 @@ class Tuner:
             w.writeheader()
             w.writerows(rows)
         cols = ["rank", "status", *AXES, "micro_batch", "microbatches", "remat", "attention", "pipeline_schedule",
-                "virtual_stages",
-                "sequence_impl", "plan_memory_gib", "tokens_per_sec", "measurements", "mfu", "vs_baseline"]
+                "virtual_stages", "sequence_impl", "layer_loop", "plan_memory_gib", "tokens_per_sec", "measurements",
+                "mfu", "vs_baseline"]
         md = [f"```\n{command}\n```", "", *self.summary(), ""]
         best = self.best()
         if best:
             base = self.results[self.baseline]
-            versus = (f"{best.throughput / base.throughput:.2f}x the baseline measured in the same run"
+            how = "modeled" if self.cluster else "predicted" if self.gpu else "measured"
+            versus = (f"{best.throughput / base.throughput:.2f}x the baseline {how} in the same run"
                       if base.tokens_per_sec else f"the baseline was not measured: {base.status}")
             md += [f"chosen ({best.throughput:,.0f} tokens/s, {versus}):",
                    "", f"```\n{best.candidate.flags()}\n```", ""]
@@ -380,9 +409,10 @@ class Tuner:
         ax.set_yticks(range(len(measured)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(f"tokens/s (step-time model on {self.cluster[0]})" if self.cluster else
-                      "tokens/s (mean of the measurements)")
+                      f"tokens/s (predicted on {self.gpu})" if self.gpu else "tokens/s (mean of the measurements)")
         pruned = sum(r.status == "pruned (memory)" for r in self.results.values())
-        where = f"{self.cluster[0]} (modeled)" if self.cluster else jax.devices()[0].platform
+        where = (f"{self.cluster[0]} (modeled)" if self.cluster else f"{self.gpu} (predicted)" if self.gpu
+                 else jax.devices()[0].platform)
         ax.set_title(f"jaxllm.tune: {self.n} {where} devices; {len(measured)} ranked, "
                      f"{pruned} pruned by the memory plan, {sum(self.rejected.values())} rejected\n"
                      "green: chosen, orange: baseline (the config as given)", fontsize=9)
@@ -394,6 +424,24 @@ class Tuner:
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
+
+
+def _target(F) -> tuple[float | None, tuple | None, str | None]:
+    """``(memory limit in bytes or None, (cluster, mfu) or None, GPU predicted for or None)`` from the flags: a
+    ``--device`` of :data:`jaxllm.platform.xla_gpu.SPECS` on a machine without it (JAX on its CPU) is predicted."""
+    memory, cluster, gpu = None, None, None
+    if F.cluster:
+        memory = named_device(named_cluster(F.cluster).device)[0]  # an unknown name first
+        step_time.check_mfu(F.cluster, F.mfu)
+        cluster = (F.cluster, F.mfu)
+    if F.device:
+        memory = named_device(F.device)[0]
+        gpu = F.device if F.device in xla_gpu.SPECS and not F.cluster and jax.default_backend() == "cpu" else None
+    if gpu and xla_gpu.unavailable(gpu):
+        raise ValueError(f"--device={gpu}: {xla_gpu.unavailable(gpu)}")
+    if F.device_memory:
+        memory = plan.parse_bytes(F.device_memory)
+    return memory, cluster, gpu
 
 
 def main(argv):
@@ -411,23 +459,15 @@ def main(argv):
             raise ValueError("--steps must be >= 1, --warmup and --confirm >= 0")
         if any(getattr(base.mesh, f"dcn_{a}") != 1 for a in AXES):
             raise ValueError("tune lays out one node's devices: set every mesh.dcn_* to 1")
-        memory, cluster = None, None
-        if F.cluster:
-            memory, gpu = named_device(named_cluster(F.cluster).device)  # an unknown name first
-            step_time.check_mfu(F.cluster, F.mfu)
-            cluster = (F.cluster, F.mfu)
-        if F.device:
-            memory = named_device(F.device)[0]
-        if F.device_memory:
-            memory = plan.parse_bytes(F.device_memory)
+        memory, cluster, gpu = _target(F)
         if F.cluster and F.devices > cli.MAX_HOST_DEVICES:  # a cluster's scale is planned, not run
             cli.stand_in_processes(F.devices, cli.MAX_HOST_DEVICES)  # before the backend creates its devices
         axes = F.axes if F.axes != "auto" else ",".join(a for a in AXES if a != "expert" or base.model.num_experts)
         dims = layouts.dimensions(base, axes=axes, micro_batch=F.micro_batch, remat=F.remat, attention=F.attention,
                                   virtual_stages=F.virtual_stages, pipeline_schedules=F.pipeline_schedules,
-                                  sequence_impls=F.sequence_impls)  # the default attentions: the backend's
-        n = F.devices or len(jax.devices())
-        if n < 1 or n > len(jax.devices()):
+                                  sequence_impls=F.sequence_impls, layer_loop=F.layer_loop)
+        n = F.devices or (1 if gpu else len(jax.devices()))
+        if n < 1 or (n > len(jax.devices()) and not gpu):
             raise ValueError(f"--devices={F.devices}: this machine has {len(jax.devices())} device(s)")
         if memory is None:
             memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -437,11 +477,11 @@ def main(argv):
         if not base.model.vocab_size:  # the candidates are planned and measured without reading data
             base.model.vocab_size = KNOWN_VOCAB_SIZES.get(base.data.tokenizer) or bench.prepare(
                 base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
-        resolve(base, num_devices=n, data_files=False)  # the baseline must be valid as given
+        resolve(base, num_devices=n, data_files=False, backend="cuda" if gpu else None)  # valid as given
 
-    if cluster and F.attention == "auto":  # the cluster's GPU attention (memory linear in the sequence)
-        dims["attentions"] = [attention.resolve_impl("auto", gpu)]
-    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, cluster=cluster)
+    if (cluster or gpu) and F.attention == "auto":  # the GPU's attention (memory linear in the sequence)
+        dims["attentions"] = [attention.resolve_impl("auto", named_device(gpu or named_cluster(cluster[0]).device)[1])]
+    tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, cluster=cluster, gpu=gpu)
     tuner.filter(layouts.space(base, n, **dims))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
@@ -461,7 +501,7 @@ def main(argv):
     print(f"wrote {paths['md']}, {paths['csv']}, {paths['png']}")
     if best:
         print(f"chosen: {best.candidate.flags()}")
-    if F.cluster:
+    if F.cluster or gpu:
         cli.exit_now()  # XLA:CPU would join a thread per fake device
 
 
@@ -472,7 +512,8 @@ if __name__ == "__main__":
     cli.define_config_flag()
     flags.DEFINE_integer("devices", 0, "devices to lay out (CPU: fake devices); 0: all")
     flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)")
-    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICES)}")
+    flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICES)}; on a "
+                        f"machine without it, {', '.join(xla_gpu.SPECS)} are ranked by the predicted step time")
     flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)")
     flags.DEFINE_string("axes", "auto", "mesh axes to factorize the devices over (auto: every axis, expert only "
                         "for a mixture of experts)")
@@ -487,6 +528,7 @@ if __name__ == "__main__":
                         "sequence_impl values tried when mesh.sequence > 1 (usp: with the base config's "
                         "parallel.ulysses_degree; left out by default, as the tuned devices are one node's, "
                         "where its default is ulysses)")
+    flags.DEFINE_string("layer_loop", "auto", "model.layer_loop values tried (auto: the config's), e.g. scan,unrolled")
     flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")
     flags.DEFINE_integer("seed", 0, "Optuna sampler seed")
     flags.DEFINE_integer("steps", 3, "timed steps per measurement")

@@ -26,10 +26,10 @@ import gpt3  # noqa: E402
 import llama  # noqa: E402
 
 SMALL = dict(model=dict(num_layers=4), train=dict(seq_length=512, micro_batch_size=2, global_batch_size=4))
-GPT1_5B = {  # the H200 runs of 2026-11-26 (tests/test_gpu_program.py: MEASURED)
+GPT1_5B = {  # the H200 runs of 2026-11-26 (tests/test_gpu_program.py: MEASURED), the layers scanned as they ran
     "long": dict(train=dict(seq_length=32768, micro_batch_size=1, global_batch_size=1), model=dict(remat="full")),
     "full": dict(train=dict(micro_batch_size=4, global_batch_size=8), model=dict(remat="full")),
-    "none": dict(train=dict(micro_batch_size=4, global_batch_size=8), model=dict(remat="none")),
+    "none": dict(train=dict(micro_batch_size=4, global_batch_size=8), model=dict(remat="none", layer_loop="scan")),
 }
 # two Qwen3-30B-A3B layers (128 experts, top 8, hidden 2048, experts' FFN 768) on 4,096 tokens
 QWEN3_MOE = {"model": dict(num_layers=2, remat="full"), "data": dict(tokenizer="byte"),

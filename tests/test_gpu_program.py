@@ -35,6 +35,10 @@ needs_plugin = pytest.mark.skipif(
 # memory_stats()["peak_bytes_in_use"] after the timed steps of jaxllm.bench, in GiB
 MEASURED = {"GPT1_5B_long": 28.96, "GPT1_5B_full": 30.20, "GPT1_5B_none": 62.10}
 GiB = 2**30
+# what the step no longer keeps since: without remat, autodiff's LayerNorm kept two float32 [tokens, hidden] arrays
+# (the centred and the normalized input) of each of a layer's two norms, layers.norm keeps its bfloat16 input and
+# each row's statistics (2026-11-29): 48 layers x 2 norms x 2 x 4 x 2048 x 1536 x 4 bytes
+SINCE = {"GPT1_5B_none": 48 * 2 * 2 * 4 * 2048 * 1536 * 4 / GiB}
 
 
 def _programs(*cases, xla_flags=""):
@@ -133,8 +137,8 @@ def test_copies_are_bounded(programs, name):
 @needs_plugin
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_plan_is_within_ten_percent_of_the_measured_peak(programs, name):
-    planned = programs[name]["device"] / GiB
-    assert abs(planned / MEASURED[name] - 1) <= 0.10, (name, planned, MEASURED[name])
+    planned, measured = programs[name]["device"] / GiB, MEASURED[name] - SINCE.get(name, 0.0)
+    assert abs(planned / measured - 1) <= 0.10, (name, planned, measured)
 
 
 def _plan(*flags):
@@ -145,13 +149,18 @@ def _plan(*flags):
 
 
 @needs_plugin
-def test_plan_prints_the_kernels_of_the_gpu_program():
-    r = _plan("--device=H100")
+def test_plan_prints_the_kernels_of_the_gpu_program(tmp_path):
+    r = _plan("--device=H100", f"--output={tmp_path / 'plan.jsonl'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compiled by XLA:GPU for H100 (no GPU here)" in r.stdout and "cuDNN workspace" in r.stdout, r.stdout
     table = r.stdout[r.stdout.index("kernels of the program"):]
     for row in ("GEMM", "Triton bf16", "cuDNN forward", "cuDNN backward", "loop (elementwise)", "copy/transpose"):
         assert row in table, table
+    # the step-time model's prediction, printed and in the record: 8 sequences of 256 tokens a step
+    assert "step-time MODEL of this XLA:GPU program on 1 x H100 (predicted, not measured" in r.stdout
+    record = json.loads((tmp_path / "plan.jsonl").read_text())
+    assert 0 < record["predicted_step_time_s"] == pytest.approx(8 * 256 / record["predicted_tokens_per_sec"])
+    assert record["predicted_step_time_s"] == pytest.approx(sum(record["predicted_categories"].values()))
     cpu = _plan("--device=H100", "--compiler=cpu")  # the XLA:CPU plan with the H100's memory, as before
     assert cpu.returncode == 0 and "XLA:GPU" not in cpu.stdout and "kernels" not in cpu.stdout, cpu.stdout
 

@@ -103,3 +103,14 @@ def test_weighted_loss_equals_the_masked_logits_loss(monkeypatch, chunk_logits):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     assert not np.any(grads[0][weights == 0])  # masked tokens get no gradient
     assert jax.jit(f)(h, table) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_max_and_sum_are_logsumexps_statistics_in_one_pass():
+    """The online softmax's pair reduction against jnp.max and jax.nn.logsumexp: large logits, masked columns and
+    a row with every column masked (the padded rows' logits)."""
+    x = 40 * jax.random.normal(jax.random.key(3), (5, 300), jnp.float32)
+    x = x.at[:, 250:].set(MASKED).at[4].set(MASKED)
+    peak, total = loss.max_and_sum(x)
+    np.testing.assert_array_equal(peak, x.max(-1))
+    np.testing.assert_allclose(jnp.log(total) + peak, jax.nn.logsumexp(x, -1), rtol=1e-6)
+    assert float(total[4]) == 300.0  # every column at the row's maximum: exp(0) each

@@ -49,6 +49,25 @@ def reference_norm(m, x, w):
     return x * w["scale"] + (w["bias"] if "bias" in w else 0)
 
 
+@pytest.mark.parametrize("norm, bias", [("layernorm", True), ("layernorm", False), ("rmsnorm", False)])
+def test_norm_gradient_is_autodiffs_of_the_written_out_norm(norm, bias):
+    """layers.norm's own backward pass (it keeps the bfloat16 input and each row's statistics) against autodiff of
+    reference_norm in float32, for a bfloat16 input as the model's."""
+    k = jax.random.split(jax.random.key(0), 4)
+    x = (3 * jax.random.normal(k[0], (2, 8, 64)) + 1).astype(jnp.bfloat16)
+    w = {"scale": jax.random.normal(k[1], (64,)), **({"bias": jax.random.normal(k[2], (64,))} if bias else {})}
+    dy = jax.random.normal(k[3], (2, 8, 64))
+    m = config.Model(norm=norm, norm_eps=1e-5)
+    ours = jax.grad(lambda x, w: (layers.norm(x, w["scale"], w.get("bias"), norm == "layernorm", 1e-5)
+                                  .astype(jnp.float32) * dy).sum(), (0, 1))(x, w)
+    # the output in bfloat16 as ours: both backward passes get the same bfloat16 cotangent
+    ref = jax.grad(lambda x, w: (reference_norm(m, x.astype(jnp.float32), w).astype(jnp.bfloat16)
+                                 .astype(jnp.float32) * dy).sum(), (0, 1))(x, w)
+    np.testing.assert_allclose(ours[0].astype(jnp.float32), ref[0].astype(jnp.float32), rtol=2e-2, atol=2e-2)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), ours[1], ref[1])
+    assert ours[0].dtype == jnp.bfloat16 and ours[1]["scale"].dtype == jnp.float32
+
+
 def reference_layer(m, L, x):
     """One pre-norm transformer layer (parameters ``L``: ``attn``, ``mlp``, ``ln1``, ``ln2``) of ``x`` [batch, seq,
     hidden] at positions ``arange(seq)``, written out with jax.numpy."""
@@ -318,8 +337,8 @@ def test_attention_in_batch_chunks_is_attention():
 
 
 def test_layer_loop_auto_follows_the_backend_and_remat():
-    for backend, remat, loop in (("cpu", "none", "unrolled"), ("cpu", "full", "scan"), ("cuda", "none", "scan"),
-                                 ("rocm", "none", "scan")):
+    for backend, remat, loop in (("cpu", "none", "unrolled"), ("cpu", "full", "scan"), ("cuda", "none", "unrolled"),
+                                 ("cuda", "save_dots", "scan"), ("rocm", "none", "scan")):
         c = config.get_config()
         c.model.remat = remat
         cfg = resolve(c, num_devices=1, vocab_size=97, backend=backend, data_files=False)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.analysis import step_time
-from jaxllm.analysis.collectives import Traffic, _groups
+from jaxllm.analysis import collectives, step_time
+from jaxllm.analysis.collectives import Traffic
 from jaxllm.platform.hardware import CLUSTERS, Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_tensor_collectives_grow_with_the_layers_scan_trip_count(compiled):
      [[0, 2], [2, 0], [1, 3], [3, 1]]),
 ])
 def test_device_groups_of_each_hlo_form(line, groups):
-    assert _groups(line, 16 if "device_ids" in line else 8) == groups
+    assert collectives.groups(line, 16 if "device_ids" in line else 8) == groups
 
 
 def test_step_time_model_sums_compute_bubble_and_links():

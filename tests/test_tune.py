@@ -4,6 +4,7 @@ counts and jaxllm.plan, the measured candidates, and the CLI's outputs on 2 devi
 import contextlib
 import csv
 import dataclasses
+import importlib.util
 import io
 import itertools
 import math
@@ -46,8 +47,12 @@ def test_dimensions_from_text():
     dims = layouts.dimensions(tiny(), axes="data,tensor", micro_batch="auto", remat="none", attention="xla",
                               virtual_stages="1,2", pipeline_schedules="gpipe", sequence_impls="ring")
     assert dims == {"axes": ["data", "tensor"], "micro_batches": [1, 2, 4, 8], "remats": ["none"],
-                    "attentions": ["xla"], "virtual_stages": [1, 2], "schedules": ["gpipe"], "sequence_impls": ["ring"]}
+                    "attentions": ["xla"], "virtual_stages": [1, 2], "schedules": ["gpipe"], "sequence_impls": ["ring"],
+                    "layer_loops": [tiny().model.layer_loop]}
     assert len(layouts.space(tiny(), 4, **dims)) == 3 * 4  # (1,4), (2,2), (4,1) x 4 micro batches
+    loops = layouts.dimensions(tiny(), axes="data", micro_batch="1", remat="none", attention="xla", virtual_stages="1",
+                               pipeline_schedules="gpipe", sequence_impls="ring", layer_loop="scan,unrolled")
+    assert [c.layer_loop for c in layouts.space(tiny(), 1, **loops)] == ["scan", "unrolled"]
     with pytest.raises(ValueError, match="--virtual_stages='0'"):
         layouts.dimensions(tiny(), axes="data", micro_batch="1", remat="none", attention="xla", virtual_stages="0",
                            pipeline_schedules="gpipe", sequence_impls="ring")
@@ -279,3 +284,23 @@ def test_optuna_tries_the_baselines_layout_under_the_other_schedules_first(tmp_p
     rows = list(csv.DictReader(open(tmp_path / "tune.csv")))
     assert sorted((row["pipeline"], row["pipeline_schedule"]) for row in rows) == [
         ("2", "1f1b"), ("2", "gpipe"), ("2", "zb_h1")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None, reason="JAX's CUDA plugin is not installed")
+def test_cli_ranks_by_the_predicted_step_time_without_the_gpu(tmp_path):
+    # --device=H100 on this machine (no GPU): each candidate compiled by XLA:GPU for an H100 and ranked by the step
+    # time jaxllm.analysis.gpu_time predicts (plan's prediction and its record: tests/test_gpu_program.py)
+    r = cli(*TINY, "--config.train.micro_batch_size=2", "--config.train.global_batch_size=4",
+            "--config.model.remat=full", "--axes=data", "--micro-batch=2", "--remat=none,full", "--budget=2",
+            "--device=H100", f"--output_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "tune.csv")))
+    assert {row["status"].split(" [")[0] for row in rows} == {"predicted"}, rows
+    assert sorted(row["remat"] for row in rows) == ["full", "none"]
+    assert all(row["attention"] == "cudnn" for row in rows)  # the H100's attention, not this machine's
+    speeds = [float(row["tokens_per_sec"]) for row in rows]
+    assert speeds == sorted(speeds, reverse=True) and speeds[-1] > 0
+    assert "ranked by the step time PREDICTED" in (tmp_path / "tune.md").read_text()
+    # each row's tokens/s is its predicted step's: micro batch 2 of 4 tokens rows, S tokens each
+    assert all(float(row["step_time_s"]) == pytest.approx(4 * S / float(row["tokens_per_sec"]), rel=1e-3)
+               for row in rows)

@@ -46,7 +46,7 @@ class Traffic:
     kinds: dict = dataclasses.field(default_factory=dict)
 
 
-def _groups(line: str, devices: int) -> list[list[int]]:
+def groups(line: str, devices: int) -> list[list[int]]:
     """A collective's device groups (logical ids: positions in the mesh's flat device order), from its
     ``source_target_pairs``, or its ``replica_groups`` in one of XLA's three forms: explicit ``{{0,1},...}``,
     iota ``[groups,size]<=[dims]T(perm)``, or ``mesh[...][, device_ids=(...)] {axes}``."""
@@ -79,9 +79,34 @@ def _groups(line: str, devices: int) -> list[list[int]]:
     return [list(range(devices))]  # {}: every device
 
 
-def _axes(group: list[int], mesh_shape: dict) -> tuple[str, ...]:
+def axes(group: list[int], mesh_shape: dict) -> tuple[str, ...]:
     coords = np.array(np.unravel_index(np.asarray(group), tuple(mesh_shape.values()))).T
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
+
+
+def message(op: hlo.Op, devices: int, mesh_shape: dict) -> tuple | None:
+    """One collective instruction's ``(kind, mesh axes, group size n, buffer bytes, bytes each device sends,
+    latency terms)`` by the ring algorithms of :class:`Traffic`, or None for anything else and for a group of one
+    device.  The buffer: an all-reduce's, all-gather's output, reduce-scatter's input, all-to-all's, a permute's
+    (an async ``-start``'s outputs)."""
+    kind = op.opcode.removesuffix("-start")
+    if kind not in KINDS:
+        return None
+    shapes = op.type
+    if op.opcode.endswith("-start") and kind != "all-reduce":  # (operands, outputs): the outputs
+        parts = _SHAPE.findall(shapes)
+        shapes = " ".join(f"{d}[{s}]" for d, s in parts[len(parts) // 2:] if d in hlo.DTYPE_BYTES)
+    members = groups(op.rest, devices)
+    n = max(len(g) for g in members)
+    if n < 2:
+        return None
+    size = hlo.type_bytes(shapes) * (n if kind == "reduce-scatter" else 1)  # its input: n outputs
+    wire, hops = {"all-reduce": (2 * (n - 1) / n * size, 2 * (n - 1)),
+                  "all-gather": ((n - 1) / n * size, n - 1),
+                  "reduce-scatter": ((n - 1) / n * size, n - 1),
+                  "all-to-all": ((n - 1) / n * size, n - 1),
+                  "collective-permute": (size, 1)}[kind]
+    return kind, axes(members[0], mesh_shape), n, size, wire, hops
 
 
 def collectives(hlo_text: str, mesh_shape: dict) -> dict[tuple[str, ...], Traffic]:
@@ -102,24 +127,10 @@ def collectives(hlo_text: str, mesh_shape: dict) -> dict[tuple[str, ...], Traffi
         if depth > 64 or name not in bodies:
             return
         for op in bodies[name]:
-            kind = op.opcode.removesuffix("-start")
-            if kind in KINDS:
-                shapes = op.type
-                if op.opcode.endswith("-start") and kind != "all-reduce":  # (operands, outputs): the outputs
-                    parts = _SHAPE.findall(shapes)
-                    shapes = " ".join(f"{d}[{s}]" for d, s in parts[len(parts) // 2:] if d in hlo.DTYPE_BYTES)
-                groups = _groups(op.rest, devices)
-                n = max(len(g) for g in groups)
-                if n < 2:
-                    continue
-                axes = _axes(groups[0], mesh_shape)
-                size = hlo.type_bytes(shapes) * (n if kind == "reduce-scatter" else 1)  # its input: n outputs
-                wire, hops = {"all-reduce": (2 * (n - 1) / n * size, 2 * (n - 1)),
-                              "all-gather": ((n - 1) / n * size, n - 1),
-                              "reduce-scatter": ((n - 1) / n * size, n - 1),
-                              "all-to-all": ((n - 1) / n * size, n - 1),
-                              "collective-permute": (size, 1)}[kind]
-                t = out.setdefault(axes, Traffic())
+            one = message(op, devices, mesh_shape)
+            if one is not None:
+                kind, spanned, _, _, wire, hops = one
+                t = out.setdefault(spanned, Traffic())
                 t.ops += times
                 t.wire += times * wire
                 t.hops += times * hops

@@ -2,12 +2,12 @@
 
 A :class:`Candidate` is one point: the devices along each mesh axis (``config.MESH_AXES``: data,
 fsdp, pipeline, tensor, sequence), the micro batch, remat policy and attention impl, the pipeline
-schedule and virtual stages, and the ``sequence_impl``; :func:`candidate_config` applies it to a
-config and :func:`candidate_of` reads it back.  :func:`space` lists every ordered factorization
+schedule and virtual stages, the ``sequence_impl`` and the ``layer_loop``; :func:`candidate_config` applies it
+to a config and :func:`candidate_of` reads it back.  :func:`space` lists every ordered factorization
 (:func:`factorizations`) of N devices over the chosen axes x micro batches x remat policies x
 attention impls x pipeline schedule and virtual stages (only with pipeline > 1: the interleaved
 schedules with > 1 virtual stages, the others with 1) x ``sequence_impl`` values (only with
-sequence > 1).  :func:`dimensions` reads those lists from comma-separated text (``jaxllm.tune``'s
+sequence > 1) x layer loops.  :func:`dimensions` reads those lists from comma-separated text (``jaxllm.tune``'s
 flags of the same names).
 
 The space is listed before any constraint: which candidates can run is
@@ -41,6 +41,7 @@ class Candidate:
     virtual_stages: int = 1
     sequence_impl: str = "allgather"
     schedule: str = "gpipe"
+    layer_loop: str = "auto"
 
     def overrides(self) -> dict[str, object]:
         """``{"SECTION.KEY": value}`` that turn the base config into this candidate."""
@@ -49,7 +50,7 @@ class Candidate:
                     "model.attention_impl": self.attention,
                     "parallel.pipeline_virtual_stages": self.virtual_stages,
                     "parallel.pipeline_schedule": self.schedule,
-                    "parallel.sequence_impl": self.sequence_impl})
+                    "parallel.sequence_impl": self.sequence_impl, "model.layer_loop": self.layer_loop})
         return out
 
     def flags(self) -> str:
@@ -89,15 +90,17 @@ def candidate_of(cfg: config.Config, mesh: Mapping[str, int], backend: str | Non
     :func:`space`."""
     return Candidate(tuple(mesh[a] for a in AXES), cfg.train.micro_batch_size, cfg.model.remat,
                      resolve_impl(cfg.model.attention_impl, backend), cfg.parallel.pipeline_virtual_stages,
-                     cfg.parallel.sequence_impl, cfg.parallel.pipeline_schedule)
+                     cfg.parallel.sequence_impl, cfg.parallel.pipeline_schedule, cfg.model.layer_loop)
 
 
 def space(base: config.Config, num_devices: int, *, axes: Sequence[str], micro_batches: Sequence[int],
           remats: Sequence[str], attentions: Sequence[str], virtual_stages: Sequence[int],
-          sequence_impls: Sequence[str], schedules: Sequence[str]) -> list[Candidate]:
+          sequence_impls: Sequence[str], schedules: Sequence[str],
+          layer_loops: Sequence[str] | None = None) -> list[Candidate]:
     """The full search space (before constraints), in a fixed order; with pipeline > 1 every
     schedule in ``schedules`` with every count in ``virtual_stages`` it takes (> 1 for the
-    interleaved schedules, 1 for the others); ``base``'s ``sequence_impl`` without a sequence axis."""
+    interleaved schedules, 1 for the others); ``base``'s ``sequence_impl`` without a sequence axis; ``layer_loops``
+    None: ``base``'s."""
     out = []
     idx = [AXES.index(a) for a in axes]
     for sizes in factorizations(num_devices, len(axes)):
@@ -107,8 +110,9 @@ def space(base: config.Config, num_devices: int, *, axes: Sequence[str], micro_b
         pipes = ([(s, v) for s in schedules for v in virtual_stages if s.startswith("interleaved") == (v > 1)]
                  if mesh[AXES.index("pipeline")] > 1 else [("gpipe", 1)])
         sis = sequence_impls if mesh[AXES.index("sequence")] > 1 else [base.parallel.sequence_impl]
-        for mb, remat, attn, (sched, vs), si in itertools.product(micro_batches, remats, attentions, pipes, sis):
-            out.append(Candidate(tuple(mesh), mb, remat, attn, vs, si, sched))
+        for mb, remat, attn, (sched, vs), si, loop in itertools.product(
+                micro_batches, remats, attentions, pipes, sis, layer_loops or [base.model.layer_loop]):
+            out.append(Candidate(tuple(mesh), mb, remat, attn, vs, si, sched, loop))
     return out
 
 
@@ -148,10 +152,11 @@ def default_attentions() -> list[str]:
 
 
 def dimensions(base: config.Config, *, axes: str, micro_batch: str, remat: str, attention: str,
-               virtual_stages: str, pipeline_schedules: str, sequence_impls: str) -> dict[str, list]:
+               virtual_stages: str, pipeline_schedules: str, sequence_impls: str,
+               layer_loop: str = "auto") -> dict[str, list]:
     """:func:`space`'s keyword arguments from comma-separated lists (``"data,tensor"``);
     ``micro_batch="auto"``: every divisor of ``base.train.global_batch_size``; ``attention="auto"``:
-    :func:`default_attentions`.
+    :func:`default_attentions`; ``layer_loop="auto"``: ``base``'s ``model.layer_loop``.
 
     Raises:
       ValueError: a list that is empty or holds a value the key does not take (the message names
@@ -169,4 +174,6 @@ def dimensions(base: config.Config, *, axes: str, micro_batch: str, remat: str, 
         "schedules": parse_choices("pipeline_schedules", pipeline_schedules,
                                    config.choices("parallel.pipeline_schedule")),
         "sequence_impls": parse_choices("sequence_impls", sequence_impls, config.choices("parallel.sequence_impl")),
+        "layer_loops": [base.model.layer_loop] if layer_loop == "auto" else parse_choices(
+            "layer_loop", layer_loop, config.choices("model.layer_loop")),
     }

@@ -54,7 +54,7 @@ _BY_NAME = (("attention", re.compile(r"sdpa|fmha|flash|attention", re.I)),
             ("copy", re.compile(r"memcpy|memset", re.I)),
             ("collective", re.compile(r"nccl|rccl", re.I)))
 _GROUPS = {"GEMM": "gemm", "attention": "attention", "collective": "collective", "copy/transpose": "copy"}
-_MOVES = ("concatenate", "dynamic-update-slice", "dynamic-slice", "slice", "pad")  # a fusion that moves data
+MOVES = ("concatenate", "dynamic-update-slice", "dynamic-slice", "slice", "pad")  # a fusion that moves data
 
 
 def capture(step, steps: int, logdir: str) -> str:
@@ -77,7 +77,8 @@ def capture(step, steps: int, logdir: str) -> str:
 def kernels(trace: str) -> list[dict]:
     """The device kernels (and memory copies) of a Perfetto trace ``*.json.gz`` written by
     :func:`capture`: one dict per run, ``name``, ``us`` (duration, microseconds), ``graph`` (the CUDA
-    graph / HLO op the profiler gives, e.g. ``command_buffer_185``); the events of processes named
+    graph / HLO op the profiler gives, e.g. ``command_buffer_185``), ``details`` (CUPTI's launch: ``"regs:16 ...
+    grid:4608,1,1 block:256,1,1 ..."``, empty for a memset or copy); the events of processes named
     ``/device:...`` (GPUs), in time order.  Empty for a CPU's trace (XLA:CPU's operations are not traced)."""
     with gzip.open(trace, "rt", encoding="utf-8") as f:
         data = json.load(f)
@@ -85,8 +86,8 @@ def kernels(trace: str) -> list[dict]:
     devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and str(e.get("args", {}).get("name", "")).startswith("/device:")}
     runs = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in devices), key=lambda e: e["ts"])
-    return [{"name": e["name"], "us": float(e.get("dur", 0.0)), "graph": e.get("args", {}).get("hlo_op", "")}
-            for e in runs]
+    return [{"name": e["name"], "us": float(e.get("dur", 0.0)), "graph": e.get("args", {}).get("hlo_op", ""),
+             "details": e.get("args", {}).get("kernel_details", "")} for e in runs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,18 +104,26 @@ class Instruction:
 
 def _fusion_bytes(body: list[hlo.Op]) -> int:
     """Bytes a fused computation reads and writes, each array once: a parameter read only through
-    ``dynamic-slice`` counts its slices (a scanned layer's weights), the buffer a ``dynamic-update-slice``
-    writes in place counts only its update."""
+    ``dynamic-slice`` (directly or through bitcasts) counts its slices (a scanned layer's weights), the buffer a
+    ``dynamic-update-slice`` writes in place counts only its update."""
     ops = {o.name: o for o in body}
-    uses = defaultdict(list)
+    origin = {}  # a bitcast (of a bitcast ...) of a parameter -> that parameter
     for o in body:
+        if o.opcode == "bitcast" and o.operands and (o.operands[0] in origin or ops.get(o.operands[0], o).opcode
+                                                     == "parameter"):
+            origin[o.name] = origin.get(o.operands[0], o.operands[0])
+    uses = defaultdict(list)  # parameter -> (user, operand index), through its bitcasts
+    for o in body:
+        if o.opcode == "bitcast" and o.name in origin:
+            continue
         for i, name in enumerate(o.operands):
-            uses[name].append((o.opcode, i))
+            uses[origin.get(name, name)].append((o, i))
     total = 0
     for o in body:
-        if o.opcode != "parameter" or (uses[o.name] and all(u == ("dynamic-update-slice", 0) for u in uses[o.name])):
+        if o.opcode != "parameter" or (uses[o.name] and all((u.opcode, i) == ("dynamic-update-slice", 0)
+                                                           for u, i in uses[o.name])):
             continue  # a buffer written in place: its update is counted as the result
-        slices = [d.type for d in body if d.opcode == "dynamic-slice" and d.operands[:1] == [o.name]]
+        slices = [u.type for u, i in uses[o.name] if u.opcode == "dynamic-slice" and i == 0]
         whole = not slices or len(slices) != len(uses[o.name])
         total += hlo.type_bytes(o.type) if whole else sum(map(hlo.type_bytes, slices))
     root = body[-1] if body else None
@@ -131,7 +140,7 @@ def program(hlo_text: str) -> dict[str, Instruction]:
     for body in bodies.values():
         for o in body:
             called = re.search(r"calls=%([\w.-]+)", o.rest)
-            fused = bodies.get(called.group(1), []) if o.opcode == "fusion" and called else []
+            fused = bodies.get(called.group(1), []) if o.opcode in ("fusion", "fusion-start") and called else []
             size = (_fusion_bytes(fused) if fused else
                     hlo.type_bytes(o.type) + sum(hlo.type_bytes(types.get(n, "")) for n in o.operands))
             found = re.search(r'op_name="([^"]+)"', o.rest)
@@ -162,18 +171,24 @@ def categorize(instruction: Instruction | None, kernel: str = "") -> str:
     group = instruction.kind[0] if instruction.kind else "other"
     if instruction.root in ("dot", "scaled-dot", "convolution"):  # a matmul XLA left to its own emitter
         return "gemm"
-    if group == "fusion" and instruction.root in _MOVES:
+    if group == "fusion" and instruction.root in MOVES:
         return "copy"
     return _GROUPS.get(group, "elementwise")
 
 
-def _instruction(kernel: str, prog: dict[str, Instruction]) -> Instruction | None:
-    """The HLO instruction an XLA kernel runs (``loop_add_fusion_5`` -> ``%loop_add_fusion.5``)."""
+def resolve(kernel: str, prog: dict[str, Instruction]) -> str | None:
+    """The name of the HLO instruction of ``prog`` an XLA kernel runs (``loop_add_fusion_5`` ->
+    ``loop_add_fusion.5``), or None (a library's kernel)."""
     for name in (kernel, re.sub(r"_(\d+)$", r".\1", kernel), re.sub(r"_(\d+)(_|$)", r".\1\2", kernel).replace(
             "_double_buffer_clone", ".double_buffer_clone")):
         if name in prog:
-            return prog[name]
+            return name
     return None
+
+
+def _instruction(kernel: str, prog: dict[str, Instruction]) -> Instruction | None:
+    name = resolve(kernel, prog)
+    return None if name is None else prog[name]
 
 
 def _graph_scope(scopes: Counter) -> str | None:

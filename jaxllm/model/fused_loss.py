@@ -70,19 +70,18 @@ class Local:
         return op(x, self.vocab_axes) if self.vocab_axes else x
 
     def _chunk(self, h, table, targets, start):
-        """Masked float32 logits ``[c, rows]``, their exp and sum (as ``jax.nn.logsumexp``), lse and
-        the target logits ``[c]``."""
+        """Masked float32 logits ``[c, rows]``, their lse (as ``jax.nn.logsumexp``: :func:`max_and_sum`'s
+        statistics, one pass) and the target logits ``[c]``."""
         logits = jnp.einsum("ce,ve->cv", h, table, preferred_element_type=jnp.float32)
         ids = start + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
         if self.padded_vocab_size > self.vocab_size:
             logits = jnp.where(ids < self.vocab_size, logits, MASKED)
-        peak = self._reduce(jax.lax.pmax, jnp.max(logits, axis=-1))
-        e = jnp.exp(logits - peak[:, None])
-        total = self._reduce(jax.lax.psum, jnp.sum(e, axis=-1))
-        lse = jnp.log(total) + peak
+        local_peak, local_total = max_and_sum(logits)
+        peak = self._reduce(jax.lax.pmax, local_peak)
+        lse = jnp.log(self._reduce(jax.lax.psum, local_total * jnp.exp(local_peak - peak))) + peak
         hit = ids == targets[:, None]
         target = self._reduce(jax.lax.psum, jnp.sum(jnp.where(hit, logits, 0.0), axis=-1))
-        return e, total, lse, target, hit
+        return logits, lse, target, hit
 
     def value(self, h, table, targets, weights=None):
         """Summed loss (float32 scalar) of this device's tokens, each weighted by ``weights`` float32
@@ -90,7 +89,7 @@ class Local:
         start, weights = self.start(table.shape[0]), _flat(weights)
 
         def one(h, t, w=None):
-            _, _, lse, target, _ = self._chunk(h, table, t, start)
+            _, lse, target, _ = self._chunk(h, table, t, start)
             return jnp.sum(lse - target if w is None else (lse - target) * w)
 
         c = chunk_rows(h.shape[0], table.shape[0])
@@ -106,8 +105,8 @@ class Local:
         start, weights = self.start(table.shape[0]), _flat(weights)
 
         def one(h, t, w=None):
-            e, total, lse, target, hit = self._chunk(h, table, t, start)
-            d = e / total[:, None] - hit  # d loss / d logits, softmax - onehot
+            logits, lse, target, hit = self._chunk(h, table, t, start)
+            d = jnp.exp(logits - lse[:, None]) - hit  # d loss / d logits, softmax - onehot
             d = (d if w is None else d * w[:, None]).astype(h.dtype)
             dh = jnp.einsum("cv,ve->ce", d, table, preferred_element_type=jnp.float32)
             dtable = jnp.einsum("cv,ce->ve", d, h, preferred_element_type=jnp.float32)
@@ -125,6 +124,21 @@ class Local:
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros(table.shape, jnp.float32))
         (loss, dtable), dh = jax.lax.scan(body, zeros, _chunked(c, h, targets, weights))
         return loss, dh.reshape(h.shape), dtable
+
+
+def max_and_sum(x):
+    """``(max(x), sum(exp(x - max(x))))`` over the last axis of float32 ``x`` ``[..., n]``, each ``[...]``, in one
+    pass over ``x`` (one reduction of pairs, the online softmax's: Milakov & Gimelshein 2018, "Online normalizer
+    calculation for softmax", algorithm 3) where ``jnp.max`` then ``jnp.sum`` read it twice.  Its start is the
+    smallest float32 with a sum of 0 (not -inf: two starts combined would give ``exp(-inf + inf)``)."""
+
+    def combine(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
+
+    start = (jnp.array(jnp.finfo(jnp.float32).min, jnp.float32), jnp.array(0.0, jnp.float32))
+    return jax.lax.reduce((x, jnp.ones_like(x)), start, combine, (x.ndim - 1,))
 
 
 def _chunked(c, h, targets, weights):

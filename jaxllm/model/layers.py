@@ -13,6 +13,7 @@ carries its logical axis names (``out_sharding`` metadata) and large activations
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -145,13 +146,48 @@ class Norm(nnx.Module):
         self.bias = param(None, (size,), 0, (axis,)) if with_bias else None
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        if self.kind == "layernorm":
-            x32 = x32 - x32.mean(-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps) * self.scale[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(x.dtype)
+        return norm(x, self.scale[...], None if self.bias is None else self.bias[...], self.kind == "layernorm",
+                    self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def norm(x, scale, bias, center: bool, eps: float):
+    """LayerNorm (``center``) or RMSNorm of ``x`` ``[..., n]`` over its last axis in float32, times ``scale``
+    (float32 ``[n]``) plus ``bias`` (float32 ``[n]`` or None), in ``x``'s dtype.
+
+    Its gradient keeps what PyTorch's fused LayerNorm keeps (``aten::native_layer_norm``): ``x`` in its own
+    dtype and each row's mean and reciprocal standard deviation (float32 ``[..., 1]``), not autodiff's
+    float32 copies of the centred input; the backward pass is the usual ``dx = r (g - mean(g) - x^ mean(g x^))``
+    with ``g = dy scale``, ``x^ = (x - mean) r`` (``mean(g)`` left out for RMSNorm).
+    """
+    return _norm_fwd(x, scale, bias, center, eps)[0]
+
+
+def _norm_fwd(x, scale, bias, center, eps):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True) if center else jnp.zeros(x32.shape[:-1] + (1,), jnp.float32)
+    centred = x32 - mean
+    r = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
+    y = centred * r * scale
+    y = y if bias is None else y + bias
+    return y.astype(x.dtype), (x, mean, r, scale, bias)
+
+
+def _norm_bwd(center, eps, res, dy):
+    x, mean, r, scale, bias = res
+    # read the saved statistics: XLA would otherwise fuse the forward's reductions into these consumers again,
+    # and a kernel that reduces rows cannot also reduce the columns (d scale)
+    x, mean, r = jax.lax.optimization_barrier((x, mean, r))
+    xhat = (x.astype(jnp.float32) - mean) * r
+    dy32 = dy.astype(jnp.float32)
+    g = dy32 * scale
+    inner = g - xhat * (g * xhat).mean(-1, keepdims=True)
+    dx = r * (inner - g.mean(-1, keepdims=True) if center else inner)
+    rows = tuple(range(x.ndim - 1))
+    return (dx.astype(x.dtype), (dy32 * xhat).sum(rows), None if bias is None else dy32.sum(rows))
+
+
+norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 class Attention(nnx.Module):

@@ -182,18 +182,20 @@ def host_offload_unsupported(backend: str | None = None) -> str | None:
 # first (so "NVIDIA H100 PCIe" -> "H100 PCIe", "NVIDIA H100 80GB HBM3" -> "H100").
 
 
-def _entry(bf16: float, fp32: float) -> dict:
-    return {"bfloat16": bf16, "float16": bf16, "float32": fp32}
+def _entry(bf16: float, fp32: float, fp8: float | None = None) -> dict:
+    return {"bfloat16": bf16, "float16": bf16, "float32": fp32, **({"float8": fp8} if fp8 else {})}
 
 
+# "float8": the FP8 tensor-core rate (e4m3 and e5m2), dense, from the same datasheets (H100 SXM and H200 SXM 3,958
+# TF sparse -> 1,979; H100 PCIe 3,026 -> 1,513; H100 NVL and H200 NVL 3,341 -> 1,671): model.fp8's GEMMs
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "A100": _entry(312e12, 19.5e12),
-    "H100": _entry(989e12, 67e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    "H100 PCIe": _entry(756e12, 51e12),
-    "H100 NVL": _entry(835e12, 60e12),
-    "H200": _entry(989e12, 67e12),  # SXM ("NVIDIA H200")
-    "H200 NVL": _entry(835e12, 60e12),
-    "GH200": _entry(989e12, 67e12),
+    "H100": _entry(989e12, 67e12, 1979e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    "H100 PCIe": _entry(756e12, 51e12, 1513e12),
+    "H100 NVL": _entry(835e12, 60e12, 1671e12),
+    "H200": _entry(989e12, 67e12, 1979e12),  # SXM ("NVIDIA H200")
+    "H200 NVL": _entry(835e12, 60e12, 1671e12),
+    "GH200": _entry(989e12, 67e12, 1979e12),
     "V100": _entry(125e12, 15.7e12),  # SXM2 ("Tesla V100-SXM2-16GB")
     "V100-PCIE": _entry(112e12, 14e12),
     "MI250X": _entry(383e12 / 2, 95.7e12 / 2),  # per GCD
@@ -213,6 +215,18 @@ MEMORY_BANDWIDTH: dict[str, float] = {
 }
 
 
+# The --device names of the NVIDIA GPUs that XLA:GPU compiles for here (jaxllm.platform.xla_gpu.SPECS), as
+# jax.Device.device_kind names them: the keys PEAK_FLOPS and MEMORY_BANDWIDTH match (the SXM boards)
+GPU_KINDS = {"A100-40GB": "NVIDIA A100-SXM4-40GB", "A100-80GB": "NVIDIA A100-SXM4-80GB",
+             "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+
+# NVLink bytes/s one GPU sends (one direction) inside a node, from the same datasheets: A100 SXM NVLink 3, 600 GB/s
+# both ways; H100 and H200 SXM NVLink 4, 900 GB/s both ways.  Off the node: NVIDIA's DGX A100 / DGX H100 give
+# each GPU one 200 / 400 Gb/s InfiniBand NIC (25 / 50 GB/s), the second entry.
+NVLINK_BANDWIDTH: dict[str, tuple[float, float]] = {"A100": (300e9, 25e9), "H100": (450e9, 50e9),
+                                                     "H200": (450e9, 50e9)}
+
+
 def memory_bandwidth(device_kind: str) -> float | None:
     """Peak memory bandwidth (bytes/s) of a device kind (``jax.Device.device_kind``; the longest
     :data:`MEMORY_BANDWIDTH` key it contains, case-insensitive), or None when none matches."""
@@ -224,7 +238,8 @@ def memory_bandwidth(device_kind: str) -> float | None:
 
 
 def _dtype_name(dtype) -> str:
-    return jnp.dtype(dtype).name
+    name = jnp.dtype(dtype).name
+    return "float8" if name.startswith("float8") else name  # e4m3 and e5m2 run at one rate
 
 
 def lookup_peak_flops(device_kind: str, dtype="bfloat16") -> tuple[float, str] | None:
@@ -232,7 +247,7 @@ def lookup_peak_flops(device_kind: str, dtype="bfloat16") -> tuple[float, str] |
 
     Args:
       device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA A100-SXM4-80GB"``.
-      dtype: the matmul dtype (name or dtype).
+      dtype: the matmul dtype (name or dtype; every float8 type is ``"float8"``'s entry).
     Returns:
       ``(FLOP/s, the matching key)``, or None when no key matches or the entry lacks ``dtype``.
     """

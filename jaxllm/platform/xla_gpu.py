@@ -18,6 +18,7 @@ and cuDNN's workspace, which XLA sizes when it builds the cuDNN graph on a devic
 from __future__ import annotations
 
 import collections
+import glob
 import importlib.resources
 import importlib.util
 import math
@@ -60,6 +61,14 @@ def unavailable(name: str) -> str | None:
         return ("JAX's CUDA plugin did not start (on a machine without a GPU it starts only with "
                 "JAX_PLATFORMS=cpu set before JAX starts)")
     return None
+
+
+def deviceless_target(argv: list[str]) -> str | None:
+    """The GPU of :data:`SPECS` that ``argv``'s ``--device=NAME`` names when this machine has no NVIDIA GPU (no
+    ``/dev/nvidia0``...), or None: a tool that compiles for it must start JAX with ``JAX_PLATFORMS=cpu``.  Read
+    before JAX starts."""
+    named = next((a.split("=", 1)[1] for a in argv if a.startswith("--device=")), None)
+    return named if named in SPECS and not glob.glob("/dev/nvidia[0-9]*") else None
 
 
 def spec_text(name: str) -> str:
@@ -203,7 +212,7 @@ def kernels(hlo: str) -> dict[tuple[str, str], Count]:
             return
         runs[name] += times
         for op in bodies[name]:
-            for called, n in _executed(op):
+            for called, n in executed(op):
                 visit(called, times * n, depth + 1)
 
     if entry is not None:
@@ -227,7 +236,7 @@ def gemm_loops(hlo: str) -> int:
         for op in bodies.get(name, []):
             kind = classify(op, bodies[name], bodies)
             if (kind is not None and kind[0] == "GEMM") or (
-                    depth < 64 and any(launches_gemm(c, depth + 1) for c, _ in _executed(op))):
+                    depth < 64 and any(launches_gemm(c, depth + 1) for c, _ in executed(op))):
                 return True
         return False
 
@@ -235,7 +244,7 @@ def gemm_loops(hlo: str) -> int:
     return sum(launches_gemm(re.search(r"body=%([\w.-]+)", op.rest).group(1)) for op in loops)
 
 
-def _executed(op: Op) -> list[tuple[str, int]]:
+def executed(op: Op) -> list[tuple[str, int]]:
     """The computations ``op`` runs as sequences of kernels, each with its runs per run of ``op``: a loop's body
     (its known trip count, else 1) and condition (one more), a conditional's branches (each once: an upper
     bound), a call's callee; not a fusion's or a reduction's computation."""
