@@ -11,6 +11,7 @@ import pytest
 
 from jaxllm.analysis import collectives, step_time
 from jaxllm.analysis.collectives import Traffic
+from jaxllm.platform import hlo
 from jaxllm.platform.hardware import CLUSTERS, Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,25 @@ def test_tensor_collectives_grow_with_the_layers_scan_trip_count(compiled):
 ])
 def test_device_groups_of_each_hlo_form(line, groups):
     assert collectives.groups(line, 16 if "device_ids" in line else 8) == groups
+
+
+def test_a_ragged_all_to_all_sends_its_smaller_buffer():
+    """A ragged all-to-all's bytes are decided at run time; the program holds its buffers: the dispatch's input is
+    the device's routed rows, its output the worst case (8 ranks' worth), the combine the other way round. Either
+    way a device sends (n - 1) / n of the smaller, a balanced router's rows (the exchanges of XLA:GPU's program,
+    parallel/experts.py's ragged dispatcher)."""
+    mesh = {"fsdp": 2, "expert": 8}
+    dispatch = ("%r = ((bf16[65536,2048]{1,0}, bf16[524288,2048]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), "
+                "bf16[524288,2048]{1,0}) ragged-all-to-all-start(%a, %b, %c, %d, %e, %f), channel_id=1, "
+                "replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}")
+    combine = dispatch.replace("(bf16[65536,2048]{1,0}, bf16[524288,2048]{1,0},", "(bf16[524288,2048]{1,0}, "
+                               "bf16[65536,2048]{1,0},").replace("bf16[524288,2048]{1,0}) ragged",
+                                                                 "bf16[65536,2048]{1,0}) ragged")
+    rows = 65536 * 2048 * 2
+    for line in (dispatch, combine):
+        (op,) = hlo.parse("ENTRY %e {\n  " + line + "\n}")[1]["e"]
+        kind, axes, n, size, wire, hops = collectives.message(op, 16, mesh)
+        assert (kind, axes, n, size, wire, hops) == ("ragged-all-to-all", ("expert",), 8, rows, rows * 7 / 8, 7)
 
 
 def test_step_time_model_sums_compute_bubble_and_links():

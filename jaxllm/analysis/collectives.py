@@ -1,8 +1,8 @@
 """The collectives of a compiled step, per mesh axis: what crosses which links.
 
 :func:`collectives` reads the SPMD-partitioned HLO of a compiled program (``compiled.as_text()``):
-every ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` and ``collective-permute``
-(async ``-start`` halves counted once), times the trip counts of the ``while`` loops around it
+every ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``ragged-all-to-all`` and
+``collective-permute`` (async ``-start`` halves counted once), times the trip counts of the ``while`` loops around it
 (XLA's ``known_trip_count``: the layer scan, the micro batches, the pipeline's steps).  Its device
 groups (``replica_groups``, explicit or iota, with ``use_global_device_ids``; a permute's
 ``source_target_pairs``) are mesh positions: the mesh axes along which a group's members differ are
@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm.platform import hlo
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _BODY = re.compile(r"body=%([^,\s]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -34,7 +34,10 @@ class Traffic:
       ops: collective executions (loop trip counts included).
       wire: bytes each device sends: a ring's ``2 (n - 1) / n`` of an all-reduce's buffer, ``(n - 1) / n``
         of an all-gather's output, a reduce-scatter's input or an all-to-all's buffer, a permute's buffer
-        (Thakur et al. 2005, "Optimization of Collective Communication Operations in MPICH").
+        (Thakur et al. 2005, "Optimization of Collective Communication Operations in MPICH"); a ragged all-to-all
+        sends what its sizes say at run time, which the program does not hold: ``(n - 1) / n`` of the smaller of
+        its input and output buffers (a dispatch's sender holds just its routed rows, the combine's receiver just
+        its own: what a balanced router sends, its own rank's rows kept).
       hops: latency terms: ``2 (n - 1)`` per all-reduce, ``n - 1`` per all-gather, reduce-scatter and
         all-to-all, 1 per permute.
       kinds: ``{kind: ops}``.
@@ -88,12 +91,14 @@ def message(op: hlo.Op, devices: int, mesh_shape: dict) -> tuple | None:
     """One collective instruction's ``(kind, mesh axes, group size n, buffer bytes, bytes each device sends,
     latency terms)`` by the ring algorithms of :class:`Traffic`, or None for anything else and for a group of one
     device.  The buffer: an all-reduce's, all-gather's output, reduce-scatter's input, all-to-all's, a permute's
-    (an async ``-start``'s outputs)."""
+    (an async ``-start``'s outputs), a ragged all-to-all's smaller buffer (:class:`Traffic`)."""
     kind = op.opcode.removesuffix("-start")
     if kind not in KINDS:
         return None
     shapes = op.type
-    if op.opcode.endswith("-start") and kind != "all-reduce":  # (operands, outputs): the outputs
+    if kind == "ragged-all-to-all" and op.opcode.endswith("-start"):  # ((input, output, offsets, sizes), output)
+        shapes = min(("{}[{}]".format(*p) for p in _SHAPE.findall(shapes)[:2]), key=hlo.type_bytes)
+    elif op.opcode.endswith("-start") and kind != "all-reduce":  # (operands, outputs): the outputs
         parts = _SHAPE.findall(shapes)
         shapes = " ".join(f"{d}[{s}]" for d, s in parts[len(parts) // 2:] if d in hlo.DTYPE_BYTES)
     members = groups(op.rest, devices)
@@ -105,6 +110,7 @@ def message(op: hlo.Op, devices: int, mesh_shape: dict) -> tuple | None:
                   "all-gather": ((n - 1) / n * size, n - 1),
                   "reduce-scatter": ((n - 1) / n * size, n - 1),
                   "all-to-all": ((n - 1) / n * size, n - 1),
+                  "ragged-all-to-all": ((n - 1) / n * size, n - 1),
                   "collective-permute": (size, 1)}[kind]
     return kind, axes(members[0], mesh_shape), n, size, wire, hops
 
