@@ -40,7 +40,7 @@ from jaxllm.model import gpt
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
-from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers
+from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers, workdir_lock
 from jaxllm.runtime.preemption import Preemption
 from jaxllm.runtime.run import Run
 from jaxllm.runtime.sampling import Sampler
@@ -183,6 +183,7 @@ def train(cfg, workdir: str, started: float | None = None) -> dict:
     check_workdir(workdir)
     path = compile_cache.directory(cfg.train.compile_cache_dir, workdir)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(workdir_lock.held(workdir))  # one run per workdir (main holds it already)
         try:
             stack.enter_context(compile_cache.use(path, cfg.train.compile_cache_min_compile_s))
         except OSError as e:
@@ -445,11 +446,22 @@ def print_samples(run, state, tokenizer, default_prompt, workdir):
 def fail_once(message: str, code: int, process: int):
     """Exits with ``code`` after one line on stderr from process 0: every process of a multi-process run
     meets the same config error, data error or preemption, and the others (``process`` > 0) write theirs to
-    their log file (``WORKDIR/logs/process_N.log``) instead of repeating it on the job's console."""
+    their log file (``WORKDIR/logs/process_N.log``, once it is open) instead of repeating it on the job's console."""
     if process == 0:
         cli.fail(message, code)
-    python_logging.getLogger("jaxllm.library").error("%s", message)
+    library = python_logging.getLogger("jaxllm.library")
+    if library.handlers:
+        library.error("%s", message)
     sys.exit(code)
+
+
+def _refused(workdir: str, before: frozenset[str] | None, held: bool) -> None:
+    """After bad input: what this run wrote into ``workdir`` since ``before`` (:func:`workdir_lock.snapshot`) is
+    removed, the workdir too if the run made it, unless the run saved a checkpoint; only by the lock's holder."""
+    saved = os.path.join(workdir, "checkpoints")
+    if held and jax.process_index() == 0 and (before is None or "checkpoints" not in before) and not (
+            os.path.isdir(saved) and any(n.isdigit() for n in os.listdir(saved))):
+        workdir_lock.remove_new(workdir, before)
 
 
 def main(argv):
@@ -457,9 +469,16 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
-    process = 0  # this process's index once it joined a multi-process job
+    process, held = 0, False  # this process's index once it joined a multi-process job; the workdir locked
+    workdir = flags.FLAGS.workdir
+    before = workdir_lock.snapshot(workdir)
+
+    def refuse(line: str):
+        _refused(workdir, before, held)
+        fail_once(line, cli.EXIT_USAGE, process)
+
     try:
-        with cli.usage_errors(report=lambda line: fail_once(line, cli.EXIT_USAGE, process)):
+        with contextlib.ExitStack() as stack, cli.usage_errors(report=refuse):  # refuse() while the lock is held
             if flags.FLAGS.check_devices:
                 print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
                 return
@@ -467,10 +486,12 @@ def main(argv):
             host_memory.keep_freed_memory()  # CPU runs: XLA's buffers come from malloc; before XLA's threads start
             topology = distributed.initialize()  # joins a multi-process job before any backend starts; a
             process = topology.process_id if topology else 0  # LaunchError is a ConfigError of its process
-            check_workdir(flags.FLAGS.workdir)
-            console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
+            check_workdir(workdir)
+            stack.enter_context(workdir_lock.held(workdir))  # before anything is written there
+            held = True
+            console.configure(workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
             gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
-            train(flags.FLAGS.config, flags.FLAGS.workdir, started=started)
+            train(flags.FLAGS.config, workdir, started=started)
     except KeyboardInterrupt:
         cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
     except Preempted as e:

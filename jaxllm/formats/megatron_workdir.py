@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxllm import config
 from jaxllm.errors import ConvertError
 from jaxllm.formats import deepspeed, megatron, torch_dist
-from jaxllm.formats.workdir import apply_overrides, refuse_used, resolve_for_its_mesh, save_imported
+from jaxllm.formats.workdir import apply_overrides, importing, refuse_used, resolve_for_its_mesh, save_imported
 from jaxllm.model import gpt
 from jaxllm.resolve import resolve_model
 from jaxllm.runtime import checkpoint, optim, step
@@ -199,7 +199,9 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     Raises ConvertError (see :mod:`jaxllm.formats.torch_dist`, :mod:`jaxllm.formats.deepspeed`) and
     ConfigError; nothing is written to ``workdir`` then.
     """
-    refuse_used(workdir)
+    if not os.path.exists(directory):
+        raise ConvertError(f"{directory}: no such file or directory")
+    refuse_used(workdir)  # before reading: an import into a used workdir fails at once
     torch_dist.require_torch()
     source = (_deepspeed_source if deepspeed.is_deepspeed(directory) else _torch_dist_source)(directory, iteration)
     path, iteration, args = source.path, source.iteration, source.args
@@ -223,7 +225,8 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     with jax.default_device(jax.devices("cpu")[0]):
         state = _with_adam_state(step.init_state(jax.device_put(params), optimizer), jax.device_put(moments["mu"]),
                                  jax.device_put(moments["nu"]), count, schedule, iteration)
-    save_imported(workdir, cfg, state, iteration, given, path, "Megatron checkpoint")
+    with importing(workdir, "jaxllm.convert --from-megatron"):
+        save_imported(workdir, cfg, state, iteration, given, path, "Megatron checkpoint")
     return cfg, iteration, [*source.notes, *megatron.notes(args)]
 
 

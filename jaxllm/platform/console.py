@@ -23,6 +23,12 @@ Where the chatter comes from (jaxlib 0.10.2):
   restore: the reads Orbax abandoned raised too, and asyncio's default exception handler logs
   each such task on the ``asyncio`` logger when the task is garbage-collected (any time later).
   Those records go to the ``jaxllm.library`` log; the ``asyncio`` logger's other records stay.
+* ``Jax plugin configuration error: Exception when calling jax_plugins.xla_cuda12.initialize()`` and its
+  12-line traceback (``cuInit(0) failed``): JAX's CUDA plugin, installed for XLA:GPU's deviceless compiles
+  (:mod:`jaxllm.platform.xla_gpu`), fails its start-up check on a machine without an NVIDIA GPU, and JAX logs
+  that on ``jax._src.xla_bridge`` before it runs on the CPU as it would without the plugin.  On such a machine
+  (no ``/dev/nvidiactl``, ``JAX_PLATFORMS`` not asking for ``cuda``) the record goes to the ``jaxllm.library``
+  log (:func:`quiet_absent_gpu_plugin`, which every tool calls as it starts); anywhere else it is shown.
 * Python warnings of the libraries (``warnings.warn``: JAX's, Orbax's, tensorboardX's ...) are
   written straight to ``sys.stderr`` by the ``warnings`` module, past any logger, once per
   process: they go to the ``py.warnings`` logger (``logging.captureWarnings``) and from there to
@@ -40,6 +46,31 @@ from absl import logging as absl_logging
 
 # absl's C++ severities: 0 info, 1 warning, 2 error, 3 fatal.
 _CPP_ERROR = 2
+
+
+class _AbsentGpuPlugin(logging.Filter):
+    """Sends JAX's record of its CUDA plugin failing to start (no GPU here) to the ``jaxllm.library`` log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Jax plugin configuration error: Exception when calling "
+                                          "jax_plugins.xla_cuda"):
+            logging.getLogger("jaxllm.library").debug("%s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+def quiet_absent_gpu_plugin(environ=None, dev: str = "/dev") -> bool:
+    """On a machine without an NVIDIA GPU, where ``JAX_PLATFORMS`` does not ask for ``cuda``: JAX's record of its CUDA
+    plugin failing to start goes to the ``jaxllm.library`` log instead of the console (see the module doc); returns
+    whether it does.  Call before JAX starts a backend; idempotent."""
+    environ = os.environ if environ is None else environ
+    asked = {p.strip() for p in environ.get("JAX_PLATFORMS", "").lower().split(",")} & {"cuda", "gpu"}
+    if asked or os.path.exists(os.path.join(dev, "nvidiactl")):
+        return False
+    logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _AbsentGpuPlugin) for f in logger.filters):
+        logger.addFilter(_AbsentGpuPlugin())
+    return True
 
 
 def logs_dir(workdir: str) -> str:
