@@ -6,10 +6,12 @@ the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.runtime.ch
 
 Exit codes: 0 done; 1 an unexpected error, or :class:`NonFiniteError` (the loss or
 gradient norm was NaN/inf for ``train.max_nonfinite_steps`` steps in a row), or
-:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read, or a
-save failed with ``checkpoint.fail_on_save_error``);
+:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read);
 2 bad config or data, one line naming the key, the value and the fix, before
-anything is compiled; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
+anything is compiled, or the workdir is in use by another run
+(:mod:`jaxllm.runtime.workdir_lock`); :data:`EXIT_SAVE_FAILED` (74) a checkpoint was not
+saved (a full disk or quota): one line naming the newest complete step, which a rerun resumes
+from; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
 made the run save a checkpoint at the next step boundary and stop; rerun the same
 command to continue.
 
@@ -48,6 +50,9 @@ from jaxllm.runtime.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
+# Exit status of a run stopped by a checkpoint that was not saved (a full disk or quota): BSD's EX_IOERR.  The launch
+# scripts do not restart it (it would fail again); free space and rerun, which resumes from the newest saved step.
+EXIT_SAVE_FAILED = 74
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started: the shell's status for SIGINT
 
 
@@ -277,7 +282,7 @@ class _Loop:
         self.bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
         self.logger = metrics.MetricsLogger(workdir, enabled=self.primary, tensorboard=cfg.log.tensorboard,
                                             progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start,
-                                            wandb=wandb_run)
+                                            wandb=wandb_run, resumed_at=start)
         self.exit_code = 1  # what the W&B run records: 1 unless the loop ends or is preempted
         self.last, self.last_eval = {}, {}
         self.bubble = schedules.schedule_bubble(cfg)
@@ -316,11 +321,19 @@ class _Loop:
             for s in range(self.start, self.t.train_iters):
                 self._step(s, preemption)
             self.exit_code = 0
+        except checkpoint.SaveError:
+            self.exit_code = EXIT_SAVE_FAILED
+            raise
         finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
-            with self.watchdog.waiting("the last checkpoint's save"):
-                self.checkpointer.close()
-            preemption.uninstall()
-            self.logger.close(self.exit_code, preempted=self.exit_code == EXIT_PREEMPTED)
+            try:
+                with self.watchdog.waiting("the last checkpoint's save"):
+                    self.checkpointer.close()
+            except checkpoint.SaveError:
+                self.exit_code = EXIT_SAVE_FAILED
+                raise
+            finally:
+                preemption.uninstall()
+                self.logger.close(self.exit_code, preempted=self.exit_code == EXIT_PREEMPTED)
 
         if self.primary and self.cfg.log.samples:
             split = "valid" if self.t.eval_interval else "train"
@@ -370,6 +383,7 @@ class _Loop:
         if evaluate:
             self._evaluate(done)
         with watchdog.waiting(f"the checkpoint at step {done}"), step_times.waiting():
+            self.checkpointer.poll()  # a save that failed in the background stops the run now, not at the next
             self.checkpointer.maybe_save(done, self.state, force=done == t.train_iters or stop)
         if stop:
             self.exit_code = EXIT_PREEMPTED
@@ -496,6 +510,8 @@ def main(argv):
         cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
     except Preempted as e:
         fail_once(f"jaxllm: {e}", EXIT_PREEMPTED, process)
+    except checkpoint.SaveError as e:
+        fail_once(f"error: {e}", EXIT_SAVE_FAILED, process)
     except (NonFiniteError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

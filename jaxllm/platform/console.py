@@ -29,6 +29,9 @@ Where the chatter comes from (jaxlib 0.10.2):
   that on ``jax._src.xla_bridge`` before it runs on the CPU as it would without the plugin.  On such a machine
   (no ``/dev/nvidiactl``, ``JAX_PLATFORMS`` not asking for ``cuda``) the record goes to the ``jaxllm.library``
   log (:func:`quiet_absent_gpu_plugin`, which every tool calls as it starts); anywhere else it is shown.
+* Orbax's records (through absl): a failed save's background threads log each failure with its traceback
+  (about 30 lines); jaxllm says it in one line (:mod:`jaxllm.runtime.checkpoint`), so they go to the
+  ``jaxllm.library`` log.
 * Python warnings of the libraries (``warnings.warn``: JAX's, Orbax's, tensorboardX's ...) are
   written straight to ``sys.stderr`` by the ``warnings`` module, past any logger, once per
   process: they go to the ``py.warnings`` logger (``logging.captureWarnings``) and from there to
@@ -71,6 +74,21 @@ def quiet_absent_gpu_plugin(environ=None, dev: str = "/dev") -> bool:
     if not any(isinstance(f, _AbsentGpuPlugin) for f in logger.filters):
         logger.addFilter(_AbsentGpuPlugin())
     return True
+
+
+class _LibraryRecords(logging.Filter):
+    """Sends the records logged from inside the packages in ``roots`` (Orbax's: its background save threads log
+    each failure of a save with its traceback, ~30 lines, through absl) to ``logger``, keeps the others."""
+
+    def __init__(self, logger, roots: tuple[str, ...]):
+        super().__init__()
+        self.logger, self.roots = logger, roots
+
+    def filter(self, record):
+        if record.pathname.startswith(self.roots):
+            self.logger.handle(record)
+            return False
+        return True
 
 
 def logs_dir(workdir: str) -> str:
@@ -143,6 +161,10 @@ def configure(workdir: str, *, process: int, verbose: bool) -> None:
     from jaxlib import utils  # noqa: PLC0415  (jax's own switch for C++ logging, see jax._src.logging_config)
 
     utils.absl_set_min_log_level(_CPP_ERROR)
+    import orbax.checkpoint  # noqa: PLC0415  (its records, by the files they come from)
+
+    absl_logging.get_absl_handler().addFilter(
+        _LibraryRecords(library, (os.path.dirname(orbax.checkpoint.__file__) + os.sep,)))
     redirect_native_stdout(os.path.join(directory, f"process_{process}.out"))
     if process:  # one copy of each message: process 0's; the others' go to their log file
         absl_logging.get_absl_handler().setLevel(logging.ERROR)
