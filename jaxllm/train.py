@@ -136,7 +136,8 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
             print(f"jaxllm: note: data.split={spec.data.split!r} leaves no validation split, so the run does not "
                   f"evaluate (as Megatron-LM); give validation a weight (e.g. data.split=969,30,1) to evaluate",
                   flush=True)
-    data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",))
+    data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",),
+                quiet=jax.process_index() != 0)  # process 0 says a prepared text is reused, once
     return resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
 

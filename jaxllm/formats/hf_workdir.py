@@ -188,6 +188,8 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
 def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, config.Resolved, dict]:
     """``(config as given, resolved config, params)`` of a Hugging Face directory; see :func:`from_hf`."""
     path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise ConvertError(f"{directory}: no such directory")
     if not os.path.isfile(path):
         raise ConvertError(f"{directory} has no config.json: not a Hugging Face model directory")
     arch, keys = model_from_hf(read_json(path))

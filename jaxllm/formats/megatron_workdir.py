@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxllm import config
 from jaxllm.errors import ConvertError
 from jaxllm.formats import deepspeed, megatron, torch_dist
-from jaxllm.formats.workdir import apply_overrides, importing, refuse_used, resolve_for_its_mesh, save_imported
+from jaxllm.formats.workdir import apply_overrides, importing, resolve_for_its_mesh, save_imported
 from jaxllm.model import gpt
 from jaxllm.resolve import resolve_model
 from jaxllm.runtime import checkpoint, optim, step
@@ -201,7 +201,14 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     """
     if not os.path.exists(directory):
         raise ConvertError(f"{directory}: no such file or directory")
-    refuse_used(workdir)  # before reading: an import into a used workdir fails at once
+    with importing(workdir, "jaxllm.convert --from-megatron"):
+        cfg, iteration, notes = _import(directory, workdir, iteration, overrides)
+    return cfg, iteration, notes
+
+
+def _import(directory: str, workdir: str, iteration: int | None, overrides: dict[str, str] | None
+            ) -> tuple[config.Resolved, int, list[str]]:
+    """:func:`import_megatron` inside the workdir's lock."""
     torch_dist.require_torch()
     source = (_deepspeed_source if deepspeed.is_deepspeed(directory) else _torch_dist_source)(directory, iteration)
     path, iteration, args = source.path, source.iteration, source.args
@@ -225,8 +232,7 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     with jax.default_device(jax.devices("cpu")[0]):
         state = _with_adam_state(step.init_state(jax.device_put(params), optimizer), jax.device_put(moments["mu"]),
                                  jax.device_put(moments["nu"]), count, schedule, iteration)
-    with importing(workdir, "jaxllm.convert --from-megatron"):
-        save_imported(workdir, cfg, state, iteration, given, path, "Megatron checkpoint")
+    save_imported(workdir, cfg, state, iteration, given, path, "Megatron checkpoint")
     return cfg, iteration, [*source.notes, *megatron.notes(args)]
 
 

@@ -19,9 +19,10 @@ Where the chatter comes from (jaxlib 0.10.2):
   the closed loop.  Python reports those through ``sys.unraisablehook`` (no frame of ours,
   so no way to catch them), at any time after the failed restore, even after the run's
   last message.  They go to the ``jaxllm.library`` log with the full Orbax errors.
-* ``Task exception was never retrieved`` with a TensorStore traceback, from the same failed
-  restore: the reads Orbax abandoned raised too, and asyncio's default exception handler logs
-  each such task on the ``asyncio`` logger when the task is garbage-collected (any time later).
+* ``Task exception was never retrieved`` (``Future exception ...`` after a failed save) with a TensorStore
+  traceback, from the same failed restore: the reads Orbax abandoned raised too, and asyncio's default
+  exception handler logs each such task on the ``asyncio`` logger when the task is garbage-collected (any
+  time later).
   Those records go to the ``jaxllm.library`` log; the ``asyncio`` logger's other records stay.
 * ``Jax plugin configuration error: Exception when calling jax_plugins.xla_cuda12.initialize()`` and its
   12-line traceback (``cuInit(0) failed``): JAX's CUDA plugin, installed for XLA:GPU's deviceless compiles
@@ -91,6 +92,14 @@ class _LibraryRecords(logging.Filter):
         return True
 
 
+class _LogFile(logging.FileHandler):
+    """``WORKDIR/logs/process_N.log``; a record it cannot write (a full disk: the run says so in its own line) is
+    dropped, where logging's default would print "--- Logging error ---" and a traceback on the console."""
+
+    def handleError(self, record):  # noqa: N802  (logging's name)
+        pass
+
+
 def logs_dir(workdir: str) -> str:
     """``WORKDIR/logs``, created."""
     path = os.path.join(workdir, "logs")
@@ -126,14 +135,15 @@ def _closed_loop_callbacks_to(logger, previous):
 
 
 class _UnretrievedTaskErrors(logging.Filter):
-    """Sends asyncio's "Task exception was never retrieved" records to ``logger``, keeps the others."""
+    """Sends asyncio's "Task (Future) exception was never retrieved" records to ``logger``, keeps the others."""
 
     def __init__(self, logger):
         super().__init__()
         self.logger = logger
 
     def filter(self, record):
-        if record.getMessage().startswith("Task exception was never retrieved"):
+        if record.getMessage().startswith(("Task exception was never retrieved", "Future exception was never "
+                                                                                 "retrieved")):
             self.logger.handle(record)
             return False
         return True
@@ -145,7 +155,7 @@ def configure(workdir: str, *, process: int, verbose: bool) -> None:
     the console too)."""
     directory = logs_dir(workdir)
     library = logging.getLogger("jaxllm.library")
-    handler = logging.FileHandler(os.path.join(directory, f"process_{process}.log"))
+    handler = _LogFile(os.path.join(directory, f"process_{process}.log"))
     handler.setFormatter(absl_logging.PythonFormatter())
     library.addHandler(handler)
     library.setLevel(logging.DEBUG)

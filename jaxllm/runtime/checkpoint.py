@@ -39,6 +39,8 @@ shards its devices need.
 from __future__ import annotations
 
 import logging as python_logging
+import os
+import re
 
 import jax
 import orbax.checkpoint as ocp
@@ -83,9 +85,18 @@ def _parameter_shapes(model: dict, seq_length: int) -> dict[str, tuple[int, ...]
 
 
 def _reason(e: Exception) -> str:
-    """One line saying why a restore or save failed (Orbax and TensorStore errors span many lines)."""
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    return f"{type(e).__name__}: {first[:300]}"
+    """One line saying why a restore or save failed (Orbax and TensorStore errors span many lines, the system's
+    reason at their end: ``[os_error_code='28']``), e.g. ``No space left on device (ValueError: RESOURCE_EXHAUSTED:
+    Error writing local file ...)``."""
+    text = str(e)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    why = f"{type(e).__name__}: {first[:300]}"
+    code = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
+    if code:
+        system = os.strerror(int(code.group(1) or code.group(2)))
+        if system not in why:
+            return f"{system} ({type(e).__name__}: {first[:160]}...)"
+    return why
 
 
 class Checkpointer:
@@ -353,6 +364,10 @@ class Checkpointer:
         of a run) one warning line.  Orbax deletes older steps only once a save completes, so those are intact."""
         library.info("checkpoint step %s in %s was not saved", step, tier.directory, exc_info=e)
         tier.pending, tier.stale = None, True
+        try:  # a save that failed as it started may have threads still writing (what is left: close() removes it)
+            tier.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001, S110  the same failure, said below
+            pass
         tier.remove_partial()
         newest = tier.newest()
         line = (f"checkpoint step {step} was not saved to {tier.directory} ({_reason(e)}); "
@@ -374,6 +389,8 @@ class Checkpointer:
         finally:
             for tier in self.tiers:
                 tier.manager.close()
+                if tier.stale:  # a save failed: what its writes left since it was said
+                    tier.remove_partial(settle_s=1.0)
 
 
 def load_config(workdir: str, step: int | None = None) -> config.Config:

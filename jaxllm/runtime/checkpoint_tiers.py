@@ -33,6 +33,7 @@ import logging as python_logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 
 import jax
@@ -171,12 +172,24 @@ class Tier:
         if not everyone:
             raise OSError(errno.ENOSPC, "No space left on device, says another process")
 
-    def remove_partial(self) -> None:
+    def remove_partial(self, settle_s: float = 0.0) -> None:
         """Removes the temporary directories of failed saves (``STEP.orbax-checkpoint-tmp-*``; no save is in flight):
-        in the shared tier process 0's job, in the local tier each process's."""
-        if self.local or jax.process_index() == 0:
-            for path in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
+        in the shared tier process 0's job, in the local tier each process's.  ``settle_s``: again until none has
+        come back for that long (at most 30 s): the TensorStore writes a save that failed as it started left in flight
+        go on creating their directories for a while after Orbax has given up on them."""
+        if not (self.local or jax.process_index() == 0):
+            return
+        quiet_since, deadline = time.monotonic(), time.monotonic() + 30
+        while True:
+            found = glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))
+            for path in found:
                 shutil.rmtree(path, ignore_errors=True)
+            now = time.monotonic()
+            if found:
+                quiet_since = now
+            if now - quiet_since >= settle_s or now > deadline:
+                return
+            time.sleep(min(0.25, settle_s))
 
     def restore(self, step: int, abstract_state):
         """``(state, {path: checksum} or None)`` of ``step`` (None: saved before checksums were)."""
@@ -213,8 +226,9 @@ class Tier:
             self.manager.reload()
             self.stale = False
         state_args = ocp.args.PyTreeSave(state) if self.local else ocp.args.StandardSave(state)
+        # the JSON items first: they are written as save() runs, so one that fails does before the arrays' writes start
         saved = self.manager.save(step, args=ocp.args.Composite(
-            state=state_args, **{k: ocp.args.JsonSave(v) for k, v in items.items()}), force=True)
+            **{k: ocp.args.JsonSave(v) for k, v in items.items()}, state=state_args), force=True)
         self.pending = step if saved else None
         return saved
 
