@@ -46,9 +46,10 @@ def reading(path: str, what: str, error: type[Exception] = DataError, fix: str =
     (default: replace it with a complete copy).  The one checked path for every file a user hands over."""
     try:
         yield
-    except _OURS:
+    except (*_OURS, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
-    except Exception as e:  # noqa: BLE001  each reader raises its library's types: OSError, ValueError, ...
+    except BaseException as e:  # noqa: BLE001  each reader raises its library's: OSError, ValueError, torch's
+        # CheckpointException (a BaseException)...
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
         reason = f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
         raise error(f"{path} cannot be read as {what} ({reason}); {fix or 'replace it with a complete copy'}"

@@ -227,7 +227,19 @@ BAD = {  # what is changed -> (the change, extra arguments, words of the one lin
     "a mismatched --iteration": (lambda c: None, ("--iteration", "5"), "holds no iteration 5"),
     "pickled code in common.pt": (lambda c: rewrite_common(c, payload=Payload()), (), "common.pt holds what"),
     "pickled code in .metadata": (poison_metadata, (), "builtins.print is not a class"),
+    "a truncated common.pt": (lambda c: truncate(c / f"iter_{ITERS:07d}" / "common.pt"), (),
+                              "common.pt cannot be read as a torch.save file"),
+    "a truncated .metadata": (lambda c: truncate(c / f"iter_{ITERS:07d}" / ".metadata"), (), ".metadata"),
+    "a truncated shard": (lambda c: truncate(c / f"iter_{ITERS:07d}" / "__1_0.distcp"), (),
+                          "cannot be read as torch_dist shards"),
+    "a damaged metadata.json": (lambda c: (c / f"iter_{ITERS:07d}" / "metadata.json").write_text("{"), (),
+                                "metadata.json cannot be read as JSON"),
 }
+
+
+def truncate(path: Path) -> None:
+    """``path`` cut to half its bytes: a copy interrupted, a quota hit while it was written."""
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
 
 
 @pytest.mark.parametrize("case", list(BAD))
