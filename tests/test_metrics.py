@@ -2,9 +2,9 @@
 Megatron-LM's formulas, the peak table, the measured CPU peak, and MetricsLogger's files and lines."""
 
 import glob
-import io
 import json
 import os
+import select
 import struct
 import sys
 import time
@@ -340,19 +340,27 @@ def test_disabled_logger_does_nothing(tmp_path, capsys):
 
 
 def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    terminal = Terminal()
+    """On a real terminal (a pseudo-terminal) that says it is 0 columns wide, as `script`'s and some batch consoles'
+    are: the bar is drawn at a fixed width, the log lines above it."""
+    master, slave = os.openpty()
+    assert os.get_terminal_size(slave).columns == 0
+    terminal = open(slave, "w", buffering=1)  # noqa: SIM115  (closed below)
     monkeypatch.setattr(sys, "stdout", terminal)
     with metrics.MetricsLogger(str(tmp_path), tensorboard=False, total_steps=10) as log:
         log.advance(3)
         log.log(3, {"loss": 1.5})
         log.advance(2)
-    text = terminal.getvalue()
+    terminal.close()
+    out = b""
+    while select.select([master], [], [], 0.2)[0]:
+        try:
+            out += os.read(master, 1 << 16)
+        except OSError:  # the other side closed
+            break
+    os.close(master)
+    text = out.decode()
     assert "step     3 | loss 1.5000" in text
-    assert "5/10" in text
+    assert "5/10 [" in text and "step/s" in text, text
 
 
 def test_logger_rejects_bad_input(tmp_path, capsys):

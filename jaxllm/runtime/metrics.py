@@ -59,8 +59,10 @@ _EVAL_FORMATS = {
     "eval_bpb": lambda v: f"bpb {v:.4f}",
     "eval_ppl": lambda v: f"ppl {v:.2f}",
 }
-# logged to files, left off the human line
-_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row", "slowest_process"}
+# logged to files, left off the human line (Megatron-LM's FLOP convention: the same figures counted its way, in the
+# record for comparisons with its published numbers; the line gives each figure once)
+_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row", "slowest_process", "megatron_tflops_per_device",
+          "megatron_mfu"}
 # the start-up times jaxllm.train adds to the first record after a start (printed on a line of their own)
 _QUIET_PREFIXES = ("startup_", "compile_cache")
 
@@ -109,6 +111,14 @@ def start_wandb(cfg, workdir: str):
             f.write(run.id + "\n")
         os.replace(id_file + ".tmp", id_file)  # a crash leaves no half-written id
     return run
+
+
+def _columns(stream) -> int:
+    """The width of the terminal ``stream`` writes to (0: it does not say)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def supersede(path: str, step: int) -> int:
@@ -197,7 +207,11 @@ class MetricsLogger:
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, file=sys.stdout, unit="step", dynamic_ncols=True)
+            # a terminal that says it is 0 x 0 (a pty nobody sized: script, some batch consoles) would get no bar at
+            # all from tqdm (none wider than 0 columns, none below row 0): a fixed size instead
+            sized = _columns(sys.stdout) > 0
+            self._bar = tqdm(total=total_steps, file=sys.stdout, unit="step", dynamic_ncols=sized,
+                             ncols=None if sized else 100, nrows=None if sized else 24)
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
         """Records ``metrics`` (scalars: Python, NumPy or JAX) at ``step``.
