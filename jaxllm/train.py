@@ -504,7 +504,8 @@ def main(argv):
             check_workdir(workdir)
             stack.enter_context(workdir_lock.held(workdir))  # before anything is written there
             held = True
-            console.configure(workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
+            console.configure(workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose,
+                              processes=jax.process_count())
             gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
             train(flags.FLAGS.config, workdir, started=started)
     except KeyboardInterrupt:

@@ -149,10 +149,55 @@ class _UnretrievedTaskErrors(logging.Filter):
         return True
 
 
-def configure(workdir: str, *, process: int, verbose: bool) -> None:
+# The survivors of a multi-process job whose coordinator or other process died: JAX's distributed client (C++) logs
+# the coordination service's errors and gRPC's, then ends the process (LOG(FATAL): nothing of Python runs after).
+_PEER_DIED = (rb"coordination_service_agent\.cc|preemption_sync_manager\.cc|client\.h:\d+\]|GRPC error|"
+              rb"Error received from peer|grpc_status|coordination service")
+_FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
+# Reads what this process writes to file descriptor 2 (a pipe) and outlives it: the lines of a peer's death (and the
+# abort's stack traces after them) go to the log file and one jaxllm line to the console in their place; every other
+# line passes through unchanged.
+_STDERR_FILTER = r"""
+import re, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)  # the job's signals are for the process it serves; this one ends at its EOF
+log, note = open(sys.argv[1], "ab", buffering=0), sys.argv[2].encode() + b"\n"
+peer, fatal, out = re.compile(sys.argv[3].encode()), sys.argv[4].encode(), sys.stdout.buffer
+dying = False  # after the fatal line: the abort's stack traces, C++'s and Python's
+for line in sys.stdin.buffer:
+    if dying or peer.search(line) or fatal in line:
+        log.write(line)
+        if fatal in line and not dying:
+            out.write(note)
+            out.flush()
+            dying = True
+    else:
+        out.write(line)
+        out.flush()
+"""
+
+
+def filter_native_stderr(path: str, process: int) -> None:
+    """Points file descriptor 2 at a filter process (:data:`_STDERR_FILTER`): the C++ lines a multi-process job's
+    survivors print when its coordinator or another process dies go to ``path``, and one line to the console in
+    their place; everything else written to descriptor 2 reaches the console as before."""
+    import subprocess  # noqa: PLC0415
+
+    note = (f"jaxllm: process {process} stops: the job's coordinator (process 0) or another of its processes died, "
+            f"and JAX's distributed service ends the others (its lines: {path})")
+    sys.stderr.flush()
+    console = os.dup(2)
+    child = subprocess.Popen([sys.executable, "-c", _STDERR_FILTER, path, note, _PEER_DIED.decode(), _FATAL.decode()],
+                             stdin=subprocess.PIPE, stdout=console, close_fds=True, start_new_session=True)
+    os.close(console)
+    os.dup2(child.stdin.fileno(), 2)
+    child.stdin.close()  # descriptor 2 holds the pipe now: the filter's input ends when this process does
+
+
+def configure(workdir: str, *, process: int, verbose: bool, processes: int = 1) -> None:
     """Applies the policy of this module to this process (call it before the first collective):
     ``WORKDIR/logs/process_N.log`` receives the ``jaxllm.library`` logger (and with ``verbose``
-    the console too)."""
+    the console too); one of ``processes`` > 1 also has its descriptor 2 filtered (:func:`filter_native_stderr`)."""
     directory = logs_dir(workdir)
     library = logging.getLogger("jaxllm.library")
     handler = _LogFile(os.path.join(directory, f"process_{process}.log"))
@@ -176,6 +221,8 @@ def configure(workdir: str, *, process: int, verbose: bool) -> None:
     absl_logging.get_absl_handler().addFilter(
         _LibraryRecords(library, (os.path.dirname(orbax.checkpoint.__file__) + os.sep,)))
     redirect_native_stdout(os.path.join(directory, f"process_{process}.out"))
+    if processes > 1:
+        filter_native_stderr(os.path.join(directory, f"process_{process}.out"), process)
     if process:  # one copy of each message: process 0's; the others' go to their log file
         absl_logging.get_absl_handler().setLevel(logging.ERROR)
         logging.getLogger().addHandler(handler)
