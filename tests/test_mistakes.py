@@ -65,6 +65,20 @@ def test_config_mistakes_are_one_line(tmp_path, args, words):
     assert not (tmp_path / "w").exists()  # nothing written
 
 
+def test_a_bad_config_is_its_one_line_without_jax_platforms(tmp_path):
+    """With JAX's CUDA plugin installed (the test extra) and no GPU, JAX_PLATFORMS unset as on a user's shell: the
+    whole output of a bad config is its one line (the plugin's start-up traceback goes to no console), and nothing
+    is left of the workdir it would have made."""
+    env = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-m", "jaxllm.train", f"--workdir={tmp_path / 'w'}",
+                        "--config.model.num_attention_heads=3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr == ("config error: model.hidden_size=256: must be divisible by model.num_attention_heads=3\n"), \
+        r.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_broken_config_files_are_one_line(tmp_path):
     syntax = write(tmp_path / "syntax.py", "def get_config(:\n")
     assert "SyntaxError at line 1" in one_line(run(f"--config={syntax}", f"--workdir={tmp_path / 'w'}"))

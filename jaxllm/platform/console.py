@@ -161,7 +161,7 @@ _STDERR_FILTER = r"""
 import re, signal, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)  # the job's signals are for the process it serves; this one ends at its EOF
-log, note = open(sys.argv[1], "ab", buffering=0), sys.argv[2].encode() + b"\n"
+log, note = open(int(sys.argv[1]), "ab", buffering=0), sys.argv[2].encode() + b"\n"  # opened by the parent
 peer, fatal, out = re.compile(sys.argv[3].encode()), sys.argv[4].encode(), sys.stdout.buffer
 dying = False  # after the fatal line: the abort's stack traces, C++'s and Python's
 for line in sys.stdin.buffer:
@@ -186,10 +186,12 @@ def filter_native_stderr(path: str, process: int) -> None:
     note = (f"jaxllm: process {process} stops: the job's coordinator (process 0) or another of its processes died, "
             f"and JAX's distributed service ends the others (its lines: {path})")
     sys.stderr.flush()
-    console = os.dup(2)
-    child = subprocess.Popen([sys.executable, "-c", _STDERR_FILTER, path, note, _PEER_DIED.decode(), _FATAL.decode()],
-                             stdin=subprocess.PIPE, stdout=console, close_fds=True, start_new_session=True)
+    console, log = os.dup(2), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    child = subprocess.Popen([sys.executable, "-c", _STDERR_FILTER, str(log), note, _PEER_DIED.decode(),
+                              _FATAL.decode()], stdin=subprocess.PIPE, stdout=console, pass_fds=(log,),
+                             start_new_session=True)
     os.close(console)
+    os.close(log)
     os.dup2(child.stdin.fileno(), 2)
     child.stdin.close()  # descriptor 2 holds the pipe now: the filter's input ends when this process does
 

@@ -41,6 +41,7 @@ HEARTBEAT_S = 60.0  # the holder renews the file's modification time this often
 STALE_S = 300.0
 _POLL_S = 5.0
 _HELD: dict[str, _Lock] = {}  # workdir (real path) -> this process's lock of it (re-entrant)
+_AGREED = "jaxllm/workdir_lock"  # the coordination service's key: process 0 took the lock
 
 
 class WorkdirBusy(ConfigError):
@@ -154,16 +155,24 @@ class _Lock:
         os.close(self.fd)
 
 
-def _everywhere(flag: bool) -> bool:
-    """Whether ``flag`` holds in every process of the job (collective; True alone)."""
-    import jax  # noqa: PLC0415
+def _job() -> tuple[int, int, object]:
+    """``(process index, process count, the jax.distributed client or None)``, without starting a backend."""
+    from jax._src import distributed  # noqa: PLC0415  (jax.process_index() would start the backend)
 
-    if jax.process_count() == 1:
-        return flag
-    import numpy as np  # noqa: PLC0415
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    state = distributed.global_state
+    return (state.process_id, state.num_processes, state.client) if state.client is not None else (0, 1, None)
 
-    return bool(np.min(multihost_utils.process_allgather(np.int32(flag))))
+
+def _agreed(ok: bool, process: int, client) -> bool:
+    """Process 0's ``ok``, for every process: through the job's coordination service (a key it sets and the others
+    wait for), not a device collective, which would start a backend and Gloo's connection lines before the console
+    is set up."""
+    if client is None:
+        return ok
+    if process == 0:
+        client.key_value_set(_AGREED, "1" if ok else "0")
+        return ok
+    return client.blocking_key_value_get(_AGREED, 600_000) == "1"
 
 
 @contextlib.contextmanager
@@ -183,12 +192,8 @@ def held(workdir: str, what: str = "jaxllm.train", *, collective: bool = True, f
         yield
         return
     lock, error = None, None
-    primary = True
-    if collective:
-        import jax  # noqa: PLC0415
-
-        primary = jax.process_index() == 0
-    if primary:
+    process, _, client = _job() if collective else (0, 1, None)
+    if process == 0:
         lock = _Lock(os.path.join(workdir, LOCK_FILE), what, flag)
         try:
             note = lock.acquire(workdir)
@@ -196,7 +201,7 @@ def held(workdir: str, what: str = "jaxllm.train", *, collective: bool = True, f
                 print(note, flush=True)
         except WorkdirBusy as e:
             lock, error = None, e
-    if collective and not _everywhere(error is None):
+    if not _agreed(error is None, process, client):
         if lock:
             lock.release()
         raise error or WorkdirBusy(workdir, "another run (process 0 says which)", flag)
