@@ -627,6 +627,8 @@ def truncated(path):
 BROKEN = {  # file of the directory -> (its damage, words of the one line)
     "model.safetensors": (truncated, "model.safetensors cannot be read as safetensors weights (SafetensorError"),
     "config.json": (lambda p: p.write_text('{"model_type": "llama",'), "config.json cannot be read as JSON"),
+    "config.json's values": (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "hidden_size": "x"})),
+                             "config.json cannot be read as a Hugging Face config.json"),
     "tokenizer.model": (lambda p: p.write_bytes(os.urandom(2000)), "tokenizer.model: not a SentencePiece model"),
     "tokenizer.json": (lambda p: p.write_text('{"model": {"type": "BPE", "vocab"'),
                        "tokenizer.json: not a Hugging Face tokenizer.json"),
@@ -640,7 +642,7 @@ def test_a_damaged_file_of_an_import_is_one_line_and_leaves_nothing(name, llama_
     d = tmp_path / "hf"
     shutil.copytree(llama_with_tokenizer, d)
     damage, words = BROKEN[name]
-    damage(d / name)
+    damage(d / name.split("'")[0])
     if name in ("model.safetensors", "tokenizer.model"):
         r = cli("--from-hf", str(d), str(tmp_path / "work"))
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -66,7 +66,7 @@ from jaxllm.data.tokenizers import (
     file_tokenizer,
     gpt2_dir_or_packaged,
 )
-from jaxllm.errors import ConvertError, DataError
+from jaxllm.errors import ConvertError, DataError, reading
 from jaxllm.formats.hf import SAFETENSORS, hf_architecture, model_from_hf, params_from_hf, read_safetensors, to_hf
 from jaxllm.formats.workdir import apply_overrides, importing, read_json, resolve_for_its_mesh, save_imported
 from jaxllm.model import gpt
@@ -192,7 +192,9 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
         raise ConvertError(f"{directory}: no such directory")
     if not os.path.isfile(path):
         raise ConvertError(f"{directory} has no config.json: not a Hugging Face model directory")
-    arch, keys = model_from_hf(read_json(path))
+    hf = read_json(path)
+    with reading(path, "a Hugging Face config.json", ConvertError):  # a value of another type than its key's
+        arch, keys = model_from_hf(hf)
     given = config.get_config()
     given.model.update(**keys)
     given.train.seq_length = positions = given.model.max_position_embeddings
