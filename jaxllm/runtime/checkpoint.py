@@ -325,7 +325,8 @@ class Checkpointer:
         in the background: found by :meth:`poll`, the tier's next save or :meth:`close`) is :meth:`_save_failed`'s.
 
         Raises:
-          SaveError: a save failed and ``checkpoint.fail_on_save_error`` is set (the default).
+          SaveError: a save failed and ``checkpoint.fail_on_save_error`` is set (the default), or a forced save (the
+            run's last, a preemption's) failed.
         """
         due = [t for t in self.tiers if t.due(step) or (force and t is self.shared)]
         items, started = None, False
@@ -338,7 +339,7 @@ class Checkpointer:
                 tier.check_space(state)
                 started |= tier.save(step, state, items)
             except Exception as e:  # noqa: BLE001  full disk, lost permission, a directory gone: OSError and others
-                self._save_failed(tier, step, e)
+                self._save_failed(tier, step, e, last=force and tier is self.shared)  # the end's, a preemption's
         return started
 
     def poll(self) -> None:
