@@ -15,6 +15,9 @@ import sys
 import threading
 
 from jaxllm.errors import MEGATRON_NAMES, ConfigError, DataError
+from jaxllm.platform import console
+
+console.quiet_absent_gpu_plugin()  # every tool imports this module before JAX starts (see platform/console.py)
 
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
 # XLA:CPU holds at most this many devices in one process: a device's global id is its process index x 2,048

@@ -395,7 +395,9 @@ class Checkpoint(Section):
     # every local_interval steps (the last `keep`); a restart resumes from it when every process has the step
     local_dir: str = ""  # "": no node-local tier
     local_interval: int = _key(0, ">=0")  # steps between node-local saves; 0: none
-    fail_on_save_error: bool = False  # a failed save stops the run (exit 1); default: one warning line, go on
+    # a failed save (full disk or quota) stops the run, exit 74; False: one warning line and training goes on
+    # (never past the run's last save: a run whose last checkpoint is not saved never ends with status 0)
+    fail_on_save_error: bool = True
 
 
 @dataclasses.dataclass

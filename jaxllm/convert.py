@@ -30,6 +30,9 @@ from jaxllm.families.registry import ARCHITECTURES
 from jaxllm.formats.hf import hf_architecture
 from jaxllm.formats.hf_workdir import export_workdir, import_to_workdir
 from jaxllm.formats.megatron_workdir import export_megatron, import_megatron
+from jaxllm.runtime.checkpoint import SaveError
+
+EXIT_SAVE_FAILED = 74  # as jaxllm.train's: the import's checkpoint was not saved (a full disk); nothing is left
 
 
 def _megatron_main(args: argparse.Namespace, overrides: dict[str, str]) -> int:
@@ -85,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
-    # OSError: a file missing, unreadable or unwritable
+    # OSError: a file missing, unreadable or unwritable; a checkpoint not saved (a full disk): jaxllm.train's status
+    try:
+        return _main(args, overrides)
+    except SaveError as e:
+        cli.fail(f"error: {e}", EXIT_SAVE_FAILED)
+
+
+def _main(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     with cli.usage_errors(dict.fromkeys((ConvertError, DataError, OSError), "error: ")):
         if args.to_megatron or args.from_megatron:
             return _megatron_main(args, overrides)

@@ -6,10 +6,12 @@ the latest checkpoint that can be restored (exactly: see :mod:`jaxllm.runtime.ch
 
 Exit codes: 0 done; 1 an unexpected error, or :class:`NonFiniteError` (the loss or
 gradient norm was NaN/inf for ``train.max_nonfinite_steps`` steps in a row), or
-:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read, or a
-save failed with ``checkpoint.fail_on_save_error``);
+:class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read);
 2 bad config or data, one line naming the key, the value and the fix, before
-anything is compiled; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
+anything is compiled, or the workdir is in use by another run
+(:mod:`jaxllm.runtime.workdir_lock`); :data:`EXIT_SAVE_FAILED` (74) a checkpoint was not
+saved (a full disk or quota): one line naming the newest complete step, which a rerun resumes
+from; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
 made the run save a checkpoint at the next step boundary and stop; rerun the same
 command to continue.
 
@@ -40,7 +42,7 @@ from jaxllm.model import gpt
 from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
-from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers
+from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers, workdir_lock
 from jaxllm.runtime.preemption import Preemption
 from jaxllm.runtime.run import Run
 from jaxllm.runtime.sampling import Sampler
@@ -48,6 +50,9 @@ from jaxllm.runtime.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
+# Exit status of a run stopped by a checkpoint that was not saved (a full disk or quota): BSD's EX_IOERR.  The launch
+# scripts do not restart it (it would fail again); free space and rerun, which resumes from the newest saved step.
+EXIT_SAVE_FAILED = 74
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started: the shell's status for SIGINT
 
 
@@ -131,7 +136,8 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
             print(f"jaxllm: note: data.split={spec.data.split!r} leaves no validation split, so the run does not "
                   f"evaluate (as Megatron-LM); give validation a weight (e.g. data.split=969,30,1) to evaluate",
                   flush=True)
-    data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",))
+    data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",),
+                quiet=jax.process_index() != 0)  # process 0 says a prepared text is reused, once
     return resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
 
@@ -183,6 +189,7 @@ def train(cfg, workdir: str, started: float | None = None) -> dict:
     check_workdir(workdir)
     path = compile_cache.directory(cfg.train.compile_cache_dir, workdir)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(workdir_lock.held(workdir))  # one run per workdir (main holds it already)
         try:
             stack.enter_context(compile_cache.use(path, cfg.train.compile_cache_min_compile_s))
         except OSError as e:
@@ -276,7 +283,7 @@ class _Loop:
         self.bpb_scale = 1 / data.bytes_per_token / math.log(2) if data.bytes_per_token else None
         self.logger = metrics.MetricsLogger(workdir, enabled=self.primary, tensorboard=cfg.log.tensorboard,
                                             progress_bar=cfg.log.progress_bar, total_steps=t.train_iters - start,
-                                            wandb=wandb_run)
+                                            wandb=wandb_run, resumed_at=start)
         self.exit_code = 1  # what the W&B run records: 1 unless the loop ends or is preempted
         self.last, self.last_eval = {}, {}
         self.bubble = schedules.schedule_bubble(cfg)
@@ -315,11 +322,19 @@ class _Loop:
             for s in range(self.start, self.t.train_iters):
                 self._step(s, preemption)
             self.exit_code = 0
+        except checkpoint.SaveError:
+            self.exit_code = EXIT_SAVE_FAILED
+            raise
         finally:  # a pending asynchronous save completes before the process ends (a second Ctrl-C still ends it)
-            with self.watchdog.waiting("the last checkpoint's save"):
-                self.checkpointer.close()
-            preemption.uninstall()
-            self.logger.close(self.exit_code, preempted=self.exit_code == EXIT_PREEMPTED)
+            try:
+                with self.watchdog.waiting("the last checkpoint's save"):
+                    self.checkpointer.close()
+            except checkpoint.SaveError:
+                self.exit_code = EXIT_SAVE_FAILED
+                raise
+            finally:
+                preemption.uninstall()
+                self.logger.close(self.exit_code, preempted=self.exit_code == EXIT_PREEMPTED)
 
         if self.primary and self.cfg.log.samples:
             split = "valid" if self.t.eval_interval else "train"
@@ -369,6 +384,7 @@ class _Loop:
         if evaluate:
             self._evaluate(done)
         with watchdog.waiting(f"the checkpoint at step {done}"), step_times.waiting():
+            self.checkpointer.poll()  # a save that failed in the background stops the run now, not at the next
             self.checkpointer.maybe_save(done, self.state, force=done == t.train_iters or stop)
         if stop:
             self.exit_code = EXIT_PREEMPTED
@@ -445,11 +461,22 @@ def print_samples(run, state, tokenizer, default_prompt, workdir):
 def fail_once(message: str, code: int, process: int):
     """Exits with ``code`` after one line on stderr from process 0: every process of a multi-process run
     meets the same config error, data error or preemption, and the others (``process`` > 0) write theirs to
-    their log file (``WORKDIR/logs/process_N.log``) instead of repeating it on the job's console."""
+    their log file (``WORKDIR/logs/process_N.log``, once it is open) instead of repeating it on the job's console."""
     if process == 0:
         cli.fail(message, code)
-    python_logging.getLogger("jaxllm.library").error("%s", message)
+    library = python_logging.getLogger("jaxllm.library")
+    if library.handlers:
+        library.error("%s", message)
     sys.exit(code)
+
+
+def _refused(workdir: str, before: frozenset[str] | None, held: bool) -> None:
+    """After bad input: what this run wrote into ``workdir`` since ``before`` (:func:`workdir_lock.snapshot`) is
+    removed, the workdir too if the run made it, unless the run saved a checkpoint; only by the lock's holder."""
+    saved = os.path.join(workdir, "checkpoints")
+    if held and jax.process_index() == 0 and (before is None or "checkpoints" not in before) and not (
+            os.path.isdir(saved) and any(n.isdigit() for n in os.listdir(saved))):
+        workdir_lock.remove_new(workdir, before)
 
 
 def main(argv):
@@ -457,9 +484,16 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
-    process = 0  # this process's index once it joined a multi-process job
+    process, held = 0, False  # this process's index once it joined a multi-process job; the workdir locked
+    workdir = flags.FLAGS.workdir
+    before = workdir_lock.snapshot(workdir)
+
+    def refuse(line: str):
+        _refused(workdir, before, held)
+        fail_once(line, cli.EXIT_USAGE, process)
+
     try:
-        with cli.usage_errors(report=lambda line: fail_once(line, cli.EXIT_USAGE, process)):
+        with contextlib.ExitStack() as stack, cli.usage_errors(report=refuse):  # refuse() while the lock is held
             if flags.FLAGS.check_devices:
                 print(check(flags.FLAGS.config, flags.FLAGS.check_devices))
                 return
@@ -467,14 +501,19 @@ def main(argv):
             host_memory.keep_freed_memory()  # CPU runs: XLA's buffers come from malloc; before XLA's threads start
             topology = distributed.initialize()  # joins a multi-process job before any backend starts; a
             process = topology.process_id if topology else 0  # LaunchError is a ConfigError of its process
-            check_workdir(flags.FLAGS.workdir)
-            console.configure(flags.FLAGS.workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose)
+            check_workdir(workdir)
+            stack.enter_context(workdir_lock.held(workdir))  # before anything is written there
+            held = True
+            console.configure(workdir, process=jax.process_index(), verbose=flags.FLAGS.config.log.verbose,
+                              processes=jax.process_count())
             gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
-            train(flags.FLAGS.config, flags.FLAGS.workdir, started=started)
+            train(flags.FLAGS.config, workdir, started=started)
     except KeyboardInterrupt:
         cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
     except Preempted as e:
         fail_once(f"jaxllm: {e}", EXIT_PREEMPTED, process)
+    except checkpoint.SaveError as e:
+        fail_once(f"error: {e}", EXIT_SAVE_FAILED, process)
     except (NonFiniteError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -47,8 +47,9 @@
 # In-job restart (jaxllm_run): when jaxllm.train fails (a process died, the others' heartbeat abort,
 # a stall: exit 70, a crash, a signal the scheduler did not send) it is started again in the same
 # allocation and resumes from the newest complete checkpoint in WORKDIR, each time with one line
-# naming the cause and the step.  Not restarted: success, exit 2 (bad input: it would fail again),
-# 75 (preempted: saved, the scheduler requeues), a SIGTERM/SIGINT/SIGUSR1 to the script itself (the
+# naming the cause and the step.  Not restarted: success, exit 2 (bad input, or WORKDIR in use by
+# another run: it would fail again), 74 (a checkpoint was not saved: a full disk or quota, which a
+# restart would meet again), 75 (preempted: saved, the scheduler requeues), a SIGTERM/SIGINT/SIGUSR1 to the script itself (the
 # scheduler or Ctrl-C), a failure with the same status from the same checkpoint as the previous one
 # (it would loop; one line says so).
 #   JAXLLM_MAX_RESTARTS     restarts per job (default 3; 0: none)
@@ -295,7 +296,7 @@ jaxllm_run() {
   while :; do
     status=0
     "$@" || status=$?
-    if (( status == 0 || status == 2 || status == 75 || JAXLLM_STOPPING )); then exit "$status"; fi
+    if (( status == 0 || status == 2 || status == 74 || status == 75 || JAXLLM_STOPPING )); then exit "$status"; fi
     cause="status $status"
     if (( status > 128 )) && kill -l $((status - 128)) >/dev/null 2>&1; then
       cause+=" (SIG$(kill -l $((status - 128))))"

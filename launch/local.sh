@@ -59,7 +59,7 @@ run_processes() {
   done
   for ((left = N; left > 0;)); do
     pid="" s=0
-    wait -n -p pid || s=$?
+    wait -n -p pid 2>/dev/null || s=$?  # (bash's "line N: PID Killed ..." notes: the launch line says it)
     [[ -n "${pid:-}" ]] || continue  # a trapped signal interrupted the wait
     left=$((left - 1))
     if (( s != 0 && status == 0 )); then

@@ -1,4 +1,5 @@
-"""The commands that README.md and docs/*.md show, and how CI runs each one, shortened.
+"""The commands that README.md and docs/*.md show, and how CI runs each one: as written, or with the flags the
+document itself shows after it.
 
 A command is a line of a fenced ```bash block (``\\``-continued lines joined, ``#``
 comments dropped) or a ``$ ``-prefixed line of any fenced block (a transcript).  A line
@@ -9,12 +10,14 @@ comments dropped) or a ``$ ``-prefixed line of any fenced block (a transcript). 
 * cluster submissions (``sbatch``, ``qsub``) run their script with ``DRY_RUN=1`` and the
   allocation's environment (nodes from ``-N``/``-l select=``), knobs kept, and the config of
   the ``jaxllm.train`` command it prints must pass ``config.resolve`` for the job's devices;
-* everything else runs for real in a sandbox checkout, with :data:`SHORTER` flags appended
-  so that a training run takes a few steps and a benchmark a few points; the flags are
-  the documented ones plus size knobs, never other code paths.
+* everything else runs for real in a sandbox checkout, exactly as written, unless the line after
+  it in the document is ``# tests add: FLAGS``: then with those flags appended (to the last command of
+  the line), so that a 2000-step recipe trains a few steps and a benchmark takes a few points; the
+  reader sees what the tests run.
 
 The README's end-to-end section (between ``<!-- e2e -->`` and ``<!-- /e2e -->``) is run
-by ``tests/test_e2e.py`` in order, with the kill in between.
+by ``tests/test_e2e.py`` in order, with the kill in between, at the size the README states
+after the section.
 """
 
 from __future__ import annotations
@@ -32,42 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 E2E_BEGIN, E2E_END = "<!-- e2e -->", "<!-- /e2e -->"
 
-# A few steps of any training run: every flag is one a user could pass.
-TRAIN = ["--config.train.train_iters=3", "--config.train.warmup_iters=1", "--config.train.eval_interval=3",
-         "--config.train.eval_iters=1", "--config.train.log_interval=1", "--config.log.samples=0",
-         "--config.checkpoint.interval=0"]
-# configs/gpt3.py sizes, cut down to seconds on a CPU (the vocabulary stays).
-GPT3_SMALL = ["--config.model.num_layers=2", "--config.model.hidden_size=128", "--config.model.num_attention_heads=4",
-              "--config.train.seq_length=64", "--config.model.dtype=float32"]
-
-# (pattern on the command, flags appended when it matches); the first match wins.
-SHORTER = [
-    (r"-m jaxllm\.train\b.*configs/gpt3\.py", TRAIN + GPT3_SMALL),
-    # Llama's recipe warms up over a fraction of the steps (train.lr_warmup_fraction), not warmup_iters
-    (r"-m jaxllm\.train\b.*configs/(llama|moe)\.py", [f for f in TRAIN if "warmup_iters" not in f]),
-    (r"-m jaxllm\.train\b|launch/local\.sh\b", TRAIN),
-    (r"-m jaxllm\.bench\b.*configs/gpt3\.py", ["--steps=1", "--warmup=0", *GPT3_SMALL]),
-    (r"-m jaxllm\.bench\b", ["--steps=2", "--warmup=0"]),
-    (r"-m jaxllm\.tune\b", ["--budget=1", "--steps=1", "--warmup=0", "--confirm=1", *GPT3_SMALL]),
-    (r"-m jaxllm\.generate\b", ["--num_tokens=16"]),
-    # plans compile, allocate nothing: two layers (a pipeline's stages need the documented depth)
-    (r"-m jaxllm\.plan\b(?!.*mesh\.pipeline)", ["--config.model.num_layers=2"]),
-    (r"benchmarks/pipeline\.py", ["--microbatches=4", "--steps=1", "--hidden=64", "--seq=32",
-                                  "--schedules=gpipe,1f1b"]),
-    (r"benchmarks/sequence_memory\.py",
-     ["--sizes=1", "--start=256", "--budget=1.4", "--", "--config.model.num_layers=2"]),
-    (r"benchmarks/attention\.py", ["--seqs=128", "--heads=2", "--iters=1", "--warmup=0", "--impls=xla"]),
-    (r"benchmarks/triton_offline\.py.*--sweep", ["--targets=gfx90a", "--head-dims=64", "--warps=4", "--stages=1",
-                                                "--seq=256", "--heads=2"]),
-    (r"benchmarks/triton_offline\.py",
-     ["--targets=sm_90", "--head-dims=64", "--impls=pallas", "--seq=256", "--heads=2"]),
-    (r"benchmarks/shakespeare_torch_reference\.py", ["--iters=3"]),
-    (r"benchmarks/vs_pytorch\.py", ["--shapes=shakespeare", "--rounds=2", "--steps=1", "--warmup=1"]),
-    (r"benchmarks/data_startup\.py", ["--datasets=5"]),
-    (r"benchmarks/moe_plans\.py", ["--models=mixtral", "--", "--config.model.num_layers=2"]),
-]
 CI = ("python3 -m venv ", ". .venv/bin/activate", "source .venv/bin/activate", "pip install ", "ruff check",
       "python -m pytest")
+
+
+TESTS_ADD = "# tests add: "  # the line after a command in a document: the flags the tests append to it
 
 
 @dataclass
@@ -75,6 +47,7 @@ class Command:
     where: str  # "docs/FILE.md:LINE"
     text: str
     e2e: bool  # inside the README's end-to-end section
+    tests_add: str = ""  # the flags its document says the tests append ("": it runs as written)
 
 
 def documented(path: Path) -> list[Command]:
@@ -90,6 +63,9 @@ def documented(path: Path) -> list[Command]:
             lang = line[3:].strip() if lang is None else None
             continue
         if lang is None:
+            continue
+        if line.startswith(TESTS_ADD) and not pending and out and out[-1].where == f"{rel}:{start}":
+            out[-1].tests_add = line[len(TESTS_ADD):].strip()
             continue
         if not pending:
             if lang == "bash" and line and not line.startswith("#"):
@@ -136,12 +112,9 @@ def split_env(text: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def shortened(text: str) -> str:
-    """``text`` with the :data:`SHORTER` flags of the first matching pattern appended."""
-    for pattern, extra in SHORTER:
-        if re.search(pattern, text):
-            return text + " " + " ".join(extra)
-    return text
+def as_tested(command: Command) -> str:
+    """What the tests run of ``command``: its text, with the flags its document shows after it."""
+    return f"{command.text} {command.tests_add}" if command.tests_add else command.text
 
 
 def submission(text: str, sandbox: Path) -> tuple[dict[str, str], list[str]] | None:
@@ -190,7 +163,7 @@ def make_sandbox(path: Path) -> Path:
 
 
 def run(command: Command, sandbox: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Runs ``command`` shortened (or as a dry run) in ``sandbox``; returns the finished process."""
+    """Runs ``command`` as tested (:func:`as_tested`, or as a dry run) in ``sandbox``; returns the finished process."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this interpreter
     sub = submission(command.text, sandbox)
@@ -198,7 +171,7 @@ def run(command: Command, sandbox: Path, timeout: int = 600) -> subprocess.Compl
         extra, argv = sub
         return subprocess.run(argv, cwd=sandbox, env={**env, **extra}, capture_output=True, text=True,
                               timeout=timeout)
-    return subprocess.run(["bash", "-c", shortened(command.text)], cwd=sandbox, env=env, capture_output=True,
+    return subprocess.run(["bash", "-c", as_tested(command)], cwd=sandbox, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

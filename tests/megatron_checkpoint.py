@@ -11,7 +11,9 @@ Run by tests/test_megatron_checkpoint.py under ``torch.distributed.run`` (gloo, 
                           # of a tensor-1 model loaded from it on a batch)
 
 KIND: ``gpt`` (learned positions, LayerNorm, GELU (tanh), biases, tied output), ``llama`` (rotary, RMSNorm,
-SwiGLU, grouped-query attention, no biases, untied output) or ``moe`` (llama with 4 experts, top 2).
+SwiGLU, grouped-query attention, no biases, untied output) or ``moe`` (llama with 4 experts, top 2); for ``load``
+only, ``shakespeare`` (configs/shakespeare_char.py's model: gpt's without biases, hidden 128, 65 characters,
+context 64).
 The optimizer is torch's AdamW on each rank's parameters, its state laid out by megatron-core's own
 ``get_param_id_to_sharded_param_map`` / ``optim_state_to_sharding_state`` (``FP32Optimizer.sharded_state_dict``:
 megatron-core's optimizer classes need CUDA); gradients come from each pipeline stage's own part of a loss.
@@ -70,6 +72,9 @@ def transformer_config(kind: str, tp: int, pp: int, ep: int = 1) -> TransformerC
     if kind == "gpt":
         return TransformerConfig(**common, ffn_hidden_size=256, add_bias_linear=True, normalization="LayerNorm",
                                  activation_func=fast_gelu, bias_activation_fusion=False)
+    if kind == "shakespeare":  # megatron-core's LayerNorm keeps its bias whatever add_bias_linear says
+        return TransformerConfig(**{**common, "hidden_size": 128}, ffn_hidden_size=512, add_bias_linear=False,
+                                 normalization="LayerNorm", activation_func=fast_gelu, bias_activation_fusion=False)
     llama = dict(ffn_hidden_size=96, num_query_groups=2, add_bias_linear=False, normalization="RMSNorm",
                  gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     if kind == "llama":
@@ -107,12 +112,13 @@ def megatron_args(kind: str, tp: int, pp: int, ep: int, iteration: int) -> argpa
 
 def build(kind: str, tp: int, pp: int, ep: int) -> GPTModel:
     cfg = transformer_config(kind, tp, pp, ep)
+    gpt = kind in ("gpt", "shakespeare")
     spec = get_gpt_layer_local_spec(num_experts=4 if kind == "moe" else None,
-                                    normalization="RMSNorm" if kind != "gpt" else "LayerNorm")
+                                    normalization="LayerNorm" if gpt else "RMSNorm")
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=PADDED_VOCAB, max_sequence_length=SEQ,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=kind == "gpt",
-                    position_embedding_type="learned_absolute" if kind == "gpt" else "rope")
+                    share_embeddings_and_output_weights=gpt,
+                    position_embedding_type="learned_absolute" if gpt else "rope")
 
 
 def batch(step: int):
@@ -216,7 +222,11 @@ def load(kind: str, directory: str, out: str) -> None:
 
 
 def main() -> None:
+    global VOCAB, PADDED_VOCAB, SEQ
     verb, kind, directory, arg = sys.argv[1:5]
+    if kind == "shakespeare":
+        VOCAB = PADDED_VOCAB = 65  # make_vocab_size_divisible_by=1: no padding
+        SEQ = 64
     torch.distributed.init_process_group("gloo")
     tp, pp, ep = layout(kind, verb)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -415,11 +415,12 @@ def test_a_flipped_byte_is_detected_and_the_step_before_restored(data_dir, refer
     assert_matches(workdir, reference[1])
 
 
-def test_a_failed_save_keeps_the_previous_step_and_the_run_goes_on(data_dir, reference, tmp_path, monkeypatch,
-                                                                   caplog):
+def test_a_failed_save_keeps_the_previous_step_and_stops_or_goes_on(data_dir, reference, tmp_path, monkeypatch,
+                                                                    caplog):
     """The checkpoint directory disappears after step 9 (a file in its place: a write that fails even for
-    root, whom permissions do not stop) and is back after step 14: the save at 10 fails in one line, step 5
-    stays intact, training goes on and saves 15 and 20; with checkpoint.fail_on_save_error the run stops."""
+    root, whom permissions do not stop) and is back after step 14: the save at 10 fails and the run stops in one
+    line naming step 5, which is intact; with checkpoint.fail_on_save_error=False one warning line, training goes
+    on and saves 15 and 20.  (A full filesystem: tests/test_full_disk.py.)"""
     o = overrides(data_dir, train__compile_cache_dir=str(reference[0] / "compile_cache"))
     original = checkpoint.Checkpointer.maybe_save
     seen = {}
@@ -440,17 +441,19 @@ def test_a_failed_save_keeps_the_previous_step_and_the_run_goes_on(data_dir, ref
 
     monkeypatch.setattr(checkpoint.Checkpointer, "maybe_save", maybe_save)
     workdir = tmp_path / "run"
-    train.train(make_config(o), str(workdir))
+    train.train(make_config({**o, "checkpoint.fail_on_save_error": False}), str(workdir))
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "\n" not in warnings[0], warnings
     assert warnings[0].startswith(f"checkpoint step 10 was not saved to {workdir / 'checkpoints'} ("), warnings[0]
-    assert warnings[0].endswith("the steps saved before it are intact; training goes on and the next save tries "
-                                "again (checkpoint.fail_on_save_error=True stops instead)")
+    assert warnings[0].endswith("; it holds no complete checkpoint; training goes on and the next save tries "
+                                "again (checkpoint.fail_on_save_error=False)"), warnings[0]
     assert seen["before 15"] == [5] and finalized(workdir) == [15, 20]
     assert_matches(workdir, reference[1])
 
     workdir = tmp_path / "stops"
-    with pytest.raises(checkpoint.CheckpointError, match=r"^checkpoint step 10 was not saved to .*; stopping "
-                                                         r"\(checkpoint.fail_on_save_error=True\)$"):
-        train.train(make_config({**o, "checkpoint.fail_on_save_error": True}), str(workdir))
+    with pytest.raises(checkpoint.SaveError, match=r"^checkpoint step 10 was not saved to .*; it holds no complete "
+                                                   r"checkpoint; stopping: free space \(or fix the directory\) and "
+                                                   r"rerun, which starts over \(checkpoint.fail_on_save_error=False "
+                                                   r"trains on instead\)$"):
+        train.train(make_config(o), str(workdir))
     assert last_step(workdir) == 10 and [p.name for p in (workdir / "checkpoints.away").iterdir()] == ["5"]

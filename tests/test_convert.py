@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 import transformers
 
 from jaxllm import config, convert
+from jaxllm.errors import DataError
 from jaxllm.families import llama as llama_family
 from jaxllm.formats import hf_workdir
 from jaxllm.formats.hf import ConvertError, to_hf
@@ -604,6 +606,53 @@ def test_pickle_weights_are_refused_unread(tmp_path):
     r = cli("--from-hf", str(tmp_path), str(tmp_path / "work"))
     assert r.returncode == 2 and "pytorch_model.bin" in r.stderr and "safetensors" in r.stderr
     assert not marker.exists() and not (tmp_path / "work" / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(tmp_path_factory):
+    """A Llama directory with its SentencePiece tokenizer.model, as a Llama 2 release has them."""
+    from conftest import train_sentencepiece
+
+    d = tmp_path_factory.mktemp("llama_sp")
+    torch.manual_seed(4)
+    llama().save_pretrained(d, safe_serialization=True)
+    train_sentencepiece(d / "tokenizer.model", vocab_size=VOCAB - 1, byte_fallback=False, character_coverage=1.0)
+    return d
+
+
+def truncated(path):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+BROKEN = {  # file of the directory -> (its damage, words of the one line)
+    "model.safetensors": (truncated, "model.safetensors cannot be read as safetensors weights (SafetensorError"),
+    "config.json": (lambda p: p.write_text('{"model_type": "llama",'), "config.json cannot be read as JSON"),
+    "config.json's values": (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "hidden_size": "x"})),
+                             "config.json cannot be read as a Hugging Face config.json"),
+    "tokenizer.model": (lambda p: p.write_bytes(os.urandom(2000)), "tokenizer.model: not a SentencePiece model"),
+    "tokenizer.json": (lambda p: p.write_text('{"model": {"type": "BPE", "vocab"'),
+                       "tokenizer.json: not a Hugging Face tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_a_damaged_file_of_an_import_is_one_line_and_leaves_nothing(name, llama_with_tokenizer, tmp_path):
+    """Each file --from-hf reads, damaged: one line naming it (a damaged tokenizer is never replaced by the byte
+    tokenizer), exit 2 for the CLI, no workdir left; the two of the issue through the CLI, the others in-process."""
+    d = tmp_path / "hf"
+    shutil.copytree(llama_with_tokenizer, d)
+    damage, words = BROKEN[name]
+    damage(d / name.split("'")[0])
+    if name in ("model.safetensors", "tokenizer.model"):
+        r = cli("--from-hf", str(d), str(tmp_path / "work"))
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert words in lines[0] and str(d / name) in lines[0], lines[0]
+    else:
+        with pytest.raises((ConvertError, DataError)) as e:
+            hf_workdir.import_to_workdir(str(d), str(tmp_path / "work"))
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "work").exists()
 
 
 @pytest.mark.parametrize("changes,keys", [

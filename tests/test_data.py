@@ -700,3 +700,19 @@ def test_document_marker_splits_text(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"preamble\n== a\nA1\nA2\n== b\n== c\nC\n")
     docs = [t for t, _ in iter_documents(str(tmp_path / "t.txt"), document_marker="==")]
     assert docs == ["preamble\n", "A1\nA2\n", "C\n"]  # b: no line of its own, no document
+
+
+def test_undecodable_bytes_of_the_default_corpus_are_said_without_advice(capsys, tmp_path):
+    """The standard library holds its own tests of other encodings: the default corpus's bytes that do not decode are
+    said in one quiet line, with no advice to re-encode a file of the Python installation; another input's get the
+    advice."""
+    from jaxllm.config import default_corpus
+    from jaxllm.data.text import _check_decodable
+
+    counts = {"replaced": 3, "chars": 1000, "nul": 0, "files": [os.path.join(default_corpus(), "test", "x.py")]}
+    _check_decodable(default_corpus(), counts, 1.0)
+    line = capsys.readouterr().err
+    assert line == ("prepare: the default corpus (this Python's standard library) holds 3 bytes that do not decode as "
+                    "UTF-8 (its tests of other encodings), read as U+FFFD\n"), line
+    _check_decodable(str(tmp_path), {**counts, "files": [str(tmp_path / "notes.txt")]}, 1.0)
+    assert "iconv -f latin1" in capsys.readouterr().err

@@ -112,6 +112,7 @@ def rewrite_states(tag: Path, **changes) -> None:
 
 
 LN1 = "language_model.encoder.layers.0.input_layernorm.weight"
+SHARD = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 BAD = {  # case: (source, change of the copy, extra arguments, words of the one line)
     "a missing ZeRO shard": ("zero2_fp32_aligned",
                              lambda c: (c / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
@@ -135,7 +136,18 @@ BAD = {  # case: (source, change of the copy, extra arguments, words of the one 
     "pickled code in the model states": ("zero1_bf16_nested",
                                          lambda c: rewrite_states(c / "global_step3", payload=Payload()), (),
                                          "holds what the weights-only loader refuses"),
+    "truncated model states": ("zero1_bf16_nested",
+                               lambda c: truncate(c / "global_step3" / "mp_rank_00_model_states.pt"), (),
+                               "mp_rank_00_model_states.pt cannot be read as a torch.save file"),
+    "a truncated ZeRO shard": ("zero1_bf16_nested",
+                               lambda c: truncate(c / "global_step3" / f"bf16_{SHARD}"), (),
+                               f"bf16_{SHARD} cannot be read as a torch.save file"),
 }
+
+
+def truncate(path: Path) -> None:
+    """``path`` cut to half its bytes: a copy interrupted, a quota hit while it was written."""
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import optimized_env
-from doc_commands import DOCS, documented, make_sandbox, python_blocks, shortened
+from doc_commands import DOCS, documented, make_sandbox, python_blocks
 
 from jaxllm.plot import read_metrics
 
@@ -26,6 +26,7 @@ README = DOCS[0]
 SMALL = ["--config.model.hidden_size=64", "--config.train.train_iters=16",
          "--config.train.warmup_iters=2", "--config.train.eval_interval=8", "--config.train.eval_iters=2",
          "--config.train.log_interval=1", "--config.checkpoint.interval=4"]
+GENERATE = "--num_tokens=16"  # the generation's, as the README says after the section
 PROMPT = "def"
 
 
@@ -51,6 +52,8 @@ def sh(text: str, cwd, timeout=600) -> subprocess.CompletedProcess:
 
 
 def test_readme_end_to_end_shortened(tmp_path):
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    assert f"`{' '.join(SMALL)}` added" in text and f"`{GENERATE}` added to the generation" in text  # what it says
     cmds = e2e_commands()
     assert len(cmds) == 5, cmds
     first, second, plot, export, generate = cmds
@@ -109,7 +112,7 @@ def test_readme_end_to_end_shortened(tmp_path):
     # 4. export, 5. sample with jaxllm (the documented command, fewer tokens)
     sh(export, box)
     assert json.loads((workdir / "hf" / "config.json").read_text())["model_type"] == "gpt2"
-    r = sh(shortened(generate), box)
+    r = sh(f"{generate} {GENERATE}", box)
     assert r.stdout.startswith(PROMPT) and len(r.stdout) > len(PROMPT) + 16
 
     # 6. the transformers snippet runs as documented ...

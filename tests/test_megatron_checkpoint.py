@@ -227,7 +227,19 @@ BAD = {  # what is changed -> (the change, extra arguments, words of the one lin
     "a mismatched --iteration": (lambda c: None, ("--iteration", "5"), "holds no iteration 5"),
     "pickled code in common.pt": (lambda c: rewrite_common(c, payload=Payload()), (), "common.pt holds what"),
     "pickled code in .metadata": (poison_metadata, (), "builtins.print is not a class"),
+    "a truncated common.pt": (lambda c: truncate(c / f"iter_{ITERS:07d}" / "common.pt"), (),
+                              "common.pt cannot be read as a torch.save file"),
+    "a truncated .metadata": (lambda c: truncate(c / f"iter_{ITERS:07d}" / ".metadata"), (), ".metadata"),
+    "a truncated shard": (lambda c: truncate(c / f"iter_{ITERS:07d}" / "__1_0.distcp"), (),
+                          "cannot be read as torch_dist shards"),
+    "a damaged metadata.json": (lambda c: (c / f"iter_{ITERS:07d}" / "metadata.json").write_text("{"), (),
+                                "metadata.json cannot be read as JSON"),
 }
+
+
+def truncate(path: Path) -> None:
+    """``path`` cut to half its bytes: a copy interrupted, a quota hit while it was written."""
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -288,3 +300,56 @@ def test_float32_copies_skipped_updates_and_the_tracker(saved, tmp_path):
     assert run_cli("--to-megatron", tmp_path / "run", out) == 0
     assert (out / f"iter_{ITERS:07d}" / "common.pt").is_file()
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "1000"
+
+
+def test_shakespeare_recipe_through_megatron(tmp_path, capsys):
+    """configs/shakespeare_char.py's model, LayerNorm without biases (nanoGPT's): --to-megatron writes megatron-core's
+    LayerNorm biases as zeros, megatron-core loads the checkpoint into its GPTModel with jaxllm's logits, and
+    --from-megatron gives the bias-less model back, whose next step has the loss of the run that went on by itself.
+    A Megatron LayerNorm bias that is not zero has no bias-less form: refused in one line."""
+    from jaxllm.formats import torch_dist  # noqa: PLC0415
+
+    def recipe(iters):
+        cfg = runpy.run_path(str(Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.py"))[
+            "get_config"]()
+        cfg.train.update(train_iters=iters, eval_interval=0, log_interval=1)
+        cfg.data.cache_dir = str(tmp_path / "cache")
+        cfg.checkpoint.interval = 0
+        cfg.log.update(samples=0, tensorboard=False, progress_bar=False)
+        return cfg
+
+    first, out = tmp_path / "first", tmp_path / "megatron"
+    train.train(recipe(2), str(first))
+    assert run_cli("--to-megatron", first, out) == 0
+    torchrun(1, "load", "shakespeare", out, tmp_path / "read.npz")
+    read = np.load(tmp_path / "read.npz")
+    assert not read["tensor.decoder.final_layernorm.bias"].any()
+    m, _, state, _ = restored(first)
+    assert not m.use_bias and m.norm == "layernorm"
+    logits = np.asarray(gpt.forward(gpt.describe(m).graphdef, state["params"], read["tokens"].astype(np.int32)))
+    np.testing.assert_allclose(logits, read["logits"], rtol=0, atol=1e-5)
+
+    assert run_cli("--from-megatron", out, tmp_path / "second", "--config.data.tokenizer=char",
+                   "--config.data.sampling=uniform") == 0
+    imported = runpy.run_path(str(tmp_path / "second" / "config.py"))["get_config"]()
+    assert imported.model.use_bias is False
+    imported.train.train_iters = 3
+    imported.data.cache_dir = str(tmp_path / "cache")
+    imported.log.update(samples=0, tensorboard=False, progress_bar=False)
+    train.train(recipe(3), str(first))
+    train.train(imported, str(tmp_path / "second"))
+    assert sorted(losses(tmp_path / "second")) == [3]
+    assert abs(losses(tmp_path / "second")[3] - losses(first)[3]) <= 1e-6
+
+    path = out / "iter_0000002"
+    metadata = torch_dist.read_metadata(str(path))
+    tensors = torch_dist.read_tensors(str(path), metadata, [k for k, v in metadata.state_dict_metadata.items()
+                                                            if hasattr(v, "chunks")])
+    tensors["decoder.final_layernorm.bias"] = tensors["decoder.final_layernorm.bias"] + 0.25
+    objects = {k: None for k, v in metadata.state_dict_metadata.items() if not hasattr(v, "chunks")}
+    learned = tmp_path / "learned"
+    torch_dist.write(str(learned / "iter_0000002"), torch_dist.read_common(str(path)), tensors, objects)
+    torch_dist.advance_tracker(str(learned), 2)
+    capsys.readouterr()
+    assert_refused(learned, tmp_path / "refused", capsys, "decoder.final_layernorm.bias is not zero (max |x| 0.25)",
+                   "--config.data.tokenizer=char")

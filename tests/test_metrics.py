@@ -2,9 +2,9 @@
 Megatron-LM's formulas, the peak table, the measured CPU peak, and MetricsLogger's files and lines."""
 
 import glob
-import io
 import json
 import os
+import select
 import struct
 import sys
 import time
@@ -276,6 +276,58 @@ def test_logger_appends(tmp_path, capsys):
     assert not (tmp_path / "tensorboard").exists()
 
 
+def session_starts(directory):
+    """Per event file in name order (TensorBoard's), the steps of its SessionLog.START events."""
+    starts = []
+    for name in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        data, pos, found = open(name, "rb").read(), 0, []
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                found.append(event.step)
+        starts.append(found)
+    return starts
+
+
+class WandbRun:
+    """What the logger calls of a W&B run (``log``, ``finish``), recorded: W&B's own side is tests/test_wandb.py's."""
+
+    def __init__(self):
+        self.steps = []
+
+    def log(self, values, step):
+        self.steps.append(step)
+
+    def finish(self, exit_code):
+        pass
+
+
+def test_a_resumed_run_supersedes_the_steps_it_runs_again(tmp_path, capsys):
+    """Steps 1-5 logged, then the run resumes from its checkpoint at step 3 and logs 4-6 again: metrics.jsonl holds
+    each step once (the resumed run's rows after 3), the resumed TensorBoard file starts a session at step 4 (whence
+    TensorBoard drops the older files' events), and W&B, which holds 1-5 already, is sent only step 6."""
+    def run(steps, resumed_at, wandb=None, base=0.0):
+        with metrics.MetricsLogger(str(tmp_path), resumed_at=resumed_at, wandb=wandb) as log:
+            for step in steps:
+                log.log(step, {"loss": base + step})
+                if step % 2 == 0:
+                    log.log(step, {"eval_loss": base + step}, kind="eval")
+
+    run(range(1, 6), 0)
+    time.sleep(1.1)  # the next event file's name (its start second) sorts after the first's, as TensorBoard reads
+    wandb = WandbRun()
+    run(range(4, 7), 3, wandb, base=10.0)
+    rows = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in rows] == [(1, "train"), (2, "train"), (2, "eval"), (3, "train"),
+                                                      (4, "train"), (4, "eval"), (5, "train"), (6, "train"),
+                                                      (6, "eval")]
+    assert [r.get("loss", r.get("eval_loss")) for r in rows] == [1, 2, 2, 3, 14, 14, 15, 16, 16]
+    assert session_starts(str(tmp_path / "tensorboard")) == [[1], [4]]
+    assert wandb.steps == [6, 6]
+
+
 def test_disabled_logger_does_nothing(tmp_path, capsys):
     workdir = tmp_path / "rank1"
     log = metrics.MetricsLogger(str(workdir), enabled=False, total_steps=10)
@@ -288,19 +340,27 @@ def test_disabled_logger_does_nothing(tmp_path, capsys):
 
 
 def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    terminal = Terminal()
+    """On a real terminal (a pseudo-terminal) that says it is 0 columns wide, as `script`'s and some batch consoles'
+    are: the bar is drawn at a fixed width, the log lines above it."""
+    master, slave = os.openpty()
+    assert os.get_terminal_size(slave).columns == 0
+    terminal = open(slave, "w", buffering=1)  # noqa: SIM115  (closed below)
     monkeypatch.setattr(sys, "stdout", terminal)
     with metrics.MetricsLogger(str(tmp_path), tensorboard=False, total_steps=10) as log:
         log.advance(3)
         log.log(3, {"loss": 1.5})
         log.advance(2)
-    text = terminal.getvalue()
+    terminal.close()
+    out = b""
+    while select.select([master], [], [], 0.2)[0]:
+        try:
+            out += os.read(master, 1 << 16)
+        except OSError:  # the other side closed
+            break
+    os.close(master)
+    text = out.decode()
     assert "step     3 | loss 1.5000" in text
-    assert "5/10" in text
+    assert "5/10 [" in text and "step/s" in text, text
 
 
 def test_logger_rejects_bad_input(tmp_path, capsys):

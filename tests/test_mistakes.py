@@ -65,6 +65,20 @@ def test_config_mistakes_are_one_line(tmp_path, args, words):
     assert not (tmp_path / "w").exists()  # nothing written
 
 
+def test_a_bad_config_is_its_one_line_without_jax_platforms(tmp_path):
+    """With JAX's CUDA plugin installed (the test extra) and no GPU, JAX_PLATFORMS unset as on a user's shell: the
+    whole output of a bad config is its one line (the plugin's start-up traceback goes to no console), and nothing
+    is left of the workdir it would have made."""
+    env = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-m", "jaxllm.train", f"--workdir={tmp_path / 'w'}",
+                        "--config.model.num_attention_heads=3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr == ("config error: model.hidden_size=256: must be divisible by model.num_attention_heads=3\n"), \
+        r.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_broken_config_files_are_one_line(tmp_path):
     syntax = write(tmp_path / "syntax.py", "def get_config(:\n")
     assert "SyntaxError at line 1" in one_line(run(f"--config={syntax}", f"--workdir={tmp_path / 'w'}"))
@@ -273,3 +287,51 @@ def test_ctrl_c_saves_and_resumes_and_a_finished_run_says_so(tmp_path):
     r = run(*args[:-3], "--config.train.train_iters=3", "--config.train.eval_interval=0")
     assert r.returncode == 0 and f"is finished: its checkpoint is at step {saved}" in r.stdout, r.stderr
     assert "compiled" not in r.stdout
+
+
+def checksums(workdir):
+    """step -> the checksums of every array the checkpoint at that step holds (saved with it)."""
+    ckpts = Path(workdir) / "checkpoints"
+    return {int(p.name): json.loads((p / "checksums" / "metadata").read_text()) for p in ckpts.iterdir()
+            if p.name.isdigit()}
+
+
+def losses(workdir):
+    rows = [json.loads(ln) for ln in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+
+
+def test_a_busy_workdir_refuses_a_second_run_and_an_import(tmp_path):
+    """Two jaxllm.train on one workdir: the second is refused in one line (exit 2), naming the first, and so is an
+    import into it, neither writing anything; the first finishes with the checkpoints (their checksums) and the
+    metrics of the same run alone.  The first is slowed down (JAXLLM_DEBUG_SLOW_PROCESS) to be still running."""
+    args = [*TINY, "--config.train.train_iters=30", "--config.train.eval_interval=0",
+            "--config.checkpoint.interval=10", f"--config.train.compile_cache_dir={tmp_path / 'cache'}"]
+    alone, busy = tmp_path / "alone", tmp_path / "busy"
+    assert run(f"--workdir={alone}", *args).returncode == 0
+    first = subprocess.Popen([sys.executable, "-m", "jaxllm.train", f"--workdir={busy}", *args], cwd=ROOT,
+                             env={**ENV, "JAXLLM_DEBUG_SLOW_PROCESS": "0:0.5"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not losses_so_far(busy) and time.time() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    holder = json.loads((busy / "run.lock").read_text())
+    listing = sorted(p.name for p in busy.iterdir())
+    line = one_line(run(f"--workdir={busy}", *args))
+    assert line.startswith(f"config error: --workdir='{busy}': is in use by jaxllm.train (pid {first.pid} on "
+                           f"{holder['host']}, started {holder['started']}), which holds {busy / 'run.lock'}; wait "
+                           "for it to end, or use another --workdir"), line
+    line = one_line(run("--from-megatron", ROOT / "tests" / "data" / "deepspeed" / "zero1_bf16_nested", busy,
+                        module="jaxllm.convert"))
+    assert line.startswith(f"config error: WORKDIR='{busy}': is in use by jaxllm.train (pid {first.pid}"), line
+    assert sorted(p.name for p in busy.iterdir()) == listing and holder["pid"] == first.pid
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert not (busy / "run.lock").exists()  # released at the end
+    assert checksums(busy) == checksums(alone) and sorted(checksums(busy)) == [20, 30]
+    assert losses(busy) == losses(alone) and [s for s, _ in losses(busy)] == list(range(1, 31))
+
+
+def losses_so_far(workdir):
+    path = Path(workdir) / "metrics.jsonl"
+    return path.exists() and path.read_text().strip()

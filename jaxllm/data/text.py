@@ -45,7 +45,7 @@ import uuid
 
 import numpy as np
 
-from jaxllm.config import Data
+from jaxllm.config import Data, default_corpus
 from jaxllm.data import cache, indexed
 from jaxllm.data.tokenizers import (
     GPT2_FILES,
@@ -231,7 +231,11 @@ def _check_decodable(item: str, counts: dict, limit: float) -> None:
                         f"Leave it out of data.input (--input), re-encode it to UTF-8"
                         f"{f' ({_reencode_hint(files[0])})' if files else ''}, or set data.max_undecodable "
                         f"(--max-undecodable) to {bad / chars:.2g} or more to keep it as read")
-    if replaced:
+    if replaced and os.path.abspath(item) == os.path.abspath(default_corpus()):
+        # the standard library's own tests of other encodings (test_source_encoding.py...): nothing to re-encode
+        print(f"prepare: the default corpus (this Python's standard library) holds {replaced:,} bytes that do not "
+              f"decode as UTF-8 (its tests of other encodings), read as U+FFFD", file=sys.stderr, flush=True)
+    elif replaced:
         where = "" if files == [os.path.abspath(item)] else f" (in {files[0]}" + (
             f" and {len(files) - 1} more files)" if len(files) > 1 else ")")
         print(f"prepare: data input {item}: {replaced:,} of its {chars:,} characters{where} are bytes that do not "
@@ -468,7 +472,7 @@ def text_inputs(data_cfg) -> list[str]:
     return [p for p in inp.split(",") if p] if isinstance(inp, str) else list(inp)
 
 
-def ensure_prepared(data_cfg, cache_root: str) -> str:
+def ensure_prepared(data_cfg, cache_root: str, quiet: bool = False) -> str:
     """The prefix of the indexed dataset of ``data.input``'s text, preparing it only when needed.
 
     The text is prepared into ``cache_root/<key>/data.{bin,idx,meta.json}``, where the key hashes
@@ -480,6 +484,7 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
     Args:
       data_cfg: the config's ``data`` section (input, tokenizer, gpt2_dir, json_key, document_marker).
       cache_root: directory for prepared caches (created if missing).
+      quiet: no line saying an entry is reused (a multi-process run's processes other than 0).
     Returns:
       the prefix (``.../data``).
     Raises:
@@ -506,8 +511,9 @@ def ensure_prepared(data_cfg, cache_root: str) -> str:
                  document_marker=data_cfg.document_marker, inputs_of=_inputs_of(text_inputs(data_cfg)),
                  max_undecodable=data_cfg.max_undecodable)
 
-    if not cache.build_once(directory, build, what=f"the tokenized {', '.join(text_inputs(data_cfg))[:200]}"):
+    built = cache.build_once(directory, build, what=f"the tokenized {', '.join(text_inputs(data_cfg))[:200]}")
+    if not built and not quiet:
         meta = read_meta(prefix)
         print(f"prepare: reusing {prefix} ({meta['num_tokens']:,} {meta['tokenizer']} tokens, "
-              f"{meta['num_documents']:,} documents)", file=sys.stderr, flush=True)
+              f"{meta['num_documents']:,} documents)", flush=True)  # progress, not a problem: stdout
     return prefix

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxllm import config
-from jaxllm.errors import ConvertError
+from jaxllm.errors import ConvertError, reading
 from jaxllm.families.registry import ARCHITECTURES, ROPE_TYPES
 from jaxllm.families.tables import Arch, Tensor
 from jaxllm.model import gpt
@@ -178,7 +178,8 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):
-        with open(index) as fp:
+        with reading(index, "a safetensors index (JSON with a weight_map of file names)", ConvertError), \
+                open(index, encoding="utf-8") as fp:
             files = [os.path.join(directory, n) for n in sorted(set(json.load(fp)["weight_map"].values()))]
     else:
         unsafe = [n for n in UNSAFE_WEIGHTS if os.path.exists(os.path.join(directory, n))]
@@ -193,8 +194,8 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
     tensors = {}
     with jax.default_device(jax.devices("cpu")[0]):
         for path in files:
-            with safe_open(path, framework="flax") as f:  # through jax: numpy has no bfloat16
-                for k in f.keys():  # noqa: SIM118  (a safe_open is not a dict)
+            with reading(path, "safetensors weights", ConvertError), safe_open(path, framework="flax") as f:
+                for k in f.keys():  # noqa: SIM118  (a safe_open is not a dict); through jax: numpy has no bfloat16
                     tensors[k] = np.asarray(f.get_tensor(k), np.float32)
     return tensors
 

@@ -66,9 +66,9 @@ from jaxllm.data.tokenizers import (
     file_tokenizer,
     gpt2_dir_or_packaged,
 )
-from jaxllm.errors import ConvertError, DataError
+from jaxllm.errors import ConvertError, DataError, reading
 from jaxllm.formats.hf import SAFETENSORS, hf_architecture, model_from_hf, params_from_hf, read_safetensors, to_hf
-from jaxllm.formats.workdir import apply_overrides, read_json, refuse_used, resolve_for_its_mesh, save_imported
+from jaxllm.formats.workdir import apply_overrides, importing, read_json, resolve_for_its_mesh, save_imported
 from jaxllm.model import gpt
 from jaxllm.parallel import sharding
 from jaxllm.resolve import resolve_model
@@ -188,9 +188,13 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
 def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, config.Resolved, dict]:
     """``(config as given, resolved config, params)`` of a Hugging Face directory; see :func:`from_hf`."""
     path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise ConvertError(f"{directory}: no such directory")
     if not os.path.isfile(path):
         raise ConvertError(f"{directory} has no config.json: not a Hugging Face model directory")
-    arch, keys = model_from_hf(read_json(path))
+    hf = read_json(path)
+    with reading(path, "a Hugging Face config.json", ConvertError):  # a value of another type than its key's
+        arch, keys = model_from_hf(hf)
     given = config.get_config()
     given.model.update(**keys)
     given.train.seq_length = positions = given.model.max_position_embeddings
@@ -226,28 +230,43 @@ def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[co
 
 def _find_gpt2_tokenizer(directory: str, dest: str) -> bool:
     """Copies GPT-2's tokenizer from a Hugging Face directory into ``dest`` as ``encoder.json`` +
-    ``vocab.bpe`` (jaxllm's gpt2 tokenizer files); False, with nothing left, if it is not GPT-2's."""
+    ``vocab.bpe`` (jaxllm's gpt2 tokenizer files); False, with nothing left, if it has none: no ``vocab.json`` +
+    ``merges.txt`` of GPT-2's size, and no ``tokenizer.json`` or one that is not GPT-2's (the model's own, for
+    :func:`_find_model_tokenizer`).
+
+    Raises:
+      DataError, ConvertError: ``vocab.json`` + ``merges.txt`` or ``tokenizer.json`` are there but cannot be read
+        (never another tokenizer instead).
+    """
     vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
     tok_json = os.path.join(directory, "tokenizer.json")
+    if os.path.isfile(vocab) and os.path.isfile(merges):
+        if len(read_json(vocab)) != GPT2_VOCAB_SIZE:
+            return False  # another byte-level BPE (Qwen2's): the model's own tokenizer.json
+        os.makedirs(dest, exist_ok=True)
+        shutil.copyfile(vocab, os.path.join(dest, GPT2_FILES[0]))
+        shutil.copyfile(merges, os.path.join(dest, GPT2_FILES[1]))
+        try:
+            GPT2Tokenizer(dest)
+        except DataError as e:  # named after the copy: say which files of the model's directory they are
+            raise DataError(str(e).replace(os.path.join(dest, GPT2_FILES[0]), vocab).replace(
+                os.path.join(dest, GPT2_FILES[1]), merges)) from None
+        return True
+    if not os.path.isfile(tok_json):
+        return False
+    bpe = read_json(tok_json).get("model") or {}
+    if bpe.get("type") != "BPE" or not isinstance(bpe.get("vocab"), dict):
+        return False
     os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(dest, GPT2_FILES[0]), "w") as fp:
+        json.dump(bpe["vocab"], fp, ensure_ascii=False)
+    with open(os.path.join(dest, GPT2_FILES[1]), "w", encoding="utf-8") as fp:
+        fp.write("#version: 0.2\n")
+        fp.writelines((p if isinstance(p, str) else " ".join(p)) + "\n" for p in bpe.get("merges", []))
     try:
-        if os.path.isfile(vocab) and os.path.isfile(merges):
-            shutil.copyfile(vocab, os.path.join(dest, GPT2_FILES[0]))
-            shutil.copyfile(merges, os.path.join(dest, GPT2_FILES[1]))
-        elif os.path.isfile(tok_json):
-            bpe = read_json(tok_json).get("model") or {}
-            if bpe.get("type") != "BPE" or not isinstance(bpe.get("vocab"), dict):
-                raise DataError("not a BPE tokenizer")
-            with open(os.path.join(dest, GPT2_FILES[0]), "w") as fp:
-                json.dump(bpe["vocab"], fp, ensure_ascii=False)
-            with open(os.path.join(dest, GPT2_FILES[1]), "w", encoding="utf-8") as fp:
-                fp.write("#version: 0.2\n")
-                fp.writelines((p if isinstance(p, str) else " ".join(p)) + "\n" for p in bpe.get("merges", []))
-        else:
-            raise DataError("no tokenizer files")
         GPT2Tokenizer(dest)
         return True
-    except (DataError, OSError, ValueError):
+    except DataError:  # a BPE tokenizer.json of another vocabulary: the model's own (_find_model_tokenizer)
         shutil.rmtree(dest, ignore_errors=True)
         return False
 
@@ -256,20 +275,23 @@ def _find_model_tokenizer(directory: str, dest: str) -> bool:
     """Copies a Hugging Face directory's own tokenizer into ``dest``: its ``tokenizer.json`` (with the
     ``tokenizer_config.json`` that names its end-of-document token), else its SentencePiece
     ``tokenizer.model`` (:func:`~jaxllm.data.tokenizers.file_tokenizer`'s choice, which reads ``dest``);
-    False, with nothing left, if there is none that loads."""
+    False, with nothing written, if it has neither.
+
+    Raises:
+      DataError: the tokenizer is there but cannot be read (never another tokenizer instead).
+    """
     names = ("tokenizer.json", "tokenizer_config.json", SENTENCEPIECE_FILE)
     found = [n for n in names if os.path.isfile(os.path.join(directory, n))]
-    if not found:
+    if not {"tokenizer.json", SENTENCEPIECE_FILE} & set(found):
         return False
     os.makedirs(dest, exist_ok=True)
     for n in found:
         shutil.copyfile(os.path.join(directory, n), os.path.join(dest, n))
     try:
         file_tokenizer(dest)
-        return True
-    except DataError:
-        shutil.rmtree(dest, ignore_errors=True)
-        return False
+    except DataError as e:  # named after the copy: say which file of the model's directory it is
+        raise DataError(str(e).replace(dest, directory)) from None
+    return True
 
 
 def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | None = None) -> config.Resolved:
@@ -287,25 +309,25 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
     ``workdir`` already has checkpoints.
     """
     overrides = dict(overrides or {})
-    refuse_used(workdir)
-    tok_dir = os.path.abspath(os.path.join(workdir, "tokenizer"))
-    if "data.tokenizer" not in overrides and "data.gpt2_dir" not in overrides:
-        hf_path = os.path.join(directory, "config.json")
-        vocab = read_json(hf_path).get("vocab_size", 0) if os.path.isfile(hf_path) else 0
-        if vocab >= GPT2_VOCAB_SIZE and _find_gpt2_tokenizer(directory, tok_dir):
-            overrides.update({"data.tokenizer": "gpt2", "data.gpt2_dir": tok_dir})
-        elif _find_model_tokenizer(directory, tok_dir):
-            overrides["data.tokenizer"] = tok_dir
-    try:
+    with importing(workdir, "jaxllm.convert --from-hf"):
+        tok_dir = os.path.abspath(os.path.join(workdir, "tokenizer"))
+        if "data.tokenizer" not in overrides and "data.gpt2_dir" not in overrides:
+            hf_path = os.path.join(directory, "config.json")
+            vocab = read_json(hf_path).get("vocab_size", 0) if os.path.isfile(hf_path) else 0
+            if vocab >= GPT2_VOCAB_SIZE and _find_gpt2_tokenizer(directory, tok_dir):
+                overrides.update({"data.tokenizer": "gpt2", "data.gpt2_dir": tok_dir})
+            elif _find_model_tokenizer(directory, tok_dir):
+                overrides["data.tokenizer"] = tok_dir
         given, cfg, params = _import(directory, overrides)
-    except Exception:
-        if tok_dir in (overrides.get("data.gpt2_dir"), overrides.get("data.tokenizer")):
-            shutil.rmtree(tok_dir, ignore_errors=True)
-        raise
+        _save(workdir, cfg, params, given, directory)
+    return cfg
+
+
+def _save(workdir: str, cfg: config.Resolved, params: dict, given: config.Config, directory: str) -> None:
+    """The imported model as a step-0 checkpoint with a fresh optimizer state, and its ``config.py``."""
     spec = gpt.describe(cfg.model)
     optimizer = optim.make_optimizer(cfg.train, spec.decay, spec.axes)
     with jax.default_device(jax.devices("cpu")[0]):  # host memory, whatever accelerator is present
         state = step.init_state(jax.device_put(params), optimizer)
     save_imported(workdir, cfg, state, 0, given, directory, "Hugging Face model")
-    return cfg
 

@@ -231,6 +231,24 @@ def _glu(name: str, prefix: str) -> Row:  # wg, w1 [..., h, f] <-> [..., 2f, h] 
                lambda x, m: tuple(_t(p) for p in np.split(x, 2, axis=-2)))
 
 
+def _zero_bias(name: str, size: int, layers: int | None) -> Row:
+    """A LayerNorm bias megatron-core always has and jaxllm's model has none of (``model.use_bias=False``, nanoGPT's
+    norms): written as zeros, which hold the same model; read back only if zeros (another model otherwise)."""
+    shape = (size,) if layers is None else (layers, size)
+
+    def check(x, m):
+        if x.shape != shape:
+            raise ConvertError(f"{name} has shape {list(x.shape)}, not {list(shape)}")
+        if np.any(x != 0):
+            raise ConvertError(f"{name} is not zero (max |x| {float(np.abs(x).max()):.3g}), and with "
+                               f"add_bias_linear=False jaxllm's LayerNorm has no bias (model.use_bias=False); a "
+                               f"LayerNorm that learned its bias has no jaxllm form without the linear biases",
+                               keys=("add_bias_linear",))
+        return ()
+
+    return Row(name, (), lambda a, m: np.zeros(shape, np.float32), check)
+
+
 _NORMS = {"ln1": "decoder.layers.self_attention.linear_qkv.layer_norm_",
           "ln2": "decoder.layers.mlp.linear_fc1.layer_norm_", "ln_f": "decoder.final_layernorm."}
 # The unfused names of the same norms (megatron-core's modules before the local spec's key map; Transformer
@@ -246,8 +264,9 @@ def rows(m: config.Model) -> list[Row]:
     for ours, theirs in _NORMS.items():
         path = f"layers/{ours}" if ours != "ln_f" else ours
         out.append(_same(theirs + "weight", f"{path}/scale"))
-        if m.norm == "layernorm":
-            out.append(_same(theirs + "bias", f"{path}/bias"))
+        if m.norm == "layernorm":  # megatron-core's LayerNorm has a bias; jaxllm's only with model.use_bias
+            out.append(_same(theirs + "bias", f"{path}/bias") if m.use_bias else
+                       _zero_bias(theirs + "bias", m.hidden_size, None if ours == "ln_f" else m.num_layers))
     out += [_qkv_weight(), _proj()]
     if m.use_bias or m.add_qkv_bias:
         out.append(_qkv_bias())
@@ -332,6 +351,8 @@ def from_megatron(m: config.Model, tensors: dict[str, np.ndarray], what: str = "
         x = np.asarray(tensors[r.name], np.float32)
         try:
             parts = r.from_megatron(x, m)
+        except ConvertError as e:  # a zero bias that is not (_zero_bias): whose tensor, then why
+            raise ConvertError(f"the checkpoint's {what}: {e}", keys=e.keys) from None
         except ValueError:  # a reshape or split that the shape does not allow
             parts = ()
         if [q.shape for q in parts] != [shapes[p] for p in r.params]:

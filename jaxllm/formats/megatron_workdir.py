@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxllm import config
 from jaxllm.errors import ConvertError
 from jaxllm.formats import deepspeed, megatron, torch_dist
-from jaxllm.formats.workdir import apply_overrides, refuse_used, resolve_for_its_mesh, save_imported
+from jaxllm.formats.workdir import apply_overrides, importing, resolve_for_its_mesh, save_imported
 from jaxllm.model import gpt
 from jaxllm.resolve import resolve_model
 from jaxllm.runtime import checkpoint, optim, step
@@ -199,7 +199,16 @@ def import_megatron(directory: str, workdir: str, iteration: int | None = None,
     Raises ConvertError (see :mod:`jaxllm.formats.torch_dist`, :mod:`jaxllm.formats.deepspeed`) and
     ConfigError; nothing is written to ``workdir`` then.
     """
-    refuse_used(workdir)
+    if not os.path.exists(directory):
+        raise ConvertError(f"{directory}: no such file or directory")
+    with importing(workdir, "jaxllm.convert --from-megatron"):
+        cfg, iteration, notes = _import(directory, workdir, iteration, overrides)
+    return cfg, iteration, notes
+
+
+def _import(directory: str, workdir: str, iteration: int | None, overrides: dict[str, str] | None
+            ) -> tuple[config.Resolved, int, list[str]]:
+    """:func:`import_megatron` inside the workdir's lock."""
     torch_dist.require_torch()
     source = (_deepspeed_source if deepspeed.is_deepspeed(directory) else _torch_dist_source)(directory, iteration)
     path, iteration, args = source.path, source.iteration, source.args

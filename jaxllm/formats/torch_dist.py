@@ -30,7 +30,7 @@ import warnings
 
 import numpy as np
 
-from jaxllm.errors import ConvertError
+from jaxllm.errors import ConvertError, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INSTALL = 'pip install -e ".[megatron]"'
@@ -113,7 +113,7 @@ def _check_backend(path: str) -> None:
     if not os.path.isfile(meta):
         raise ConvertError(f"{path} has no metadata.json: not a distributed (torch_dist) checkpoint "
                            f"(Megatron's legacy --ckpt-format torch is not read)")
-    with open(meta) as fp:
+    with reading(meta, "JSON", ConvertError), open(meta, encoding="utf-8") as fp:
         backend = json.load(fp).get("sharded_backend")
     if backend != "torch_dist":
         raise ConvertError(f"{meta}: sharded_backend {backend!r}; jaxllm reads torch_dist checkpoints "
@@ -135,13 +135,15 @@ def load_safely(file: str, allowed: list):
     "module.name")`` pairs: ``torch.serialization.safe_globals``) beside torch's own.  Raises ConvertError
     naming the file and the first global refused."""
     torch = require_torch()
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        why = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), str(e).splitlines()[0])
-        raise ConvertError(f"{file} holds what the weights-only loader refuses ({why.strip()}); it is not read "
-                           f"with an unrestricted unpickler") from None
+    with reading(file, "a torch.save file", ConvertError):  # what the handler below leaves: a damaged file
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            why = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln),
+                       str(e).splitlines()[0])
+            raise ConvertError(f"{file} holds what the weights-only loader refuses ({why.strip()}); it is not read "
+                               f"with an unrestricted unpickler") from None
 
 
 def read_metadata(path: str):
@@ -150,11 +152,12 @@ def read_metadata(path: str):
     file = os.path.join(path, ".metadata")
     if not os.path.isfile(file):
         raise ConvertError(f"{file} is missing: the checkpoint is incomplete")
-    try:
-        with open(file, "rb") as fp:
-            metadata = _MetadataUnpickler(fp).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise ConvertError(f"{file}: {e}; it is not read with an unrestricted unpickler") from None
+    with reading(file, "a Distributed Checkpoint index", ConvertError):  # what the handler below leaves
+        try:
+            with open(file, "rb") as fp:
+                metadata = _MetadataUnpickler(fp).load()
+        except (pickle.UnpicklingError, AttributeError, ImportError) as e:
+            raise ConvertError(f"{file}: {e}; it is not read with an unrestricted unpickler") from None
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     outside = [f for f in files if os.path.basename(f) != f]
     if outside:
@@ -183,8 +186,8 @@ def read_tensors(path: str, metadata, keys: list[str]) -> dict[str, np.ndarray]:
 
     items = metadata.state_dict_metadata
     state = {k: torch.empty(tuple(items[k].size), dtype=items[k].properties.dtype) for k in keys}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    with warnings.catch_warnings(), reading(path, "torch_dist shards", ConvertError):
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # "assuming ... a single process": it is
         dcp.load(state, storage_reader=Reader(path), no_dist=True)
     return {k: v.float().numpy() for k, v in state.items()}
 

@@ -1,19 +1,21 @@
-"""What every import into a jaxllm workdir shares, whatever the format: the workdir must hold no checkpoint, the
-``--config.SECTION.KEY=VALUE`` options on top of the imported config (of the model keys only
-:data:`FREE_MODEL_KEYS`), the config checked for its own mesh, and the imported state saved as a training
-checkpoint beside a ``config.py`` to train on with."""
+"""What every import into a jaxllm workdir shares, whatever the format: the workdir locked and holding no
+checkpoint, nothing left behind by a failed import (:func:`importing`), the ``--config.SECTION.KEY=VALUE`` options
+on top of the imported config (of the model keys only :data:`FREE_MODEL_KEYS`), the config checked for its own
+mesh, and the imported state saved as a training checkpoint beside a ``config.py`` to train on with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pprint
+from collections.abc import Iterator
 
 from jaxllm import config
-from jaxllm.errors import ConvertError
+from jaxllm.errors import ConvertError, reading
 from jaxllm.resolve import resolve
-from jaxllm.runtime import checkpoint
+from jaxllm.runtime import checkpoint, workdir_lock
 
 # Model keys --from-hf lets the user set; the others come from config.json.
 # (mtp_num_layers: modules that start fresh, jaxllm.formats.hf.params_from_hf)
@@ -23,9 +25,12 @@ FREE_MODEL_KEYS = ("dtype", "remat", "attention_impl", "dropout", "init_std", "m
 
 
 def read_json(path: str) -> dict:
-    """The JSON file ``path``."""
-    with open(path) as fp:
-        return json.load(fp)
+    """The JSON object in the file ``path``.  Raises ConvertError: it cannot be read, or holds no JSON object."""
+    with reading(path, "JSON", ConvertError), open(path, encoding="utf-8") as fp:
+        value = json.load(fp)
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def refuse_used(workdir: str) -> None:
@@ -33,6 +38,25 @@ def refuse_used(workdir: str) -> None:
     ckpt_dir = os.path.join(workdir, "checkpoints")
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
         raise ConvertError(f"{ckpt_dir} already holds checkpoints: import into a new workdir")
+
+
+@contextlib.contextmanager
+def importing(workdir: str, what: str) -> Iterator[None]:
+    """An import (``what``: its command) writing into ``workdir``, inside: the workdir's lock held
+    (:mod:`jaxllm.runtime.workdir_lock`) and no checkpoint there; if the import fails (any exception, Ctrl-C too),
+    what it wrote is removed, and the workdir if it made it.
+
+    Raises:
+      WorkdirBusy: a run or another import holds ``workdir``.  ConvertError: it holds checkpoints.
+    """
+    before = workdir_lock.snapshot(workdir)
+    with workdir_lock.held(workdir, what, collective=False, flag="WORKDIR"):
+        try:
+            refuse_used(workdir)
+            yield
+        except BaseException:
+            workdir_lock.remove_new(workdir, before)
+            raise
 
 
 def apply_overrides(given: config.Config, overrides: dict[str, str], source: str) -> None:

@@ -19,10 +19,20 @@ Where the chatter comes from (jaxlib 0.10.2):
   the closed loop.  Python reports those through ``sys.unraisablehook`` (no frame of ours,
   so no way to catch them), at any time after the failed restore, even after the run's
   last message.  They go to the ``jaxllm.library`` log with the full Orbax errors.
-* ``Task exception was never retrieved`` with a TensorStore traceback, from the same failed
-  restore: the reads Orbax abandoned raised too, and asyncio's default exception handler logs
-  each such task on the ``asyncio`` logger when the task is garbage-collected (any time later).
+* ``Task exception was never retrieved`` (``Future exception ...`` after a failed save) with a TensorStore
+  traceback, from the same failed restore: the reads Orbax abandoned raised too, and asyncio's default
+  exception handler logs each such task on the ``asyncio`` logger when the task is garbage-collected (any
+  time later).
   Those records go to the ``jaxllm.library`` log; the ``asyncio`` logger's other records stay.
+* ``Jax plugin configuration error: Exception when calling jax_plugins.xla_cuda12.initialize()`` and its
+  12-line traceback (``cuInit(0) failed``): JAX's CUDA plugin, installed for XLA:GPU's deviceless compiles
+  (:mod:`jaxllm.platform.xla_gpu`), fails its start-up check on a machine without an NVIDIA GPU, and JAX logs
+  that on ``jax._src.xla_bridge`` before it runs on the CPU as it would without the plugin.  On such a machine
+  (no ``/dev/nvidiactl``, ``JAX_PLATFORMS`` not asking for ``cuda``) the record goes to the ``jaxllm.library``
+  log (:func:`quiet_absent_gpu_plugin`, which every tool calls as it starts); anywhere else it is shown.
+* Orbax's records (through absl): a failed save's background threads log each failure with its traceback
+  (about 30 lines); jaxllm says it in one line (:mod:`jaxllm.runtime.checkpoint`), so they go to the
+  ``jaxllm.library`` log.
 * Python warnings of the libraries (``warnings.warn``: JAX's, Orbax's, tensorboardX's ...) are
   written straight to ``sys.stderr`` by the ``warnings`` module, past any logger, once per
   process: they go to the ``py.warnings`` logger (``logging.captureWarnings``) and from there to
@@ -40,6 +50,54 @@ from absl import logging as absl_logging
 
 # absl's C++ severities: 0 info, 1 warning, 2 error, 3 fatal.
 _CPP_ERROR = 2
+
+
+class _AbsentGpuPlugin(logging.Filter):
+    """Sends JAX's record of its CUDA plugin failing to start (no GPU here) to the ``jaxllm.library`` log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Jax plugin configuration error: Exception when calling "
+                                          "jax_plugins.xla_cuda"):
+            logging.getLogger("jaxllm.library").debug("%s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+def quiet_absent_gpu_plugin(environ=None, dev: str = "/dev") -> bool:
+    """On a machine without an NVIDIA GPU, where ``JAX_PLATFORMS`` does not ask for ``cuda``: JAX's record of its CUDA
+    plugin failing to start goes to the ``jaxllm.library`` log instead of the console (see the module doc); returns
+    whether it does.  Call before JAX starts a backend; idempotent."""
+    environ = os.environ if environ is None else environ
+    asked = {p.strip() for p in environ.get("JAX_PLATFORMS", "").lower().split(",")} & {"cuda", "gpu"}
+    if asked or os.path.exists(os.path.join(dev, "nvidiactl")):
+        return False
+    logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _AbsentGpuPlugin) for f in logger.filters):
+        logger.addFilter(_AbsentGpuPlugin())
+    return True
+
+
+class _LibraryRecords(logging.Filter):
+    """Sends the records logged from inside the packages in ``roots`` (Orbax's: its background save threads log
+    each failure of a save with its traceback, ~30 lines, through absl) to ``logger``, keeps the others."""
+
+    def __init__(self, logger, roots: tuple[str, ...]):
+        super().__init__()
+        self.logger, self.roots = logger, roots
+
+    def filter(self, record):
+        if record.pathname.startswith(self.roots):
+            self.logger.handle(record)
+            return False
+        return True
+
+
+class _LogFile(logging.FileHandler):
+    """``WORKDIR/logs/process_N.log``; a record it cannot write (a full disk: the run says so in its own line) is
+    dropped, where logging's default would print "--- Logging error ---" and a traceback on the console."""
+
+    def handleError(self, record):  # noqa: N802  (logging's name)
+        pass
 
 
 def logs_dir(workdir: str) -> str:
@@ -77,26 +135,74 @@ def _closed_loop_callbacks_to(logger, previous):
 
 
 class _UnretrievedTaskErrors(logging.Filter):
-    """Sends asyncio's "Task exception was never retrieved" records to ``logger``, keeps the others."""
+    """Sends asyncio's "Task (Future) exception was never retrieved" records to ``logger``, keeps the others."""
 
     def __init__(self, logger):
         super().__init__()
         self.logger = logger
 
     def filter(self, record):
-        if record.getMessage().startswith("Task exception was never retrieved"):
+        if record.getMessage().startswith(("Task exception was never retrieved", "Future exception was never "
+                                                                                 "retrieved")):
             self.logger.handle(record)
             return False
         return True
 
 
-def configure(workdir: str, *, process: int, verbose: bool) -> None:
+# The survivors of a multi-process job whose coordinator or other process died: JAX's distributed client (C++) logs
+# the coordination service's errors and gRPC's, then ends the process (LOG(FATAL): nothing of Python runs after).
+_PEER_DIED = (rb"coordination_service_agent\.cc|preemption_sync_manager\.cc|client\.h:\d+\]|GRPC error|"
+              rb"Error received from peer|grpc_status|coordination service")
+_FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
+# Reads what this process writes to file descriptor 2 (a pipe) and outlives it: the lines of a peer's death (and the
+# abort's stack traces after them) go to the log file and one jaxllm line to the console in their place; every other
+# line passes through unchanged.
+_STDERR_FILTER = r"""
+import re, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)  # the job's signals are for the process it serves; this one ends at its EOF
+log, note = open(int(sys.argv[1]), "ab", buffering=0), sys.argv[2].encode() + b"\n"  # opened by the parent
+peer, fatal, out = re.compile(sys.argv[3].encode()), sys.argv[4].encode(), sys.stdout.buffer
+dying = False  # after the fatal line: the abort's stack traces, C++'s and Python's
+for line in sys.stdin.buffer:
+    if dying or peer.search(line) or fatal in line:
+        log.write(line)
+        if fatal in line and not dying:
+            out.write(note)
+            out.flush()
+            dying = True
+    else:
+        out.write(line)
+        out.flush()
+"""
+
+
+def filter_native_stderr(path: str, process: int) -> None:
+    """Points file descriptor 2 at a filter process (:data:`_STDERR_FILTER`): the C++ lines a multi-process job's
+    survivors print when its coordinator or another process dies go to ``path``, and one line to the console in
+    their place; everything else written to descriptor 2 reaches the console as before."""
+    import subprocess  # noqa: PLC0415
+
+    note = (f"jaxllm: process {process} stops: the job's coordinator (process 0) or another of its processes died, "
+            f"and JAX's distributed service ends the others (its lines: {path})")
+    sys.stderr.flush()
+    console, log = os.dup(2), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    child = subprocess.Popen([sys.executable, "-c", _STDERR_FILTER, str(log), note, _PEER_DIED.decode(),
+                              _FATAL.decode()], stdin=subprocess.PIPE, stdout=console, pass_fds=(log,),
+                             start_new_session=True)
+    os.close(console)
+    os.close(log)
+    os.dup2(child.stdin.fileno(), 2)
+    child.stdin.close()  # descriptor 2 holds the pipe now: the filter's input ends when this process does
+
+
+def configure(workdir: str, *, process: int, verbose: bool, processes: int = 1) -> None:
     """Applies the policy of this module to this process (call it before the first collective):
     ``WORKDIR/logs/process_N.log`` receives the ``jaxllm.library`` logger (and with ``verbose``
-    the console too)."""
+    the console too); one of ``processes`` > 1 also has its descriptor 2 filtered (:func:`filter_native_stderr`)."""
     directory = logs_dir(workdir)
     library = logging.getLogger("jaxllm.library")
-    handler = logging.FileHandler(os.path.join(directory, f"process_{process}.log"))
+    handler = _LogFile(os.path.join(directory, f"process_{process}.log"))
     handler.setFormatter(absl_logging.PythonFormatter())
     library.addHandler(handler)
     library.setLevel(logging.DEBUG)
@@ -112,7 +218,13 @@ def configure(workdir: str, *, process: int, verbose: bool) -> None:
     from jaxlib import utils  # noqa: PLC0415  (jax's own switch for C++ logging, see jax._src.logging_config)
 
     utils.absl_set_min_log_level(_CPP_ERROR)
+    import orbax.checkpoint  # noqa: PLC0415  (its records, by the files they come from)
+
+    absl_logging.get_absl_handler().addFilter(
+        _LibraryRecords(library, (os.path.dirname(orbax.checkpoint.__file__) + os.sep,)))
     redirect_native_stdout(os.path.join(directory, f"process_{process}.out"))
+    if processes > 1:
+        filter_native_stderr(os.path.join(directory, f"process_{process}.out"), process)
     if process:  # one copy of each message: process 0's; the others' go to their log file
         absl_logging.get_absl_handler().setLevel(logging.ERROR)
         logging.getLogger().addHandler(handler)

@@ -371,9 +371,9 @@ def initialize(environ: Mapping[str, str] | None = None) -> Topology | None:
         local, devices = jax.local_devices(), jax.devices()
         per_node = f", {topology.local_size} per node" if topology.local_size else ""
         visible = f", set {' '.join(f'{k}={v}' for k, v in updates.items())}" if updates else ""
+        nodes = f"{len(topology.nodes)} node(s), " if topology.nodes else ""  # unknown (an explicit launch): not said
         print(f"jaxllm.platform.distributed: {topology.num_processes} processes{per_node} "
-              f"(detected: {topology.source}), "
-              f"{len(topology.nodes) or '?'} node(s), coordinator {topology.coordinator_address}; "
+              f"(detected: {topology.source}), {nodes}coordinator {topology.coordinator_address}; "
               f"{len(local)} local of {len(devices)} global {devices[0].platform} device(s) on process 0{visible}; "
               f"heartbeat timeout {heartbeat} s", flush=True)
     return topology

@@ -39,6 +39,8 @@ shards its devices need.
 from __future__ import annotations
 
 import logging as python_logging
+import os
+import re
 
 import jax
 import orbax.checkpoint as ocp
@@ -58,7 +60,13 @@ library = python_logging.getLogger("jaxllm.library")
 
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be restored (the message names each step and why), or a save failed
-    with ``checkpoint.fail_on_save_error``."""
+    (:class:`SaveError`)."""
+
+
+class SaveError(CheckpointError):
+    """A checkpoint was not saved (a full disk or quota, a directory gone): its partial directory is removed and the
+    message names the newest complete step, which a rerun resumes from; the run stops (``jaxllm.train`` exits 74)
+    unless ``checkpoint.fail_on_save_error=False``, and always when the last save of a run failed."""
 
 
 class ModelMismatch(ConfigError, CheckpointError):
@@ -77,9 +85,18 @@ def _parameter_shapes(model: dict, seq_length: int) -> dict[str, tuple[int, ...]
 
 
 def _reason(e: Exception) -> str:
-    """One line saying why a restore or save failed (Orbax and TensorStore errors span many lines)."""
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    return f"{type(e).__name__}: {first[:300]}"
+    """One line saying why a restore or save failed (Orbax and TensorStore errors span many lines, the system's
+    reason at their end: ``[os_error_code='28']``), e.g. ``No space left on device (ValueError: RESOURCE_EXHAUSTED:
+    Error writing local file ...)``."""
+    text = str(e)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    why = f"{type(e).__name__}: {first[:300]}"
+    code = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
+    if code:
+        system = os.strerror(int(code.group(1) or code.group(2)))
+        if system not in why:
+            return f"{system} ({type(e).__name__}: {first[:160]}...)"
+    return why
 
 
 class Checkpointer:
@@ -305,11 +322,13 @@ class Checkpointer:
     def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
         """Starts an asynchronous save of ``state`` into each tier whose interval ``step`` is on (the shared
         tier also when ``force``), with the checksums of its arrays; returns whether one started.  A step a
-        tier holds already is kept, unless it failed to restore.  A save that fails (now, or in the
-        background: reported at the tier's next save or at :meth:`close`) is one warning line.
+        tier holds already is kept, unless it failed to restore.  A tier's filesystem with less free space than
+        the checkpoint's arrays take fails the save at once (where ``statvfs`` tells it).  A failed save (now, or
+        in the background: found by :meth:`poll`, the tier's next save or :meth:`close`) is :meth:`_save_failed`'s.
 
         Raises:
-          CheckpointError: a save failed and ``checkpoint.fail_on_save_error`` is set.
+          SaveError: a save failed and ``checkpoint.fail_on_save_error`` is set (the default), or a forced save (the
+            run's last, a preemption's) failed.
         """
         due = [t for t in self.tiers if t.due(step) or (force and t is self.shared)]
         items, started = None, False
@@ -319,39 +338,62 @@ class Checkpointer:
                 continue
             items = items or {"config": self.config, "run": self.run, "checksums": {"arrays": checksums(state)}}
             try:
+                tier.check_space(state)
                 started |= tier.save(step, state, items)
             except Exception as e:  # noqa: BLE001  full disk, lost permission, a directory gone: OSError and others
-                self._save_failed(tier, step, e)
+                self._save_failed(tier, step, e, last=force and tier is self.shared)  # the end's, a preemption's
         return started
 
-    def _finish(self, tier: tiers.Tier) -> None:
+    def poll(self) -> None:
+        """Reports a background save that has failed since (:meth:`_save_failed`), without waiting for one in
+        flight: a run stops at the failed save, not at the next.  Only where the answer is this process's alone
+        (one process, or its node-local tier); the shared tier of a multi-process run is checked at its saves."""
+        for tier in self.tiers:
+            if tier.pending is not None and (tier.local or jax.process_count() == 1) \
+                    and not tier.manager.is_saving_in_progress():
+                self._finish(tier)
+
+    def _finish(self, tier: tiers.Tier, *, last: bool = False) -> None:
         """Waits for ``tier``'s save in flight, reporting its failure (:meth:`_save_failed`)."""
         try:
             tier.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001  the background save's error, whatever its type
-            self._save_failed(tier, tier.pending, e)
+            self._save_failed(tier, tier.pending, e, last=last)
         tier.pending = None
 
-    def _save_failed(self, tier: tiers.Tier, step: int | None, e: Exception) -> None:
-        """One warning line (or a :class:`CheckpointError` with ``checkpoint.fail_on_save_error``) for a
-        failed save; Orbax deletes older steps only once a save completes, so those are intact."""
+    def _save_failed(self, tier: tiers.Tier, step: int | None, e: Exception, *, last: bool = False) -> None:
+        """A failed save: its partial directory removed (it would keep a full disk full), then a :class:`SaveError`
+        naming the newest complete step, or with ``checkpoint.fail_on_save_error=False`` (not for the ``last`` save
+        of a run) one warning line.  Orbax deletes older steps only once a save completes, so those are intact."""
         library.info("checkpoint step %s in %s was not saved", step, tier.directory, exc_info=e)
         tier.pending, tier.stale = None, True
-        line = (f"checkpoint step {step} was not saved to {tier.directory} ({_reason(e)}); the steps saved "
-                "before it are intact")
-        if self.fail_on_save_error:
-            raise CheckpointError(f"{line}; stopping (checkpoint.fail_on_save_error=True)") from None
-        logging.warning("%s; training goes on and the next save tries again (checkpoint.fail_on_save_error=True "
-                        "stops instead)", line)
+        try:  # a save that failed as it started may have threads still writing (what is left: close() removes it)
+            tier.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001, S110  the same failure, said below
+            pass
+        tier.remove_partial()
+        newest = tier.newest()
+        line = (f"checkpoint step {step} was not saved to {tier.directory} ({_reason(e)}); "
+                + (f"the newest complete checkpoint there is step {newest}" if newest is not None else
+                   "it holds no complete checkpoint"))
+        if self.fail_on_save_error or last:
+            resume = f"resumes from step {newest}" if newest is not None else "starts over"
+            raise SaveError(f"{line}; stopping: free space (or fix the directory) and rerun, which {resume}"
+                            + ("" if last else " (checkpoint.fail_on_save_error=False trains on instead)")) from None
+        logging.warning("%s; training goes on and the next save tries again (checkpoint.fail_on_save_error=False)",
+                        line)
 
     def close(self):
-        """Waits for pending saves (a failure is reported as in :meth:`maybe_save`) and releases the managers."""
+        """Waits for pending saves (a failure is a :class:`SaveError` whatever ``checkpoint.fail_on_save_error``
+        says: it was the run's last) and releases the managers."""
         try:
             for tier in self.tiers:
-                self._finish(tier)
+                self._finish(tier, last=True)
         finally:
             for tier in self.tiers:
                 tier.manager.close()
+                if tier.stale:  # a save failed: what its writes left since it was said
+                    tier.remove_partial(settle_s=1.0)
 
 
 def load_config(workdir: str, step: int | None = None) -> config.Config:

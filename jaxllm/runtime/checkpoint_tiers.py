@@ -16,17 +16,24 @@ Crash safety: Orbax writes each step into ``STEP.orbax-checkpoint-tmp-*`` and re
 ``STEP`` once every file is written, so a process killed during a (possibly asynchronous)
 save leaves the previous checkpoints intact, and the step listing never includes a
 temporary directory.  A save that fails (disk full, directory gone or read-only) leaves the
-previous steps intact (Orbax deletes old steps only after a save completes); it is reported
-in one line and training goes on, or stops with ``checkpoint.fail_on_save_error``.
+previous steps intact (Orbax deletes old steps only after a save completes); its temporary
+directory is removed (:meth:`Tier.remove_partial`: on a full disk it holds the space the next save
+needs), and the run stops in one line naming the newest complete step, or with
+``checkpoint.fail_on_save_error=False`` goes on.  Before a save, a filesystem that says (``statvfs``) it
+has less free space than the checkpoint's arrays take fails it at once (:meth:`Tier.check_space`).
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import logging as python_logging
 import os
+import shutil
 import tempfile
+import time
 import uuid
 
 import jax
@@ -140,6 +147,50 @@ class Tier:
         """Every finalized step, ascending (temporary directories of interrupted saves are not steps)."""
         return sorted(self.manager.all_steps())
 
+    def newest(self) -> int | None:
+        """The newest complete step on disk (read again: after a failed save Orbax's own list may hold the step)."""
+        self.manager.reload()
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def check_space(self, state) -> None:
+        """Raises OSError (ENOSPC) when the tier's filesystem has less free space than ``state``'s arrays take in this
+        tier (all of them in the shared tier, whose processes agree; this process's shards in the local tier);
+        nothing where ``statvfs`` tells nothing (free space 0 of 0 blocks)."""
+        leaves = [a for a in jax.tree.leaves(state) if hasattr(a, "nbytes")]
+        if self.local:
+            need = sum(s.data.nbytes for a in leaves for s in getattr(a, "addressable_shards", ()))
+        else:
+            need = sum(a.nbytes for a in leaves)
+        fs = os.statvfs(self.directory)
+        free = fs.f_bavail * fs.f_frsize
+        enough = fs.f_blocks == 0 or free >= need
+        everyone = enough if self.local else everywhere(enough)  # collective in the shared tier
+        if not enough:
+            raise OSError(errno.ENOSPC, f"No space left on device: {free / 2**20:.1f} MiB free, the checkpoint's "
+                                        f"arrays take {need / 2**20:.1f} MiB")
+        if not everyone:
+            raise OSError(errno.ENOSPC, "No space left on device, says another process")
+
+    def remove_partial(self, settle_s: float = 0.0) -> None:
+        """Removes the temporary directories of failed saves (``STEP.orbax-checkpoint-tmp-*``; no save is in flight):
+        in the shared tier process 0's job, in the local tier each process's.  ``settle_s``: again until none has
+        come back for that long (at most 30 s): the TensorStore writes a save that failed as it started left in flight
+        go on creating their directories for a while after Orbax has given up on them."""
+        if not (self.local or jax.process_index() == 0):
+            return
+        quiet_since, deadline = time.monotonic(), time.monotonic() + 30
+        while True:
+            found = glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))
+            for path in found:
+                shutil.rmtree(path, ignore_errors=True)
+            now = time.monotonic()
+            if found:
+                quiet_since = now
+            if now - quiet_since >= settle_s or now > deadline:
+                return
+            time.sleep(min(0.25, settle_s))
+
     def restore(self, step: int, abstract_state):
         """``(state, {path: checksum} or None)`` of ``step`` (None: saved before checksums were)."""
         if self.local:  # the same processes and mesh (the directory's name): the shapes are the saved ones
@@ -175,8 +226,9 @@ class Tier:
             self.manager.reload()
             self.stale = False
         state_args = ocp.args.PyTreeSave(state) if self.local else ocp.args.StandardSave(state)
+        # the JSON items first: they are written as save() runs, so one that fails does before the arrays' writes start
         saved = self.manager.save(step, args=ocp.args.Composite(
-            state=state_args, **{k: ocp.args.JsonSave(v) for k, v in items.items()}), force=True)
+            **{k: ocp.args.JsonSave(v) for k, v in items.items()}, state=state_args), force=True)
         self.pending = step if saved else None
         return saved
 

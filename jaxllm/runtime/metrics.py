@@ -59,8 +59,10 @@ _EVAL_FORMATS = {
     "eval_bpb": lambda v: f"bpb {v:.4f}",
     "eval_ppl": lambda v: f"ppl {v:.2f}",
 }
-# logged to files, left off the human line
-_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row", "slowest_process"}
+# logged to files, left off the human line (Megatron-LM's FLOP convention: the same figures counted its way, in the
+# record for comparisons with its published numbers; the line gives each figure once)
+_QUIET = {"tokens_per_sec_per_device", "hfu", "nonfinite_in_a_row", "slowest_process", "megatron_tflops_per_device",
+          "megatron_mfu"}
 # the start-up times jaxllm.train adds to the first record after a start (printed on a line of their own)
 _QUIET_PREFIXES = ("startup_", "compile_cache")
 
@@ -111,20 +113,63 @@ def start_wandb(cfg, workdir: str):
     return run
 
 
+def _columns(stream) -> int:
+    """The width of the terminal ``stream`` writes to (0: it does not say)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def supersede(path: str, step: int) -> int:
+    """Drops the rows after ``step`` from the ``metrics.jsonl`` at ``path`` (a resume at ``step`` logs those steps
+    again), replacing the file whole (a crash leaves the old one or the new one); returns the last step the file
+    held before (0: none, or no file).  Lines that are not JSON records (a crash's half-written last line) go too."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    kept, last = [], 0
+    for line in lines:
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        last = max(last, row_step)
+        if row_step <= step:
+            kept.append(line + "\n")
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return last
+
+
 class MetricsLogger:
     """Writes each logged step to ``WORKDIR/metrics.jsonl``, TensorBoard, Weights & Biases and stdout.
 
     ``MetricsLogger(workdir, *, enabled=True, tensorboard=True, progress_bar=True, total_steps=None,
-    wandb=None)``
+    wandb=None, resumed_at=None)``
 
     * ``metrics.jsonl``: one JSON object per :meth:`log` call, appended (a resumed run
       continues the file): ``{"step": int, "kind": "train"|"eval", **metrics}``; values are
       Python ints/floats/strings, non-finite floats (NaN, inf) are written as ``null`` so
-      every line is strict JSON.
+      every line is strict JSON.  A run that starts (or resumes) at step ``resumed_at`` first drops
+      the rows after that step (those of the steps it runs again; the file is replaced whole,
+      atomically: :func:`supersede`), so the file holds one row per step and kind.
     * TensorBoard (tensorboardX ``SummaryWriter`` in ``WORKDIR/tensorboard``): every numeric
-      metric as the scalar ``<kind>/<key>`` (``train/loss``, ``eval/eval_loss``).
+      metric as the scalar ``<kind>/<key>`` (``train/loss``, ``eval/eval_loss``).  Each start
+      writes a new event file that begins with a ``SessionLog.START`` event at step ``resumed_at + 1``
+      (tensorboardX's ``purge_step``): TensorBoard drops the earlier files' events from that step on
+      (its Python reader purges at a restart's START; its Rust data server drops a series' records whose
+      step is not below a newer record's), so it shows each step once, as last run.
     * Weights & Biases, with ``wandb`` (the run :func:`start_wandb` started): each record of
       ``metrics.jsonl`` under the same names at W&B's step ``step`` (non-finite floats as they are).
+      A resumed W&B run keeps the history it holds (W&B takes no step below its last one; only its beta
+      ``resume_from`` rewinds a run): the steps a resume runs again up to the last one W&B has are not
+      sent again, so W&B too holds each step once (the first run's values: the same losses, bit for bit,
+      since a resume computes what the interrupted run did; its own timings).
     * stdout: one line per call, e.g.
       ``step   200 | loss 2.1034 | lr 9.8e-04 | grad 0.83 | 12.3k tok/s | 0.05 TFLOP/s/dev | MFU 12.1% | 0.061 s/step``.
       Known keys: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``,
@@ -140,7 +185,8 @@ class MetricsLogger:
     """
 
     def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
-                 progress_bar: bool = True, total_steps: int | None = None, wandb=None):
+                 progress_bar: bool = True, total_steps: int | None = None, wandb=None,
+                 resumed_at: int | None = None):
         self.enabled = enabled
         self.workdir = workdir
         self._file = self._writer = self._bar = self._wandb = None
@@ -148,16 +194,24 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(workdir, "metrics.jsonl")
+        # the steps a resumed W&B run holds already (None: a file appended to, nothing superseded)
+        self._wandb_after = -1 if resumed_at is None else supersede(path, resumed_at)
+        self._file = open(path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                         purge_step=None if resumed_at is None else resumed_at + 1)
         self._wandb = wandb
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, file=sys.stdout, unit="step", dynamic_ncols=True)
+            # a terminal that says it is 0 x 0 (a pty nobody sized: script, some batch consoles) would get no bar at
+            # all from tqdm (none wider than 0 columns, none below row 0): a fixed size instead
+            sized = _columns(sys.stdout) > 0
+            self._bar = tqdm(total=total_steps, file=sys.stdout, unit="step", dynamic_ncols=sized,
+                             ncols=None if sized else 100, nrows=None if sized else 24)
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
         """Records ``metrics`` (scalars: Python, NumPy or JAX) at ``step``.
@@ -185,7 +239,7 @@ class MetricsLogger:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._writer.add_scalar(f"{kind}/{k}", v, step)
-        if self._wandb is not None:
+        if self._wandb is not None and step > self._wandb_after:
             self._wandb.log(values, step=step)
         line = self._human_line(step, values, kind)
         if self._bar is not None:
