@@ -239,6 +239,10 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     chosen = {tuple(r.rsplit(":", 1)) for r in a.records.split(",") if r}
     todo = [(n, i, r) for n, i, r in records() if not chosen or (n, str(i)) in chosen]
+    missing = chosen - {(n, str(i)) for n, i, _ in todo}
+    if missing:
+        p.error(f"--records: no record {', '.join(sorted(':'.join(m) for m in missing))} in benchmarks/results "
+                "(FILE:LINE, FILE relative to it, LINE from 0)")
     with tempfile.TemporaryDirectory(prefix="step-time-check-") as trees:
         lines = [line(name, index, rec, trees) for name, index, rec in todo]
     check_fit(lines)
