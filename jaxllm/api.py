@@ -229,7 +229,7 @@ def _tokenizer(saved: Config, workdir: str):
     d = saved.data
     if d.tokenizer != "char" and not d.file_list and blend.parse_data_path(d.input) is None:
         return make_tokenizer(d.tokenizer, d.gpt2_dir)
-    return Data(saved, workdir, splits=()).tokenizer
+    return Data(saved, workdir, splits=(), quiet=True).tokenizer  # a loaded run says nothing of its data
 
 
 def load(workdir: str, step: int | None = None) -> TrainedModel:

@@ -472,9 +472,10 @@ def fail_once(message: str, code: int, process: int):
 
 def _refused(workdir: str, before: frozenset[str] | None, held: bool) -> None:
     """After bad input: what this run wrote into ``workdir`` since ``before`` (:func:`workdir_lock.snapshot`) is
-    removed, the workdir too if the run made it, unless the run saved a checkpoint; only by the lock's holder."""
+    removed, the workdir too if the run made it, unless the run saved a checkpoint; only by the lock's holder, and
+    only in a run of one process (another process may still be writing its log there, which says why it stopped)."""
     saved = os.path.join(workdir, "checkpoints")
-    if held and jax.process_index() == 0 and (before is None or "checkpoints" not in before) and not (
+    if held and jax.process_count() == 1 and (before is None or "checkpoints" not in before) and not (
             os.path.isdir(saved) and any(n.isdigit() for n in os.listdir(saved))):
         workdir_lock.remove_new(workdir, before)
 

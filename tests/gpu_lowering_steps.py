@@ -46,8 +46,10 @@ MODEL = {"cuda-cudnn-fp8-tensor2-data2": {"fp8": True}}  # model keys beyond sma
 
 def small_config(platform, impl, mesh, parallel, model=None):
     c = config.get_config()
+    # the layers scanned (model.layer_loop's auto writes them out on NVIDIA GPUs without remat): one kernel call
+    # in the scan's body, its backward's in the transpose's, whatever the depth
     c.model.update(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=256, dtype="bfloat16",
-                   attention_impl=impl, **(model or {}))
+                   attention_impl=impl, layer_loop="scan", **(model or {}))
     c.train.update(seq_length=256, micro_batch_size=2, global_batch_size=8, warmup_iters=1)
     c.mesh.update(**mesh)
     c.parallel.update(**parallel)
