@@ -113,6 +113,10 @@ class Model(Section):
     use_bias: bool = True
     add_qkv_bias: bool = False  # biases on the query/key/value projections even without use_bias (Qwen2)
     qk_layernorm: bool = False  # model.norm over each head's queries and keys before rotary (Qwen3, OLMo 2)
+    qk_layernorm_per_head: bool = True  # False: qk_layernorm over all heads' queries (keys) together (OLMo 2)
+    # where each layer's two norms sit: pre, x + f(norm(x)) (GPT-2, Llama); post, x + norm(f(x)) (OLMo 2's reordered
+    # norm, not BERT's norm(x + f(x))); sandwich, x + norm(f(norm(x))) (Gemma 2 and 3), each norm its own
+    norm_placement: str = _key("pre", choices=("pre", "post", "sandwich"))
     # a token attends to itself and the sliding_window - 1 positions before it (Mistral; Megatron-LM's
     # --window-size (sliding_window - 1, 0)); 0: to every earlier position
     sliding_window: int = _key(0, ">=0")

@@ -119,15 +119,23 @@ def deepseek_v3(q_lora_rank, tied=False):
     return m
 
 
+def olmo2(tied=False):
+    """Norms after attention and the MLP (none before), query and key norms over all heads together."""
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
+
+
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
           "llama-ropescaled-untied": lambda: llama3(False), "qwen2-gqa-untied": lambda: qwen2(False),
           "qwen3-gqa-tied": lambda: qwen3(True), "mistral-gqa-untied": lambda: mistral(False),
           "mixtral-gqa-untied": lambda: mixtral(False), "qwen3moe-gqa-untied": lambda: qwen3_moe(False),
-          "deepseekv3-qlora-untied": lambda: deepseek_v3(12), "deepseekv3-mla-untied": lambda: deepseek_v3(None)}
+          "deepseekv3-qlora-untied": lambda: deepseek_v3(12), "deepseekv3-mla-untied": lambda: deepseek_v3(None),
+          "olmo2-gqa-untied": lambda: olmo2(False)}
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-              "qwen3moe": "Qwen3MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM"}
+              "qwen3moe": "Qwen3MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def randomize(m, seed):
@@ -187,8 +195,9 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert m.tie_embeddings == ("untied" not in name)
     if "gpt2" not in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (4 if "deepseek" in name else 2, 500.0, False)
-    assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name,
+    assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name or "olmo2" in name,
                                                                    8 if "mistral" in name else 0)
+    assert (m.norm_placement, m.qk_layernorm_per_head) == (("post", False) if "olmo2" in name else ("pre", True))
     if "deepseek" not in name:
         assert (m.kv_channels, m.head_dim) == ((32, 32) if "qwen3moe" in name else (0, 16))
     scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,

@@ -66,6 +66,15 @@ HF_CONFIGS = {
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
         vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    # from memory, not read from the Hub (no network here): see jaxllm/families/olmo2.py
+    "OLMo-2-7B": ("Olmo2Config", dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=500000.0)),
+    "OLMo-2-32B": ("Olmo2Config", dict(
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+        vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=500000.0)),
 }
 
 

@@ -38,6 +38,11 @@ class Tensor(NamedTuple):
 VEC = 0  # fan_in of a vector
 
 
+# The model keys of features that a table holds only at these values unless its ``needs`` name them (or its
+# ``free`` lists them): a model using one of them fits no table that does not say so
+PLAIN = {"norm_placement": "pre"}
+
+
 class Condition(str):
     """A requirement other than a value (``> 0``), printed as it is."""
 
@@ -63,7 +68,8 @@ class Arch:
     keeps a model section from the table beyond ``needs``, as ``{"model.KEY": what it needs}`` (a value or a
     :class:`Condition`); ``likely``: whether a model that fits no table is most probably meant as this one
     (its hallmark: the error names the likely table first among equally close ones; the registry's later
-    tables are asked first)."""
+    tables are asked first); ``free``: keys of :data:`PLAIN` the table holds at any value (every other key of
+    :data:`PLAIN` joins ``needs`` at its plain value)."""
 
     model_type: str
     hf_class: str
@@ -80,6 +86,11 @@ class Arch:
     derive: Callable[[dict, dict], dict] | None = None
     misfits: Callable[[config.Model], dict[str, Any]] = lambda m: {}
     likely: Callable[[config.Model], bool] = lambda m: False
+    free: tuple[str, ...] = ()
+
+    def __post_init__(self):  # the plain features' values join the needs the table states (see PLAIN)
+        plain = {k: v for k, v in PLAIN.items() if k not in self.free and k not in self.needs}
+        object.__setattr__(self, "needs", {**self.needs, **plain})
 
 
 class RopeType(NamedTuple):

@@ -520,7 +520,8 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
 
 
 # read in float32: the norms (multi-head latent attention's latent ones too), the MoE router
-FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "q_norm", "k_norm", "q_a_norm", "kv_a_norm", "router", "expert_bias")
+FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
+                  "router", "expert_bias")
 
 
 def cast_layers(cfg: ModelConfig, params: dict) -> dict:

@@ -136,19 +136,23 @@ def split_rows(keys, n):
 
 class Norm(nnx.Module):
     """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over the last axis, ``embed`` (or
-    ``axis`` of ``size``: each head's ``head_dim`` for ``model.qk_layernorm``), in float32."""
+    ``axis`` of ``size``: each head's ``head_dim`` for ``model.qk_layernorm``; or the last axes, ``size`` and
+    ``axis`` tuples: all heads' ``[heads, head_dim]`` together), in float32."""
 
     def __init__(self, cfg, size=None, axis="embed"):
         self.kind, self.eps, size = cfg.norm, cfg.norm_eps, size or cfg.hidden_size
-        self.scale = param(None, (size,), None, (axis,))
+        shape, axes = (size, (axis,)) if isinstance(size, tuple) else ((size,), (axis,))
+        axes = axis if isinstance(axis, tuple) else axes
+        self.axes = -1 if len(shape) == 1 else tuple(range(-len(shape), 0))  # the axes normalized over
+        self.scale = param(None, shape, None, axes)
         with_bias = cfg.norm == "layernorm" and cfg.use_bias
-        self.bias = param(None, (size,), 0, (axis,)) if with_bias else None
+        self.bias = param(None, shape, 0, axes) if with_bias else None
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         if self.kind == "layernorm":
-            x32 = x32 - x32.mean(-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps) * self.scale[...]
+            x32 = x32 - x32.mean(self.axes, keepdims=True)
+        y = x32 * jax.lax.rsqrt((x32 * x32).mean(self.axes, keepdims=True) + self.eps) * self.scale[...]
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype)
@@ -170,9 +174,15 @@ class Attention(nnx.Module):
         self.bk = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
         self.bv = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
         self.bo = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
-        # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys
-        self.q_norm, self.k_norm = (Norm(cfg, d, "head_dim"), Norm(cfg, d, "head_dim")) if cfg.qk_layernorm else (
-            None, None)
+        # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys; or
+        # (qk_layernorm_per_head False, OLMo 2) one of all heads' queries, one of all heads' keys
+        if not cfg.qk_layernorm:
+            self.q_norm = self.k_norm = None
+        elif cfg.qk_layernorm_per_head:
+            self.q_norm, self.k_norm = Norm(cfg, d, "head_dim"), Norm(cfg, d, "head_dim")
+        else:
+            self.q_norm, self.k_norm = (Norm(cfg, (n, d), (heads, "head_dim"))
+                                        for n, heads in ((nh, "heads"), (nkv, "kv_heads")))
 
     def qkv(self, x, positions):
         """Queries ``[batch, len, heads, head_dim]``, keys and values ``[batch, len, kv_heads, head_dim]`` of ``x``
@@ -359,30 +369,40 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (the MLP a
-    mixture of experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.gpt.LayerKind`)."""
+    """One transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (pre-norm; the MLP a mixture of
+    experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.gpt.LayerKind`); by ``model.norm_placement``
+    ``x + norm(attn(x))`` (post: OLMo 2's reordered norm, Walsh et al. 2025 section 3.2) or ``x + norm(attn(norm(x)))``
+    (sandwich: Gemma 2's; Ding et al. 2021), the MLP's alike, each norm its own (``post_attn_norm``,
+    ``post_mlp_norm``)."""
 
     def __init__(self, cfg, rngs, ops, *, kind):
         self.dropout, self.ops = cfg.dropout, ops
-        self.ln1 = Norm(cfg)
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        self.ln1 = Norm(cfg) if pre else None
         self.attn = (LatentAttention if cfg.multi_latent_attention else Attention)(cfg, rngs, ops)
-        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if kind.moe else MLP(cfg, rngs, ops))
+        self.ln2, self.mlp = Norm(cfg) if pre else None, (MoE(cfg, rngs, ops) if kind.moe else MLP(cfg, rngs, ops))
+        self.post_attn_norm, self.post_mlp_norm = (Norm(cfg), Norm(cfg)) if post else (None, None)
 
     def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
         """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of
         experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP)."""
         x = checkpoint_name(x, "decoder_layer_input")  # every use below reads it through the name
         k1, k2 = split_rows(key, 2) if key is not None else (None, None)
-        y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
-        x = self.ops.constrain(x + dropout(y, self.dropout, k1, order), RESIDUAL)
-        y, stats = self.mlp(self.ln2(x)), None
+        y, cache = self.attn(_norm(self.ln1, x), positions, cache, order, segment_ids)
+        x = self.ops.constrain(x + dropout(_norm(self.post_attn_norm, y), self.dropout, k1, order), RESIDUAL)
+        y, stats = self.mlp(_norm(self.ln2, x)), None
         if isinstance(self.mlp, MoE):
             y, stats = y
-        x = x + dropout(y, self.dropout, k2, order)
+        x = x + dropout(_norm(self.post_mlp_norm, y), self.dropout, k2, order)
         return self.ops.constrain(x, RESIDUAL), (cache if cache is not None else stats)
 
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
+
+
+def _norm(norm, x):
+    """``norm(x)``, or ``x`` where the layer has no such norm (None: ``model.norm_placement``)."""
+    return x if norm is None else norm(x)
 
 
 class MTPLayer(nnx.Module):
