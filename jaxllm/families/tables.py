@@ -22,7 +22,7 @@ class Tensor(NamedTuple):
     (per-layer) parameter that form the input axis, the rest the output axis (``wq [h, heads, d]``,
     1: ``[h, heads*d]``; ``wo [heads, d, h]``, 2: ``[heads*d, h]``); 0: a vector, flattened.
     ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings).
-    ``moe``: for a per-layer row, the layers it is in by their kind (:class:`jaxllm.model.gpt.LayerKind`): True,
+    ``moe``: for a per-layer row, the layers it is in by their kind (:class:`jaxllm.model.groups.LayerKind`): True,
     the mixtures of experts; False, the dense layers; None, every layer.  A model whose layers are of several
     kinds holds them in layer groups (:func:`jaxllm.model.gpt.layer_groups`): ``layers/...`` is then each group's
     ``layers_0/...``, ``layers_1/...``, layer ``i`` that group's slice ``i - group.first``.
@@ -40,7 +40,9 @@ VEC = 0  # fan_in of a vector
 
 # The model keys of features that a table holds only at these values unless its ``needs`` name them (or its
 # ``free`` lists them): a model using one of them fits no table that does not say so
-PLAIN = {"norm_placement": "pre"}
+PLAIN = {"norm_placement": "pre", "rope_type": "rope", "apply_layernorm_1p": False, "scale_embeddings": False,
+         "softmax_scale": 0.0, "window_attn_skip_freq": "", "local_rotary_base": 0.0,
+         "rotary_seq_len_interpolation_factor": 1.0}
 
 
 class Condition(str):
@@ -69,7 +71,10 @@ class Arch:
     :class:`Condition`); ``likely``: whether a model that fits no table is most probably meant as this one
     (its hallmark: the error names the likely table first among equally close ones; the registry's later
     tables are asked first); ``free``: keys of :data:`PLAIN` the table holds at any value (every other key of
-    :data:`PLAIN` joins ``needs`` at its plain value)."""
+    :data:`PLAIN` joins ``needs`` at its plain value); ``mtp``: the rows of a multi-token prediction module's own
+    tensors (``model.mtp_num_layers``: ``{m}`` the module's layer number in the checkpoint, ``num_layers + depth``;
+    parameters ``mtp/...``, or a copy of one of no module such as ``wte``), whose layer the engine reads by the
+    table's rows of the last layer's kind (empty: the table holds none, so a model with them fits it not)."""
 
     model_type: str
     hf_class: str
@@ -87,6 +92,7 @@ class Arch:
     misfits: Callable[[config.Model], dict[str, Any]] = lambda m: {}
     likely: Callable[[config.Model], bool] = lambda m: False
     free: tuple[str, ...] = ()
+    mtp: tuple[Tensor, ...] = ()
 
     def __post_init__(self):  # the plain features' values join the needs the table states (see PLAIN)
         plain = {k: v for k, v in PLAIN.items() if k not in self.free and k not in self.needs}

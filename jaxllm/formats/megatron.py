@@ -297,6 +297,9 @@ def check_representable(m: config.Model) -> None:
     if m.num_experts and m.moe_layer_freq != "1":
         raise ConvertError(f"model.moe_layer_freq={m.moe_layer_freq!r}: Megatron checkpoints are written with "
                            f"every layer a mixture of experts", keys=("model.moe_layer_freq",))
+    if m.activation not in ("gelu", "swiglu"):
+        raise ConvertError(f"model.activation={m.activation!r}: Megatron checkpoints are written with gelu or swiglu",
+                           keys=("model.activation",))
     if m.activation == "swiglu" and m.use_bias:
         raise ConvertError("model.use_bias=True with swiglu: megatron-core's SwiGLU also has a gate bias",
                            keys=("model.use_bias",))

@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model import attention as dispatch
 from jaxllm.model import moe
+from jaxllm.model import rotary as scalings
 
 
 def dense(x, w, b, spec, dtype):
@@ -50,13 +51,22 @@ def _dense(ops, x, w, b, spec, dtype):
     return ops.dense(x, w, None if b is None else b[...], spec, dtype)
 
 
-def rotary_frequencies(cfg, half: int):
-    """The rotary embedding's inverse wavelengths, float32 ``[half]`` (radians per position): ``rotary_base ** (-i /
-    half)``; with ``cfg.use_rope_scaling`` Llama 3.1's scaling of them (Megatron-LM's
+def rotary_frequencies(cfg, half: int, base: float = 0.0):
+    """The rotary embedding's inverse wavelengths, float32 ``[half]`` (radians per position): ``base ** (-i / half)``
+    for a layer of its own ``base`` (:attr:`jaxllm.model.groups.LayerKind.rotary_base`), unscaled; else ``rotary_base
+    ** (-i / half)``, divided by ``rotary_seq_len_interpolation_factor`` (linear scaling); with
+    ``cfg.use_rope_scaling`` Llama 3.1's scaling of them (Megatron-LM's
     ``RotaryEmbedding._apply_scaling``, transformers' ``_compute_llama3_parameters``): wavelengths longer than
     ``rope_original_max_position_embeddings / rope_low_freq_factor`` divided by ``rope_scaling_factor``, those
-    shorter than ``... / rope_high_freq_factor`` kept, the ones between interpolated linearly in the inverse."""
+    shorter than ``... / rope_high_freq_factor`` kept, the ones between interpolated linearly in the inverse; with
+    ``cfg.rope_type="yarn"`` YaRN's (:func:`jaxllm.model.rotary.yarn`)."""
+    if base:
+        return base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     inv_freq = cfg.rotary_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if cfg.rotary_seq_len_interpolation_factor != 1:
+        inv_freq = inv_freq / cfg.rotary_seq_len_interpolation_factor
+    if cfg.rope_type == "yarn":
+        return scalings.yarn(inv_freq, cfg)
     if not cfg.use_rope_scaling:
         return inv_freq
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -137,14 +147,16 @@ def split_rows(keys, n):
 class Norm(nnx.Module):
     """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over the last axis, ``embed`` (or
     ``axis`` of ``size``: each head's ``head_dim`` for ``model.qk_layernorm``; or the last axes, ``size`` and
-    ``axis`` tuples: all heads' ``[heads, head_dim]`` together), in float32."""
+    ``axis`` tuples: all heads' ``[heads, head_dim]`` together), in float32; with ``model.apply_layernorm_1p`` scaled
+    by ``1 + scale``, the scale from 0 (Megatron-LM's zero-centered gamma; Gemma's RMSNorm)."""
 
     def __init__(self, cfg, size=None, axis="embed"):
         self.kind, self.eps, size = cfg.norm, cfg.norm_eps, size or cfg.hidden_size
         shape, axes = (size, (axis,)) if isinstance(size, tuple) else ((size,), (axis,))
         axes = axis if isinstance(axis, tuple) else axes
         self.axes = -1 if len(shape) == 1 else tuple(range(-len(shape), 0))  # the axes normalized over
-        self.scale = param(None, shape, None, axes)
+        self.one_plus = cfg.apply_layernorm_1p
+        self.scale = param(None, shape, 0 if self.one_plus else None, axes)
         with_bias = cfg.norm == "layernorm" and cfg.use_bias
         self.bias = param(None, shape, 0, axes) if with_bias else None
 
@@ -152,7 +164,8 @@ class Norm(nnx.Module):
         x32 = x.astype(jnp.float32)
         if self.kind == "layernorm":
             x32 = x32 - x32.mean(self.axes, keepdims=True)
-        y = x32 * jax.lax.rsqrt((x32 * x32).mean(self.axes, keepdims=True) + self.eps) * self.scale[...]
+        scale = 1 + self.scale[...] if self.one_plus else self.scale[...]
+        y = x32 * jax.lax.rsqrt((x32 * x32).mean(self.axes, keepdims=True) + self.eps) * scale
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype)
@@ -184,9 +197,10 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = (Norm(cfg, (n, d), (heads, "head_dim"))
                                         for n, heads in ((nh, "heads"), (nkv, "kv_heads")))
 
-    def qkv(self, x, positions):
+    def qkv(self, x, positions, rotary_base=0.0):
         """Queries ``[batch, len, heads, head_dim]``, keys and values ``[batch, len, kv_heads, head_dim]`` of ``x``
-        ``[batch, len, embed]``, normed and rotated as configured."""
+        ``[batch, len, embed]``, normed and rotated as configured (``rotary_base``: the layer's own, unscaled; 0:
+        the model's rotary)."""
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
         q = checkpoint_name(_dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt), "query_proj")
         k = checkpoint_name(_dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt), "key_proj")
@@ -197,18 +211,21 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.position_embedding == "rotary":
-            inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2)
-            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
-        return q, k, v
+            inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2, rotary_base)
+            q, k = (_rotary_scaled(cfg, a, positions, inv_freq, scaled=not rotary_base) for a in (q, k))
+        return _scale_queries(cfg, q), k, v
 
-    def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
+    def __call__(self, x, positions, cache=None, order=None, segment_ids=None, kind=None):
         """``(out, cache)``: the attention's output ``[batch, len, embed]`` of ``x`` ``[batch, len, embed]`` at
         int32 ``positions`` ``[batch, len]``, and when decoding (``cache`` the layer's keys and values) the
-        cache with this chunk's written at ``positions``."""
+        cache with this chunk's written at ``positions``; ``kind``: the layer's (its window and rotary base,
+        :class:`jaxllm.model.groups.LayerKind`), None: ``model.sliding_window`` and the model's rotary."""
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
-        q, k, v = self.qkv(x, positions)
-        if cache is None:
-            out = self.ops.attention(q, k, v, order, segment_ids)
+        window = cfg.sliding_window if kind is None else kind.window
+        q, k, v = self.qkv(x, positions, 0.0 if kind is None else kind.rotary_base)
+        if cache is None:  # the layer's window where it is not the model's (which the attention has bound)
+            out = self.ops.attention(q, k, v, order, segment_ids,
+                                     **({} if window == cfg.sliding_window else {"window": window or None}))
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.
@@ -217,11 +234,27 @@ class Attention(nnx.Module):
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
             kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
-            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True, window=cfg.sliding_window or None,
+            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True, window=window or None,
                                      q_positions=positions, kv_positions=kv_positions)
             cache = (k_cache, v_cache)
         out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
         return checkpoint_name(_dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), "out_proj"), cache
+
+
+def _rotary_scaled(cfg, x, positions, inv_freq, scaled=True):
+    """:func:`rotary` times YaRN's factor (:func:`jaxllm.model.rotary.attention_factor`; none without YaRN, or for a
+    layer of its own rotary base, ``scaled`` False)."""
+    factor = scalings.attention_factor(cfg) if scaled else 1.0
+    x = rotary(x, positions, inv_freq)
+    return x if factor == 1 else (x * factor).astype(x.dtype)
+
+
+def _scale_queries(cfg, q):
+    """``q`` ``[..., width]`` scaled so that the attention's ``1 / sqrt(width)`` gives the model's scores: times
+    ``model.softmax_scale x sqrt(width)`` (Gemma 3's ``query_pre_attn_scalar``) and YaRN's
+    :func:`jaxllm.model.rotary.score_factor` (unchanged without them)."""
+    factor = scalings.score_factor(cfg) * (cfg.softmax_scale * q.shape[-1] ** 0.5 if cfg.softmax_scale else 1.0)
+    return q if factor == 1 else (q * factor).astype(q.dtype)
 
 
 class LatentAttention(Attention):
@@ -259,9 +292,9 @@ class LatentAttention(Attention):
         self.wo = param(rngs.params(), (n, dv, h), out_std, ("heads", "head_dim", "embed"))
         self.bo = None  # resolve refuses model.use_bias with MLA
 
-    def qkv(self, x, positions):
+    def qkv(self, x, positions, rotary_base=0.0):
         """Queries, keys ``[batch, len, heads, dn + dr]`` and values ``[batch, len, heads, dv]`` of ``x``
-        ``[batch, len, embed]`` (the class's equations)."""
+        ``[batch, len, embed]`` (the class's equations; ``rotary_base`` as :meth:`Attention.qkv`'s)."""
         cfg, dt, ops = self.cfg, jnp.dtype(self.cfg.dtype), self.ops
         rkv, dn = cfg.kv_lora_rank, cfg.qk_head_dim
         # the latents whole on every tensor device (Megatron-LM duplicates the down projections there); the query
@@ -277,15 +310,16 @@ class LatentAttention(Attention):
         ckv = checkpoint_name(ops.constrain(ckv, ("batch", "length", "kv_lora")), "key_proj")
         kv = _dense(ops, self.kv_a_norm(ckv[..., :rkv]), self.wkv_b[...], None, "bsr,rhd->bshd", dt)
         kv = checkpoint_name(ops.constrain(kv, ("batch", "length", "heads", "head_dim")), "value_proj")
-        inv_freq = rotary_frequencies(cfg, cfg.qk_pos_emb_head_dim // 2)
-        q = jnp.concatenate([q[..., :dn], rotary(q[..., dn:], positions, inv_freq)], axis=-1)
-        k_rope = rotary(ckv[:, :, None, rkv:], positions, inv_freq)  # [batch, len, 1, dr]: one for every head
+        inv_freq, scaled = rotary_frequencies(cfg, cfg.qk_pos_emb_head_dim // 2, rotary_base), not rotary_base
+        q = jnp.concatenate([q[..., :dn], _rotary_scaled(cfg, q[..., dn:], positions, inv_freq, scaled)], axis=-1)
+        k_rope = _rotary_scaled(cfg, ckv[:, :, None, rkv:], positions, inv_freq, scaled)  # [batch, len, 1, dr]
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))], axis=-1)
-        return q, k, kv[..., dn:]
+        return _scale_queries(cfg, q), k, kv[..., dn:]
 
 
 class MLP(nnx.Module):
-    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block, ``[batch, len, embed]`` to the same.
+    """GELU (tanh approximation, as GPT-2), SwiGLU or GeGLU (Shazeer 2020: ``gelu(x W_g) * x W_1``, Gemma's)
+    feed-forward block, ``[batch, len, embed]`` to the same.
 
     With ``model.mlp_chunks`` = m > 1 the tokens go through in m chunks, one after another, each
     under ``jax.checkpoint``: only one chunk's ``[batch, len / m, ffn]`` intermediates are live, in the
@@ -298,7 +332,8 @@ class MLP(nnx.Module):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.cfg, self.ops = cfg, ops
         self.w1 = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp"))
-        self.wg = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if cfg.activation == "swiglu" else None
+        gated = cfg.activation != "gelu"
+        self.wg = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if gated else None
         self.w2 = param(rngs.params(), (f, h), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
         self.b1 = param(None, (f,), 0, ("mlp",)) if cfg.use_bias else None
         self.b2 = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
@@ -318,7 +353,7 @@ class MLP(nnx.Module):
             y = gelu(y)
         else:
             gate = checkpoint_name(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt), "mlpwi_gate")
-            y = jax.nn.silu(gate) * y
+            y = (gelu(gate) if self.cfg.activation == "geglu" else jax.nn.silu(gate)) * y
         y = self.ops.constrain(y, ("batch", "length", "mlp"))
         return checkpoint_name(_dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt), "mlpwo")
 
@@ -370,7 +405,7 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     """One transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (pre-norm; the MLP a mixture of
-    experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.gpt.LayerKind`); by ``model.norm_placement``
+    experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.groups.LayerKind`); by ``model.norm_placement``
     ``x + norm(attn(x))`` (post: OLMo 2's reordered norm, Walsh et al. 2025 section 3.2) or ``x + norm(attn(norm(x)))``
     (sandwich: Gemma 2's; Ding et al. 2021), the MLP's alike, each norm its own (``post_attn_norm``,
     ``post_mlp_norm``)."""
@@ -383,12 +418,13 @@ class Block(nnx.Module):
         self.ln2, self.mlp = Norm(cfg) if pre else None, (MoE(cfg, rngs, ops) if kind.moe else MLP(cfg, rngs, ops))
         self.post_attn_norm, self.post_mlp_norm = (Norm(cfg), Norm(cfg)) if post else (None, None)
 
-    def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
+    def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None, kind=None):
         """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of
-        experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP)."""
+        experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP); ``kind``: the layer's
+        (its attention's window and rotary: :meth:`Attention.__call__`)."""
         x = checkpoint_name(x, "decoder_layer_input")  # every use below reads it through the name
         k1, k2 = split_rows(key, 2) if key is not None else (None, None)
-        y, cache = self.attn(_norm(self.ln1, x), positions, cache, order, segment_ids)
+        y, cache = self.attn(_norm(self.ln1, x), positions, cache, order, segment_ids, kind)
         x = self.ops.constrain(x + dropout(_norm(self.post_attn_norm, y), self.dropout, k1, order), RESIDUAL)
         y, stats = self.mlp(_norm(self.ln2, x)), None
         if isinstance(self.mlp, MoE):

@@ -189,7 +189,7 @@ class Attention:
     ulysses_degree: int = 1
     kernel: attn.Implementation = attn.Implementation()
 
-    def __call__(self, q, k, v, order=None, segment_ids=None):
+    def __call__(self, q, k, v, order=None, segment_ids=None, **layer):
         """Attention of one layer.
 
         Args:
@@ -200,12 +200,14 @@ class Attention:
             expect the order of :func:`zigzag` over :func:`ring_devices`); None: the array's order.
           segment_ids: int ``[batch, len]`` (in the order of ``q``) or None: a token attends only
             within its segment (``data.reset_attention_mask``).
+          layer: the layer's own ``window`` (int, or None: every earlier position) where it is not the bound one.
         Returns:
           ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
         Raises:
           ValueError: unknown ``sequence_impl``; ring or usp with a ring device's length odd.
         """
-        layout, kernel = self.layout, self.kernel
+        layout = self.layout
+        kernel = dataclasses.replace(self.kernel, window=layer["window"]) if "window" in layer else self.kernel
         n = layout.size("length")
         if n == 1 and not kernel.flash:
             return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
