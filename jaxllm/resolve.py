@@ -244,7 +244,7 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     if m.layer_loop == "auto":
         m.layer_loop = layer_loop(hardware.backend_kind(backend), m.remat)
     if m.attention_impl == "auto":  # decided here once: the model binds the concrete one (attention.implementation)
-        m.attention_impl = attention.resolve_impl("auto", backend)
+        m.attention_impl = attention.resolve_impl("auto", backend, sinks=m.softmax_type != "vanilla")
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,
@@ -342,7 +342,7 @@ def _check_attention_kinds(m: Model) -> None:
     Raises:
       ConfigError: ``model.window_attn_skip_freq`` or ``model.local_rotary_base`` without a window (or a pattern that
         names no layers); a linear scaling (``model.rotary_seq_len_interpolation_factor``) with another; ``geglu``
-        with experts (their gate is SiLU's).
+        with experts (their gate is SiLU's); quick GeGLU's offset or clamp with another activation.
     """
     for key, value in (("window_attn_skip_freq", m.window_attn_skip_freq), ("local_rotary_base", m.local_rotary_base)):
         if value and not m.sliding_window:
@@ -354,6 +354,9 @@ def _check_attention_kinds(m: Model) -> None:
     if m.activation == "geglu" and m.num_experts:
         raise ConfigError("model.activation", "geglu", "the experts' gated activation is SiLU's: set swiglu, or "
                           "model.num_experts=0")
+    for key in ("glu_linear_offset", "activation_func_clamp_value"):
+        if getattr(m, key) and m.activation != "quick_geglu":
+            raise ConfigError(f"model.{key}", getattr(m, key), "applies to model.activation=quick_geglu only")
 
 
 def _check_mla(m: Model) -> None:

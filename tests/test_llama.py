@@ -65,6 +65,7 @@ HF_CONFIGS = {
         moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
         vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        num_nextn_predict_layers=0,  # its checkpoint holds no multi-token prediction module
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
     # from memory, not read from the Hub (no network here): see jaxllm/families/deepseek_v3.py
     "DeepSeek-V3": ("DeepseekV3Config", dict(

@@ -132,7 +132,7 @@ def _read_yarn(rope: dict, refuse) -> dict:
         refuse("rope_parameters", rope, f"the yarn rope type's {', '.join(missing)} too")
     f, ms, all_dim = float(rope["factor"]), rope.get("mscale"), float(rope.get("mscale_all_dim") or 0)
     if not (ms and all_dim):  # rotary times mscale(f, 1): jaxllm's mscale(f, ms) / mscale(f, all_dim) with this ms
-        ms = 1.0 if f <= 1 else (rotary.mscale(f, 1) * rotary.mscale(f, all_dim) - 1) / (0.1 * np.log(f))
+        ms = 1.0 if f <= 1 or not all_dim else (rotary.mscale(f, 1) * rotary.mscale(f, all_dim) - 1) / (0.1 * np.log(f))
     keys = {"rope_type": "yarn", "yarn_rotary_scaling_factor": f, "yarn_mscale": float(ms),
             "yarn_mscale_all_dim": all_dim,
             "yarn_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),

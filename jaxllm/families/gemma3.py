@@ -30,9 +30,10 @@ LINEAR_ROPE = RopeType(
     write=lambda m: {"rope_type": "linear", "factor": m.rotary_seq_len_interpolation_factor})
 
 
-def _layer_pattern(hf: dict, layers: int, refuse) -> str:
-    """``model.window_attn_skip_freq`` of ``layer_types`` (else transformers' ``sliding_window_pattern``, 6: every
-    6th layer global): ``N`` where every ``N``-th layer is global, "" where none is, else one 1/0 per layer."""
+def layer_pattern(hf: dict, layers: int, refuse) -> str:
+    """``model.window_attn_skip_freq`` of config.json's ``layer_types`` (else its ``sliding_window_pattern``, 6: every
+    6th layer global, as transformers' Gemma 3): ``N`` where every ``N``-th layer is global, "" where none is, else one
+    1/0 per layer.  ``refuse(key, value, need)`` raises for a list of other lengths or types."""
     types = hf.get("layer_types")
     if types is None:
         every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
@@ -73,7 +74,7 @@ def _gemma3_keys(hf: dict, keys: dict) -> dict:
     return {"rotary_base": float(full.get("rope_theta") or hf.get("rope_theta") or 1e6),
             "rotary_seq_len_interpolation_factor": float(scaling),
             "local_rotary_base": float(local.get("rope_theta") or 10000.0) if window else 0.0,
-            "window_attn_skip_freq": _layer_pattern(hf, keys["num_layers"], refuse) if window else "",
+            "window_attn_skip_freq": layer_pattern(hf, keys["num_layers"], refuse) if window else "",
             "softmax_scale": 0.0 if scalar == head else float(scalar) ** -0.5}
 
 

@@ -21,7 +21,8 @@ class Tensor(NamedTuple):
     HF's output axis (``c_attn = [wq | wk | wv]``).  ``fan_in``: the leading axes of a
     (per-layer) parameter that form the input axis, the rest the output axis (``wq [h, heads, d]``,
     1: ``[h, heads*d]``; ``wo [heads, d, h]``, 2: ``[heads*d, h]``); 0: a vector, flattened.
-    ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings).
+    ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings);
+    :data:`WHOLE` (``fan_in``): one parameter's slice as it is, every axis (gpt-oss's ``[experts, in, out]`` experts).
     ``moe``: for a per-layer row, the layers it is in by their kind (:class:`jaxllm.model.groups.LayerKind`): True,
     the mixtures of experts; False, the dense layers; None, every layer.  A model whose layers are of several
     kinds holds them in layer groups (:func:`jaxllm.model.gpt.layer_groups`): ``layers/...`` is then each group's
@@ -36,13 +37,15 @@ class Tensor(NamedTuple):
 
 
 VEC = 0  # fan_in of a vector
+WHOLE = -1  # fan_in of a tensor held as our (per-layer) parameter is, axes and all
 
 
 # The model keys of features that a table holds only at these values unless its ``needs`` name them (or its
 # ``free`` lists them): a model using one of them fits no table that does not say so
 PLAIN = {"norm_placement": "pre", "rope_type": "rope", "apply_layernorm_1p": False, "scale_embeddings": False,
          "softmax_scale": 0.0, "window_attn_skip_freq": "", "local_rotary_base": 0.0,
-         "rotary_seq_len_interpolation_factor": 1.0}
+         "rotary_seq_len_interpolation_factor": 1.0, "softmax_type": "vanilla", "glu_linear_offset": 0.0,
+         "activation_func_clamp_value": 0.0, "moe_router_bias": False}
 
 
 class Condition(str):
@@ -97,6 +100,8 @@ class Arch:
     def __post_init__(self):  # the plain features' values join the needs the table states (see PLAIN)
         plain = {k: v for k, v in PLAIN.items() if k not in self.free and k not in self.needs}
         object.__setattr__(self, "needs", {**self.needs, **plain})
+        read = {ours for ours, _ in self.keys.values()} & set(self.needs)
+        assert not read, f"{self.model_type}: model keys both read from config.json and fixed: {sorted(read)}"
 
 
 class RopeType(NamedTuple):

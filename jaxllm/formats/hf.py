@@ -24,7 +24,7 @@ import numpy as np
 from jaxllm import config
 from jaxllm.errors import ConvertError
 from jaxllm.families.registry import ARCHITECTURES, ROPE_TYPES
-from jaxllm.families.tables import Arch, Tensor
+from jaxllm.families.tables import WHOLE, Arch, Tensor
 from jaxllm.model import gpt
 from jaxllm.model.params import by_path, unpadded_shapes
 
@@ -74,6 +74,8 @@ def _slice(a: np.ndarray, i: int | None, e: int | None) -> np.ndarray:
 
 def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
     """HF's tensor of row ``t`` from one layer's slices of its parameters."""
+    if t.fan_in == WHOLE:
+        return arrays[0]
     flat = [a.reshape((math.prod(a.shape[:t.fan_in]), -1) if t.fan_in else -1) for a in arrays]
     x = np.concatenate(flat, axis=-1)
     return x.T if t.linear else x
@@ -81,6 +83,8 @@ def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
 
 def _from_hf_layout(t: Tensor, x: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
     """The inverse of :func:`_to_hf_layout`: one layer's slices, shaped ``shapes``, from HF's tensor."""
+    if t.fan_in == WHOLE:
+        return [x]
     x = x.T if t.linear else x
     sizes = [math.prod(s[t.fan_in:]) for s in shapes]
     return [part.reshape(s) for part, s in zip(np.split(x, np.cumsum(sizes)[:-1], axis=-1), shapes, strict=True)]
@@ -88,6 +92,8 @@ def _from_hf_layout(t: Tensor, x: np.ndarray, shapes: list[tuple]) -> list[np.nd
 
 def _hf_shape(t: Tensor, shapes: list[tuple]) -> tuple[int, ...]:
     """The shape :func:`_to_hf_layout` gives for parameters of (per-layer) ``shapes``."""
+    if t.fan_in == WHOLE:
+        return tuple(shapes[0])
     out = sum(math.prod(s[t.fan_in:]) for s in shapes)
     if not t.fan_in:
         return (out,)

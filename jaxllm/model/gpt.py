@@ -86,7 +86,8 @@ class Ops:
         each token's index in the sequence, which the causal mask follows (None: the array's order; ring attention's
         reordered batch gives it), ``segment_ids`` int32 ``[batch, len]`` or None: a token attends
         only to tokens of its segment (its document, ``data.reset_attention_mask``); ``layer``: a layer's own
-        ``window`` (int or None: every earlier position) where it is not the model's; returns
+        ``window`` (int or None: every earlier position) where it is not the model's, its attention ``sinks``
+        (float32 ``[heads]``, ``model.softmax_type``) where it has them; returns
         ``[batch, len, heads, head_dim]``.
       embed: ``(table, ids) -> x``: the rows of ``table`` ``[padded_vocab, embed]`` at int32 ``ids``
         ``[batch, len]``: ``[batch, len, embed]``.
@@ -483,7 +484,7 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
 
 # read in float32: the norms (multi-head latent attention's latent ones too), the MoE router
 FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
-                  "router", "expert_bias")
+                  "router", "router_bias", "expert_bias", "sinks")
 
 
 def cast_layers(cfg: ModelConfig, params: dict) -> dict:

@@ -13,6 +13,7 @@ carries its logical axis names (``out_sharding`` metadata) and large activations
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,26 @@ def _gelu_jvp(primals, tangents):
     return gelu(x), (slope * dx).astype(x.dtype)
 
 
+def quick_geglu(y, offset=0.0, clamp=0.0):
+    """Megatron-LM's quick GeGLU (``--quick-geglu``, ``--glu-linear-offset``, ``--activation-func-clamp-value``;
+    gpt-oss's clamped SwiGLU, transformers' ``GptOssExperts._apply_gate``): of ``y`` ``[..., 2f]`` whose even columns
+    are the gates ``g`` and odd ones the linear units ``u`` (interleaved, as gpt-oss stores them, so that any split of
+    the columns in even parts keeps each pair together), ``g sigmoid(1.702 g) (u + offset)`` with ``g`` clamped to at
+    most ``clamp`` and ``u`` to ``[-clamp, clamp]`` (``clamp`` 0: neither): ``[..., f]`` in ``y``'s dtype."""
+    gate, up = y[..., ::2], y[..., 1::2]
+    if clamp:
+        gate, up = jnp.minimum(gate, clamp), jnp.clip(up, -clamp, clamp)
+    return gate * jax.nn.sigmoid(1.702 * gate) * (up + offset)
+
+
+def activation(cfg):
+    """The activation of an MLP's first matmul where it has no separate gate (``wg``): GPT-2's GELU, or
+    ``model.activation="quick_geglu"``'s :func:`quick_geglu` (``[..., 2f]`` to ``[..., f]``)."""
+    if cfg.activation != "quick_geglu":
+        return gelu
+    return functools.partial(quick_geglu, offset=cfg.glu_linear_offset, clamp=cfg.activation_func_clamp_value)
+
+
 def dropout(x, rate, keys, order=None):
     """Inverted dropout of ``x`` ``[batch, len, ...]`` with one key per row ``keys`` ``[batch]``.
 
@@ -187,6 +208,8 @@ class Attention(nnx.Module):
         self.bk = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
         self.bv = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
         self.bo = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
+        # attention sinks (model.softmax_type learnable): a logit per head in its softmax's denominator
+        self.sinks = param(None, (nh,), 0, ("heads",)) if cfg.softmax_type == "learnable" else None
         # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys; or
         # (qk_layernorm_per_head False, OLMo 2) one of all heads' queries, one of all heads' keys
         if not cfg.qk_layernorm:
@@ -223,9 +246,12 @@ class Attention(nnx.Module):
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
         window = cfg.sliding_window if kind is None else kind.window
         q, k, v = self.qkv(x, positions, 0.0 if kind is None else kind.rotary_base)
-        if cache is None:  # the layer's window where it is not the model's (which the attention has bound)
-            out = self.ops.attention(q, k, v, order, segment_ids,
-                                     **({} if window == cfg.sliding_window else {"window": window or None}))
+        # the layer's window where it is not the model's (which the attention has bound), its sinks
+        layer = {} if window == cfg.sliding_window else {"window": window or None}
+        if cfg.softmax_type != "vanilla":
+            layer["sinks"] = jnp.zeros(q.shape[2], jnp.float32) if self.sinks is None else self.sinks[...]
+        if cache is None:
+            out = self.ops.attention(q, k, v, order, segment_ids, **layer)
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.
@@ -235,7 +261,7 @@ class Attention(nnx.Module):
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
             kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
             out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True, window=window or None,
-                                     q_positions=positions, kv_positions=kv_positions)
+                                     q_positions=positions, kv_positions=kv_positions, sinks=layer.get("sinks"))
             cache = (k_cache, v_cache)
         out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
         return checkpoint_name(_dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), "out_proj"), cache
@@ -291,6 +317,7 @@ class LatentAttention(Attention):
         self.wkv_b = param(rngs.params(), (rkv, n, cfg.qk_head_dim + dv), std, ("kv_lora", "heads", "head_dim"))
         self.wo = param(rngs.params(), (n, dv, h), out_std, ("heads", "head_dim", "embed"))
         self.bo = None  # resolve refuses model.use_bias with MLA
+        self.sinks = param(None, (n,), 0, ("heads",)) if cfg.softmax_type == "learnable" else None
 
     def qkv(self, x, positions, rotary_base=0.0):
         """Queries, keys ``[batch, len, heads, dn + dr]`` and values ``[batch, len, heads, dv]`` of ``x``
@@ -318,7 +345,8 @@ class LatentAttention(Attention):
 
 
 class MLP(nnx.Module):
-    """GELU (tanh approximation, as GPT-2), SwiGLU or GeGLU (Shazeer 2020: ``gelu(x W_g) * x W_1``, Gemma's)
+    """GELU (tanh approximation, as GPT-2), SwiGLU or GeGLU (Shazeer 2020: ``gelu(x W_g) * x W_1``, Gemma's), or quick
+    GeGLU (:func:`quick_geglu`: ``w1`` ``[embed, 2 x ffn]`` holds its gates and linear units interleaved)
     feed-forward block, ``[batch, len, embed]`` to the same.
 
     With ``model.mlp_chunks`` = m > 1 the tokens go through in m chunks, one after another, each
@@ -331,11 +359,11 @@ class MLP(nnx.Module):
     def __init__(self, cfg, rngs, ops):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.cfg, self.ops = cfg, ops
-        self.w1 = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp"))
-        gated = cfg.activation != "gelu"
+        gated, width = cfg.activation in ("swiglu", "geglu"), 2 * f if cfg.activation == "quick_geglu" else f
+        self.w1 = param(rngs.params(), (h, width), cfg.init_std, ("embed", "mlp"))  # quick_geglu: gates, units
         self.wg = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if gated else None
         self.w2 = param(rngs.params(), (f, h), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
-        self.b1 = param(None, (f,), 0, ("mlp",)) if cfg.use_bias else None
+        self.b1 = param(None, (width,), 0, ("mlp",)) if cfg.use_bias else None
         self.b2 = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
@@ -350,7 +378,7 @@ class MLP(nnx.Module):
         dt = jnp.dtype(self.cfg.dtype)
         y = checkpoint_name(_dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt), "mlpwi")
         if self.wg is None:
-            y = gelu(y)
+            y = activation(self.cfg)(y)
         else:
             gate = checkpoint_name(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt), "mlpwi_gate")
             y = (gelu(gate) if self.cfg.activation == "geglu" else jax.nn.silu(gate)) * y
@@ -360,9 +388,10 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """Mixture of experts in place of the MLP (``model.num_experts`` > 0): a float32 router picks each token's
-    ``moe_router_topk`` experts (:func:`jaxllm.model.moe.route`), each an MLP of ``moe_ffn_hidden_size`` with
-    the model's activation, combined by the router's weights; plus a shared dense MLP of
-    ``moe_shared_expert_intermediate_size`` that every token takes (Qwen-MoE, DeepSeekMoE), if set.
+    ``moe_router_topk`` experts (:func:`jaxllm.model.moe.route`; the router's logits plus a learned bias with
+    ``model.moe_router_bias``), each an MLP of ``moe_ffn_hidden_size`` with the model's activation (quick GeGLU's
+    ``w1`` ``[experts, embed, 2 x ffn]``, as :class:`MLP`'s), combined by the router's weights; plus a shared dense
+    MLP of ``moe_shared_expert_intermediate_size`` that every token takes (Qwen-MoE, DeepSeekMoE), if set.
 
     The router's losses (``moe_aux_loss_coeff`` x load-balancing loss + ``moe_z_loss_coeff`` x z-loss) join the
     objective through ``ops.router_loss``; the call returns the output ``[batch, len, embed]`` and the
@@ -373,12 +402,14 @@ class MoE(nnx.Module):
         h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.cfg, self.ops = cfg, ops
+        width = 2 * f if cfg.activation == "quick_geglu" else f  # its gates and linear units in one matrix
         self.router = param(rngs.params(), (h, e), std, ("embed", None))
-        self.w1 = param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
+        self.router_bias = param(None, (e,), 0, (None,)) if cfg.moe_router_bias else None
+        self.w1 = param(rngs.params(), (e, h, width), std, ("experts", "expert_embed", "expert_mlp"))
         self.wg = (param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
                    if cfg.activation == "swiglu" else None)
         self.w2 = param(rngs.params(), (e, f, h), out_std, ("experts", "expert_mlp", "expert_embed"))
-        self.b1 = param(None, (e, f), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
+        self.b1 = param(None, (e, width), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
         self.b2 = param(None, (e, h), 0, ("experts", "expert_embed")) if cfg.use_bias else None
         self.expert_bias = param(None, (e,), 0, (None,)) if cfg.moe_router_enable_expert_bias else None
         shared = cfg.moe_shared_expert_intermediate_size
@@ -387,13 +418,15 @@ class MoE(nnx.Module):
     def __call__(self, x):
         cfg, value = self.cfg, lambda p: None if p is None else p[...]  # noqa: E731
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...])
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...]
         bias = None if self.expert_bias is None else jax.lax.stop_gradient(self.expert_bias[...])
         ids, weights, stats = moe.route(
             logits, cfg.moe_router_topk, cfg.moe_capacity_factor, score_function=cfg.moe_router_score_function,
             pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
             num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk, bias=bias)
         y = self.ops.experts(x, ids, weights, self.w1[...], value(self.wg), self.w2[...], value(self.b1),
-                             value(self.b2), activation=gelu, dtype=jnp.dtype(cfg.dtype))
+                             value(self.b2), activation=activation(cfg), dtype=jnp.dtype(cfg.dtype))
         y = self.ops.router_loss(y, cfg.moe_aux_loss_coeff * stats["aux_loss"] + cfg.moe_z_loss_coeff * stats["z_loss"])
         if self.expert_bias is not None:  # the tokens each expert took (dropped copies, id num_experts, left out)
             load = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32).sum((0, 1, 2))
