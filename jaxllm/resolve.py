@@ -67,7 +67,7 @@ def _check_values(cfg: Config) -> None:
     _check_attention_kinds(m)
     if m.rope_type == "yarn" and (m.position_embedding != "rotary" or m.use_rope_scaling):
         raise ConfigError("model.rope_type", "yarn", "YaRN scales rotary frequencies: it needs "
-                          "model.position_embedding=rotary and not model.use_rope_scaling (Llama 3.1's scaling)")
+                          "model.position_embedding=rotary and not model.use_rope_scaling (another scaling)")
     if m.use_rope_scaling and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError("model.rope_high_freq_factor", m.rope_high_freq_factor,
                           f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1)")

@@ -221,7 +221,7 @@ FAMILY = Family(
         "moe_router_topk_scaling_factor": ((None,), "jaxllm reads routers without a scaling factor"),
         "moe_router_enable_expert_bias": ((False, None), "the router's expert bias is not read")},
     megatron_keys={"multi_latent_attention": False, "moe_shared_expert_intermediate_size": 0,
-                   "moe_router_score_function": "softmax"},
+                   "moe_router_score_function": "softmax", "rope_type": "rope"},
     sizes={
         # deepseek-ai/DeepSeek-V3 config.json, as recalled (no network here): 61 layers, the first 3 dense (FFN
         # 18432), then 256 experts of 2048, top 8 of 8 groups' best 4 by sigmoid score with the expert bias, scaled by

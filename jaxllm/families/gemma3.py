@@ -138,7 +138,8 @@ def _size(layers, hidden, heads, kv_heads, ffn, head_dim, **more) -> dict:
 FAMILY = Family(
     name="gemma3", preset=PRESET, architectures=(GEMMA3,), rope_types={"linear": LINEAR_ROPE},
     # megatron-core's GPTModel: pre-norms of w, the embeddings unscaled
-    megatron_keys={"apply_layernorm_1p": False, "scale_embeddings": False},
+    megatron_keys={"apply_layernorm_1p": False, "scale_embeddings": False, "softmax_scale": 0.0,
+                   "local_rotary_base": 0.0, "rotary_seq_len_interpolation_factor": 1.0},
     # google/gemma-3-{1b,4b,12b,27b}-pt config.json (text_config for 4B and up), as recalled (no network here)
     sizes={"Gemma-3-1B": _size(26, 1152, 4, 1, 6912, 256, vocab_size=262144, max_position_embeddings=32768,
                                sliding_window=512, rotary_seq_len_interpolation_factor=1.0),

@@ -141,5 +141,7 @@ def _size(layers: int, experts: int) -> dict:
 FAMILY = Family(
     name="gpt_oss", preset=PRESET, architectures=(GPT_OSS,),
     # megatron-core's softmax offsets, router bias and quick GeGLU are not read or written by jaxllm's Megatron format
+    megatron_args={"softmax_type": (("vanilla", None), "attention sinks are not read from Megatron checkpoints"),
+                   "quick_geglu": ((False, None), "quick GeGLU experts are not read from Megatron checkpoints")},
     megatron_keys={"softmax_type": "vanilla", "moe_router_bias": False},
     sizes={"gpt-oss-20b": _size(24, 32), "gpt-oss-120b": _size(36, 128)})

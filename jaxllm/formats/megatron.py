@@ -53,7 +53,7 @@ FIXED = {
     "mtp_num_layers": ((None, 0), "multi-token prediction modules are not read from Megatron checkpoints"),
     "rotary_percent": ((1.0, None), "jaxllm rotates the whole head"),
     "rotary_interleaved": ((False, None), "jaxllm rotates halves, not interleaved pairs"),
-    "apply_layernorm_1p": ((False, None), "jaxllm's norms scale by their weight, not 1 + weight"),
+    "apply_layernorm_1p": ((False, None), "norms scaled by 1 + weight are not read from Megatron checkpoints"),
     "squared_relu": ((False, None), "jaxllm's activations are GELU and SwiGLU"),
     "rampup_batch_size": ((None,), "jaxllm's global batch is one size from the first step"),
     "train_samples": ((None,), "jaxllm's schedule is in iterations (--train-iters), not samples"),

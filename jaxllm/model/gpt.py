@@ -304,10 +304,11 @@ class GPT(nnx.Module):
         return layers.split_rows(dropout_key, 1 + self.cfg.num_layers + self.cfg.mtp_num_layers)
 
     def token_embedding(self, tokens, positions):
-        """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout."""
+        """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout; the token
+        embeddings times ``sqrt(hidden_size)`` with ``model.scale_embeddings`` (Gemma's)."""
         dt = jnp.dtype(self.cfg.dtype)
         x = self.ops.embed(self.ops.param(self.wte[...].astype(dt), ("vocab", "embed")), tokens)
-        if self.cfg.scale_embeddings:  # Gemma's sqrt(hidden), in the embeddings' dtype as transformers' buffer
+        if self.cfg.scale_embeddings:  # sqrt(hidden), in the embeddings' dtype (as transformers' buffer)
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, dt)
         if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)
             wpe = self.ops.param(self.wpe[...].astype(dt), (None, "embed"))

@@ -211,7 +211,7 @@ class Attention(nnx.Module):
         # attention sinks (model.softmax_type learnable): a logit per head in its softmax's denominator
         self.sinks = param(None, (nh,), 0, ("heads",)) if cfg.softmax_type == "learnable" else None
         # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys; or
-        # (qk_layernorm_per_head False, OLMo 2) one of all heads' queries, one of all heads' keys
+        # (qk_layernorm_per_head False) one of all heads' queries, one of all heads' keys
         if not cfg.qk_layernorm:
             self.q_norm = self.k_norm = None
         elif cfg.qk_layernorm_per_head:
