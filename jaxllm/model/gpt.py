@@ -465,8 +465,8 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
     greatest common divisor, which a split divides when it divides every group)."""
     groups = layer_groups(cfg)
     layer_key = "model.num_layers" if len(groups) == 1 else (
-        f"model.moe_layer_freq (groups of {', '.join(str(g.num_layers) for g in groups)} layers; their greatest "
-        "common divisor)")
+        f"model.moe_layer_freq or model.window_attn_skip_freq (groups of {', '.join(str(g.num_layers) for g in groups)}"
+        " layers; their greatest common divisor)")
     return {
         "heads": (cfg.num_attention_heads, "model.num_attention_heads"),
         "kv_heads": (cfg.num_kv_heads, "model.num_kv_heads"),
