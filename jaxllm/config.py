@@ -121,8 +121,7 @@ class Model(Section):
     yarn_correction_range_round_to_int: bool = True
     norm: str = _key("layernorm", choices=("layernorm", "rmsnorm"))
     norm_eps: float = _key(1e-5, ">0")
-    # gelu (tanh approximation), swiglu (SiLU-gated), geglu (gated by gelu: Gemma's), quick_geglu (Megatron-LM's,
-    # gpt-oss's; glu_linear_offset, activation_func_clamp_value: 0 none; jaxllm.model.layers.quick_geglu)
+    # gelu (tanh approximation), swiglu, geglu (Gemma's), quick_geglu (Megatron-LM's, gpt-oss's: layers.quick_geglu)
     activation: str = _key("gelu", choices=("gelu", "swiglu", "geglu", "quick_geglu"))
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float = _key(0.0, ">=0")
@@ -135,14 +134,12 @@ class Model(Section):
     add_qkv_bias: bool = False  # biases on the query/key/value projections even without use_bias (Qwen2)
     qk_layernorm: bool = False  # model.norm over each head's queries and keys before rotary (Qwen3, OLMo 2)
     qk_layernorm_per_head: bool = True  # False: qk_layernorm over all heads' queries (keys) together (OLMo 2)
-    # where each layer's two norms sit: pre, x + f(norm(x)) (GPT-2, Llama); post, x + norm(f(x)) (OLMo 2's reordered
-    # norm, not BERT's norm(x + f(x))); sandwich, x + norm(f(norm(x))) (Gemma 2 and 3), each norm its own
+    # pre: x + f(norm(x)) (GPT-2, Llama); post: x + norm(f(x)) (OLMo 2); sandwich: x + norm(f(norm(x))) (Gemma 3)
     norm_placement: str = _key("pre", choices=("pre", "post", "sandwich"))
     # a token attends to itself and the sliding_window - 1 positions before it (Mistral; Megatron-LM's
     # --window-size (sliding_window - 1, 0)); 0: to every earlier position
     sliding_window: int = _key(0, ">=0")
-    # the layers with the window (Megatron-LM's --window-attn-skip-freq): N, all but every N-th (Gemma 3's 6); or one
-    # 1 (window) or 0 (every earlier position) per layer, as [1,1,0,1] or ([1]*5+[0]+[1]*2); "": every layer
+    # the layers with the window (Megatron-LM's --window-attn-skip-freq): N, all but every N-th; 1/0 per layer; "": all
     window_attn_skip_freq: str = ""
     # multi-head latent attention (MLA: DeepSeek-V2 section 2.1, DeepSeek-V3; Megatron-LM's names and defaults;
     # jaxllm.model.layers.LatentAttention): queries through a rank-q_lora_rank latent (0: none), keys and values from
