@@ -1,5 +1,6 @@
 """Llama-style recipes: ALCF Megatron-DeepSpeed's train_llama_alcf.sh, in jaxllm keys, for Llama's, Qwen's
-(dense and mixture of experts), Mistral's and DeepSeek-V3's (Moonlight's) shapes.
+(dense and mixture of experts), Mistral's, DeepSeek-V3's (and Moonlight's), OLMo 2's, Gemma 3's and gpt-oss's
+shapes.
 
     python -m jaxllm.train --config=configs/llama.py:Llama-3-8B --config.data.tokenizer=PATH/tokenizer.json ...
     LLAMA=1 MODEL_SIZE_KEY=AuroraGPT-2B TOKENIZER_TYPE=PATH/tokenizer.json sbatch launch/frontier.sbatch
@@ -55,6 +56,26 @@ Keys (model shapes, each from the file named):
                 DeepseekV3Config builds for these values, its expert biases counted), 2.91B of them active per
                 token (the embeddings included).  Its tokenizer (tiktoken-based, tokenization_moonshot.py) is
                 not one jaxllm reads.
+  DeepSeek-V3   deepseek-ai/DeepSeek-V3 (DeepseekV3ForCausalLM; jaxllm/families/deepseek_v3.py has its shape and
+                source): Moonlight's architecture at 61 layers, hidden 7168, 128 heads with a query latent of 1536,
+                256 experts of 2048 (top 8 in 4 of 8 groups, scaled by 2.5) after 3 dense layers, YaRN rotary
+                scaling (model.rope_type=yarn, factor 40) and one multi-token prediction module
+                (model.mtp_num_layers=1); trained here at 4096 tokens.  671.0B parameters (682.6B with the module).
+  OLMo-2-1B, OLMo-2-7B, OLMo-2-13B, OLMo-2-32B  allenai's OLMo 2 (Olmo2ForCausalLM; jaxllm/families/olmo2.py has
+                their shapes and sources): Llama's layer with its norms after attention and the MLP
+                (model.norm_placement=post) and query/key norms over all heads (model.qk_layernorm_per_head=False);
+                vocabulary 100352, 4096 positions (trained here at 4096 tokens), rope_theta 500000, rms_norm_eps 1e-6.
+  Gemma-3-1B, Gemma-3-4B, Gemma-3-12B, Gemma-3-27B  Google's Gemma 3 text models (Gemma3ForCausalLM;
+                jaxllm/families/gemma3.py has their shapes and sources): (1 + w) RMSNorms before and after attention
+                and the MLP, GeGLU, embeddings times sqrt(hidden), query/key norms, five local layers (a window of 512
+                in 1B, 1024 in the others, rotary base 10000) per global one (rotary base 1e6, linearly scaled by 8 in
+                4B and up), tied embeddings; vocabulary 262144 (1B) or 262208.
+  gpt-oss-20b, gpt-oss-120b  OpenAI's gpt-oss (GptOssForCausalLM; jaxllm/families/gpt_oss.py has their shapes and
+                sources): 24 or 36 layers of hidden 2880, 64 heads of 64 with attention sinks (model.softmax_type=
+                learnable), windows of 128 on every other layer, YaRN (factor 32 over 4096 positions), 32 or 128
+                experts (top 4, router bias) of a clamped SwiGLU (model.activation=quick_geglu); vocabulary 201088;
+                trained here at 4096 tokens.  20.9B and 116.8B parameters, 4.19B and 5.71B active per token (the
+                model card's 3.61B and 5.13B leave out the embedding table).
   Mistral-7B    mistralai/Mistral-7B-v0.1 config.json (MistralForCausalLM): 32 layers, hidden 4096, 32 heads,
                 8 KV heads, FFN 14336, vocabulary 32000, 32768 positions, rope_theta 10000, rms_norm_eps 1e-5,
                 each token attending to the last 4096 positions (model.sliding_window).  7.24B parameters.
@@ -70,8 +91,11 @@ from jaxllm.families import llama, registry
 
 # the shapes this recipe trains (jaxllm.families: each family's module holds its sizes, with their sources)
 SIZES = ("ALCF-7B", "AuroraGPT-2B", "Llama-2-7B", "Llama-3-8B", "Llama-3.1-8B", "Qwen2.5-7B", "Qwen3-8B", "Mistral-7B",
-         "Qwen3-30B-A3B", "Moonlight-16B-A3B")
-SEQ_LENGTH = {"ALCF-7B": 2048, "Llama-2-7B": 4096}  # train.seq_length; the others 8192
+         "Qwen3-30B-A3B", "Moonlight-16B-A3B", "DeepSeek-V3", "OLMo-2-1B", "OLMo-2-7B", "OLMo-2-13B", "OLMo-2-32B",
+         "Gemma-3-1B", "Gemma-3-4B", "Gemma-3-12B", "Gemma-3-27B", "gpt-oss-20b", "gpt-oss-120b")
+# train.seq_length (OLMo 2's: its 4096 positions; DeepSeek-V3's and gpt-oss's length before YaRN); the others 8192
+SEQ_LENGTH = {"ALCF-7B": 2048, "Llama-2-7B": 4096, "DeepSeek-V3": 4096, "gpt-oss-20b": 4096, "gpt-oss-120b": 4096,
+              **{f"OLMo-2-{n}": 4096 for n in ("1B", "7B", "13B", "32B")}}
 KEYS = (*SIZES, "tiny")
 
 

@@ -99,30 +99,51 @@ class Model(Section):
     max_position_embeddings: int = _key(0, ">=0")  # positions of the learned table; 0: train.seq_length
     position_embedding: str = _key("learned", choices=("learned", "rotary"))
     rotary_base: float = _key(10000.0, ">0")
-    # Llama 3.1's rotary frequency scaling (Megatron-LM's --use-rope-scaling, --rope-scaling-factor; HF's
-    # rope_type "llama3"): wavelengths beyond rope_original_max_position_embeddings / rope_low_freq_factor are
-    # stretched by the factor, those below ... / rope_high_freq_factor kept, the ones between interpolated
+    # the windowed layers' own rotary base, without the model's scaling (Gemma 3's 10000); 0: the model's rotary
+    local_rotary_base: float = _key(0.0, ">=0")
+    # positions divided by this for rotary (Megatron-LM's; HF's rope type linear: Gemma 3's global layers' 8)
+    rotary_seq_len_interpolation_factor: float = _key(1.0, ">0")
+    # Llama 3.1's rotary frequency scaling (Megatron-LM's --use-rope-scaling, --rope-scaling-factor; HF's rope_type
+    # llama3; jaxllm.model.layers.rotary_frequencies)
     use_rope_scaling: bool = False
     rope_scaling_factor: float = _key(8.0, ">0")
     rope_low_freq_factor: float = _key(1.0, ">0")
     rope_high_freq_factor: float = _key(4.0, ">0")
     rope_original_max_position_embeddings: int = _key(8192, ">0")
+    # YaRN (Peng et al. 2023; Megatron-LM's --rope-type yarn and yarn_* names; HF's rope type yarn): jaxllm.model.rotary
+    rope_type: str = _key("rope", choices=("rope", "yarn"))
+    yarn_rotary_scaling_factor: float = _key(40.0, ">0")
+    yarn_original_max_position_embeddings: int = _key(4096, ">0")
+    yarn_beta_fast: float = _key(32.0, ">0")
+    yarn_beta_slow: float = _key(1.0, ">0")
+    yarn_mscale: float = _key(1.0, ">=0")
+    yarn_mscale_all_dim: float = _key(0.0, ">=0")
+    yarn_correction_range_round_to_int: bool = True
     norm: str = _key("layernorm", choices=("layernorm", "rmsnorm"))
     norm_eps: float = _key(1e-5, ">0")
-    activation: str = _key("gelu", choices=("gelu", "swiglu"))
+    # gelu (tanh approximation), swiglu, geglu (Gemma's), quick_geglu (Megatron-LM's, gpt-oss's: layers.quick_geglu)
+    activation: str = _key("gelu", choices=("gelu", "swiglu", "geglu", "quick_geglu"))
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float = _key(0.0, ">=0")
+    apply_layernorm_1p: bool = False  # norms scale by 1 + w, w from 0 (Megatron-LM's --apply-layernorm-1p; Gemma)
+    scale_embeddings: bool = False  # the token embeddings times sqrt(hidden_size) (Gemma; the output layer unscaled)
+    softmax_scale: float = _key(0.0, ">=0")  # of attention's scores (Megatron-LM's); 0: 1/sqrt(query head width)
+    # learnable: a logit per head in the softmax's denominator (attention sinks: gpt-oss; Megatron-LM's); off-by-one: 0
+    softmax_type: str = _key("vanilla", choices=("vanilla", "off-by-one", "learnable"))
     use_bias: bool = True
     add_qkv_bias: bool = False  # biases on the query/key/value projections even without use_bias (Qwen2)
     qk_layernorm: bool = False  # model.norm over each head's queries and keys before rotary (Qwen3, OLMo 2)
+    qk_layernorm_per_head: bool = True  # False: qk_layernorm over all heads' queries (keys) together (OLMo 2)
+    # pre: x + f(norm(x)) (GPT-2, Llama); post: x + norm(f(x)) (OLMo 2); sandwich: x + norm(f(norm(x))) (Gemma 3)
+    norm_placement: str = _key("pre", choices=("pre", "post", "sandwich"))
     # a token attends to itself and the sliding_window - 1 positions before it (Mistral; Megatron-LM's
     # --window-size (sliding_window - 1, 0)); 0: to every earlier position
     sliding_window: int = _key(0, ">=0")
-    # multi-head latent attention in place of the query/key/value projections (MLA: DeepSeek-V2 section 2.1,
-    # DeepSeek-V3; Megatron-LM's names and defaults): queries through a rank-q_lora_rank bottleneck (0: one
-    # projection, as DeepSeek-V2-Lite and Moonlight), keys and values decompressed per head from one shared latent
-    # of kv_lora_rank per token (each latent normed by model.norm); each head's query and key have qk_head_dim
-    # dimensions without position and qk_pos_emb_head_dim rotary ones (the key's shared by all heads), its value
-    # v_head_dim; scores scaled by 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) (no YaRN). Needs rotary positions,
-    # no biases; num_kv_heads is num_attention_heads
+    # the layers with the window (Megatron-LM's --window-attn-skip-freq): N, all but every N-th; 1/0 per layer; "": all
+    window_attn_skip_freq: str = ""
+    # multi-head latent attention (MLA: DeepSeek-V2 section 2.1, DeepSeek-V3; Megatron-LM's names and defaults;
+    # jaxllm.model.layers.LatentAttention): queries through a rank-q_lora_rank latent (0: none), keys and values from
+    # one of kv_lora_rank per token; qk_head_dim + qk_pos_emb_head_dim (rotary) query/key, v_head_dim value dimensions
     multi_latent_attention: bool = False
     q_lora_rank: int = _key(0, ">=0")
     kv_lora_rank: int = _key(32, ">0")
@@ -180,9 +201,9 @@ class Model(Section):
     moe_router_num_groups: int = _key(0, ">=0")
     moe_router_group_topk: int = _key(0, ">=0")
     # auxiliary-loss-free load balancing (DeepSeek-V3 section 2.1.2; Megatron-LM's names, sigmoid scores): a bias per
-    # expert added to the scores for the top-k choice only, moved after each step by bias_update_rate toward the
-    # experts' mean load (up for an expert that took fewer tokens than the mean, down for more)
+    # expert on the scores for the top-k choice only, moved after each step by bias_update_rate toward the mean load
     moe_router_enable_expert_bias: bool = False
+    moe_router_bias: bool = False  # a learned bias on the router's logits (gpt-oss; Megatron-LM's with bias_linear)
     moe_router_bias_update_rate: float = _key(1e-3, ">=0")
     # which layers are mixtures of experts (Megatron-LM's --moe-layer-freq): k, every k-th layer from the first
     # (1: all); or one 0/1 per layer, "[0,0,1,1]" or Megatron's "([0]*3+[1]*58)" (DeepSeek-V3's 3 dense layers)
@@ -205,6 +226,21 @@ class Model(Section):
         if self.multi_latent_attention:
             return self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim
         return self.head_dim, self.head_dim
+
+    @property
+    def window_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends within ``sliding_window`` (all False without one). Raises ConfigError:
+        ``window_attn_skip_freq`` is neither "", a positive integer nor a 0/1 list of ``num_layers``."""
+        text, n = self.window_attn_skip_freq.strip(), self.num_layers
+        if not self.sliding_window or not text:
+            return (bool(self.sliding_window),) * n
+        pattern = tuple((i + 1) % int(text) != 0 for i in range(n)) if text.isdigit() and int(text) else (
+            None if text.isdigit() else moe_layer_pattern(text, n))
+        if pattern is None:
+            raise ConfigError("model.window_attn_skip_freq", text, f"give N (all layers but every N-th keep the "
+                              f"window) or one 1 (window) or 0 (none) per layer for the model.num_layers={n} "
+                              "layers, as [1,1,0,1] or ([1]*5+[0]+[1]*2)")
+        return pattern
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

@@ -64,6 +64,10 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("model.position_embedding", "rotary",
                           f"rotary needs an even head dim; model.kv_channels (0: hidden_size/num_attention_heads) "
                           f"gives {m.head_dim}")
+    _check_attention_kinds(m)
+    if m.rope_type == "yarn" and (m.position_embedding != "rotary" or m.use_rope_scaling):
+        raise ConfigError("model.rope_type", "yarn", "YaRN scales rotary frequencies: it needs "
+                          "model.position_embedding=rotary and not model.use_rope_scaling (another scaling)")
     if m.use_rope_scaling and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError("model.rope_high_freq_factor", m.rope_high_freq_factor,
                           f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1)")
@@ -196,7 +200,7 @@ def padded_vocab(vocab_size: int, divisible_by: int, tensor: int) -> int:
 def _ffn_size(m: Model) -> int:
     if m.ffn_hidden_size:
         return m.ffn_hidden_size
-    return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation == "swiglu" else 4 * m.hidden_size
+    return 64 * math.ceil(8 * m.hidden_size / 3 / 64) if m.activation != "gelu" else 4 * m.hidden_size
 
 
 def layer_loop(backend: str, remat: str) -> str:
@@ -242,7 +246,7 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     if m.layer_loop == "auto":
         m.layer_loop = layer_loop(hardware.backend_kind(backend), m.remat)
     if m.attention_impl == "auto":  # decided here once: the model binds the concrete one (attention.implementation)
-        m.attention_impl = attention.resolve_impl("auto", backend)
+        m.attention_impl = attention.resolve_impl("auto", backend, sinks=m.softmax_type != "vanilla")
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,
@@ -332,6 +336,29 @@ def _check_mlp_chunks(cfg) -> None:
         raise ConfigError("model.mlp_chunks", chunks,
                           f"must divide the tokens of each sequence device, train.seq_length / mesh.sequence = "
                           f"{cfg.train.seq_length} / {n} = {cfg.train.seq_length // n}")
+
+
+def _check_attention_kinds(m: Model) -> None:
+    """The keys of layers' own attention (Gemma 3's local and global layers) and of the scalings.
+
+    Raises:
+      ConfigError: ``model.window_attn_skip_freq`` or ``model.local_rotary_base`` without a window (or a pattern that
+        names no layers); a linear scaling (``model.rotary_seq_len_interpolation_factor``) with another; ``geglu``
+        with experts (their gate is SiLU's); quick GeGLU's offset or clamp with another activation.
+    """
+    for key, value in (("window_attn_skip_freq", m.window_attn_skip_freq), ("local_rotary_base", m.local_rotary_base)):
+        if value and not m.sliding_window:
+            raise ConfigError(f"model.{key}", value, "applies to the layers with a window: set model.sliding_window")
+    m.window_layers  # noqa: B018  (raises ConfigError for a pattern that names no layers)
+    if m.rotary_seq_len_interpolation_factor != 1 and (m.use_rope_scaling or m.rope_type == "yarn"):
+        raise ConfigError("model.rotary_seq_len_interpolation_factor", m.rotary_seq_len_interpolation_factor,
+                          "is a scaling of its own: set 1, or model.use_rope_scaling=False and model.rope_type=rope")
+    if m.activation == "geglu" and m.num_experts:
+        raise ConfigError("model.activation", "geglu", "the experts' gated activation is SiLU's: set swiglu, or "
+                          "model.num_experts=0")
+    for key in ("glu_linear_offset", "activation_func_clamp_value"):
+        if getattr(m, key) and m.activation != "quick_geglu":
+            raise ConfigError(f"model.{key}", getattr(m, key), "applies to model.activation=quick_geglu only")
 
 
 def _check_mla(m: Model) -> None:

@@ -44,8 +44,10 @@ def attention_mask(q_positions, kv_positions, *, causal, q_segment_ids=None, kv_
 
 
 def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, window=None,
-              q_positions=None, kv_positions=None, return_lse=False):
-    """Softmax attention, ``softmax(q k^T / sqrt(head_dim)) v`` (Vaswani et al. 2017, eq. 1).
+              q_positions=None, kv_positions=None, return_lse=False, sinks=None):
+    """Softmax attention, ``softmax(q k^T / sqrt(head_dim)) v`` (Vaswani et al. 2017, eq. 1); with ``sinks``, a logit
+    per head in each softmax's denominator that takes no value (attention sinks: gpt-oss; Megatron-LM's learnable
+    softmax offset; Miller 2023's "off by one" when 0), ``exp(s_i) / (sum_j exp(s_j) + exp(sink))``.
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``.
@@ -55,9 +57,11 @@ def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, 
       q_positions, kv_positions: int ``[batch, len]``; default ``arange``, with the queries
         aligned to the end of the keys (so a single decoding query sees every key).
       return_lse: also return the log-sum-exp of the scaled scores.
+      sinks: ``[heads]`` (float32 logits, in the scaled scores' units) or None.
     Returns:
       out ``[batch, q_len, heads, head_dim]`` in q's dtype; with ``return_lse`` also
-      lse ``[batch, heads, q_len]`` float32 (``-1e30`` for a query that sees no key).
+      lse ``[batch, heads, q_len]`` float32 (``-1e30`` for a query that sees no key; with ``sinks`` the sink's
+      logit joins the sum: the sink's alone for a query that sees no key).
     Softmax statistics are accumulated in float32 whatever the input dtype.
     """
     b, sq, h, d = q.shape
@@ -72,11 +76,13 @@ def attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None, 
     scores = scores * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, MASKED)
     lse = jax.nn.logsumexp(scores, axis=-1)
+    if sinks is not None:  # [kv_heads, group] as the query heads are viewed
+        lse = jnp.logaddexp(lse, sinks.astype(jnp.float32).reshape(kvh, h // kvh)[None, :, :, None])
     probs = jnp.exp(scores - lse[..., None])
     probs = jnp.where(mask[:, None, None], probs, 0.0)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out.reshape(b, sq, h, v.shape[-1]).astype(q.dtype)
     if return_lse:
-        lse = jnp.where(mask.any(-1)[:, None, None], lse, MASKED)
+        lse = lse if sinks is not None else jnp.where(mask.any(-1)[:, None, None], lse, MASKED)
         return out, lse.reshape(b, h, sq)
     return out

@@ -104,12 +104,18 @@ def qwen3_moe(tied=False):
         router_aux_loss_coef=0.02))
 
 
-def deepseek_v3(q_lora_rank, tied=False):
+# DeepSeek-V3's own YaRN (its config.json's mscale and mscale_all_dim both 1: its rotary unscaled, its scores times
+# mscale(40, 1)^2), its frequencies interpolated from the 8th of the test's 32 positions on, mscale_all_dim 0.8
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def deepseek_v3(q_lora_rank, tied=False, rope=None):
     """Multi-head latent attention (with a query latent or, as Moonlight, without; DeepSeek's interleaved rotary rows),
     layer 0 of 3 dense, then 4 routed experts in 2 groups (top 2 from the best group, sigmoid scores, the expert bias
     nonzero, renormalized and scaled by 2) and a shared expert; rms_norm_eps 1e-5 as Moonlight's (transformers'
-    latent norms keep 1e-6, jaxllm's take the model's: within TOL here)."""
-    m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+    latent norms keep 1e-6, jaxllm's take the model's: within TOL here); ``rope``: its rope_parameters."""
+    m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(rope_parameters=rope,
         num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
         moe_intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
         topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=16,
@@ -121,15 +127,44 @@ def deepseek_v3(q_lora_rank, tied=False):
     return m
 
 
+def olmo2(tied=False):
+    """Norms after attention and the MLP (none before), query and key norms over all heads together."""
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied, rope_theta=500.0))
+
+
 MODELS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
           "llama-gqa-untied": lambda: llama(False), "llama-gqa-tied": lambda: llama(True),
           "llama-ropescaled-untied": lambda: llama3(False), "qwen2-gqa-untied": lambda: qwen2(False),
           "qwen3-gqa-tied": lambda: qwen3(True), "mistral-gqa-untied": lambda: mistral(False),
           "mixtral-gqa-untied": lambda: mixtral(False), "qwen3moe-gqa-untied": lambda: qwen3_moe(False),
-          "deepseekv3-qlora-untied": lambda: deepseek_v3(12), "deepseekv3-mla-untied": lambda: deepseek_v3(None)}
+          "deepseekv3-qlora-untied": lambda: deepseek_v3(12), "deepseekv3-mla-untied": lambda: deepseek_v3(None),
+          "olmo2-gqa-untied": lambda: olmo2(False),
+          "deepseekv3-qlora-yarnmtp-untied": lambda: deepseek_v3(12, rope=YARN)}
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-              "qwen3moe": "Qwen3MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM"}
+              "qwen3moe": "Qwen3MoeForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+
+
+def add_mtp_layer(d, seed):
+    """DeepSeek-V3's multi-token prediction layer (transformers neither builds nor saves one) added to the checkpoint
+    of 3 layers in ``d`` as its file holds it: ``model.layers.3``, a copy of layer 2's tensors (an MoE layer, the
+    last layer's kind), random ``enorm``, ``hnorm``, ``eh_proj`` ``[h, 2h]`` and ``shared_head.norm``, copies of the
+    embedding and output layer; ``num_nextn_predict_layers`` 1."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if "layers.2." in k}
+    mtp.update({f"model.layers.3.{n}.weight": (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+                for n in ("enorm", "hnorm", "shared_head.norm")})
+    mtp["model.layers.3.eh_proj.weight"] = (0.1 * rng.standard_normal((64, 128))).astype(np.float32)
+    mtp["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    mtp["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"]
+    save_file({**tensors, **mtp}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    Path(d, "config.json").write_text(json.dumps({**json.loads(Path(d, "config.json").read_text()),
+                                                  "num_nextn_predict_layers": 1}))
 
 
 def randomize(m, seed):
@@ -175,6 +210,8 @@ def hf_dir(request, tmp_path_factory):
     m = randomize(MODELS[request.param](), seed=len(request.param))
     d = tmp_path_factory.mktemp(request.param)
     m.save_pretrained(d, safe_serialization=True)
+    if "mtp" in request.param:
+        add_mtp_layer(d, seed=1)
     return request.param, str(d), hf_logits(m, tokens())
 
 
@@ -189,8 +226,9 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
     assert m.tie_embeddings == ("untied" not in name)
     if "gpt2" not in name:
         assert (m.num_kv_heads, m.rotary_base, m.use_bias) == (4 if "deepseek" in name else 2, 500.0, False)
-    assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name,
+    assert (m.add_qkv_bias, m.qk_layernorm, m.sliding_window) == ("qwen2" in name, "qwen3" in name or "olmo2" in name,
                                                                    8 if "mistral" in name else 0)
+    assert (m.norm_placement, m.qk_layernorm_per_head) == (("post", False) if "olmo2" in name else ("pre", True))
     if "deepseek" not in name:
         assert (m.kv_channels, m.head_dim) == ((32, 32) if "qwen3moe" in name else (0, 16))
     scaling = (m.use_rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
@@ -213,11 +251,13 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
         assert np.abs(params["layers_1"]["mlp"]["expert_bias"]).min() > 0
     else:
         assert m.num_experts == 0
+    assert (m.rope_type, m.mtp_num_layers) == (("yarn", 1) if "yarnmtp" in name else ("rope", 0))
     out = jax_logits(m, params, tokens())
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
-    for key in ("use_rope_scaling", "sliding_window"):  # the scaling and the window change these logits
-        if getattr(m, key):
-            plain = jax_logits(dataclasses.replace(m, **{key: 0}), params, tokens())
+    # the scalings and the window change these logits
+    for key, off in (("use_rope_scaling", False), ("sliding_window", 0), ("rope_type", "rope")):
+        if getattr(m, key) != off:
+            plain = jax_logits(dataclasses.replace(m, **{key: off}), params, tokens())
             assert np.abs(plain - ref).max() > 100 * TOL
 
     hf_config, tensors = to_hf(m, params)
@@ -285,8 +325,12 @@ def test_fused_experts_import(hf_dir, tmp_path):
 def test_deepseek_v3_rotary_routing_and_mtp_layers(hf_dir, tmp_path):
     """What DeepSeek-V3's import gets right is not vacuous: the rotary rows read without de-interleaving, the router
     without its groups or without its expert bias each give other logits; a checkpoint's multi-token-prediction
-    layer (model.layers.{num_hidden_layers}..., which transformers does not load) is skipped; the export says what
+    layer (model.layers.{num_hidden_layers}..., which transformers does not load) is model.mtp_num_layers' module,
+    its layer that layer's parameters (layer 2's copy here), its eh_proj [h, 2h] the embedding's half first; dropped
+    with model.mtp_num_layers=0, and a layer without its module's own tensors is none; the export says what
     transformers reads: its dense layers first, one shared expert, the groups, the renormalized, scaled top k."""
+    import shutil
+
     from safetensors.numpy import load_file, save_file
 
     _, d, ref = hf_dir
@@ -302,9 +346,19 @@ def test_deepseek_v3_rotary_routing_and_mtp_layers(hf_dir, tmp_path):
     unbiased["layers_1"]["mlp"]["expert_bias"] = np.zeros_like(params["layers_1"]["mlp"]["expert_bias"])
     assert np.abs(jax_logits(m, unbiased, tokens()) - ref).max() > 100 * TOL
 
+    shutil.copytree(d, tmp_path / "mtp")
+    add_mtp_layer(tmp_path / "mtp", seed=2)
+    cfg_mtp, with_mtp = hf_workdir.from_hf(str(tmp_path / "mtp"), F32)
+    assert cfg_mtp.model.mtp_num_layers == 1
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in with_mtp.items() if k != "mtp"}, params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[0], b[1]), with_mtp["mtp"]["block"], params["layers_1"])
+    eh_proj = load_file(str(tmp_path / "mtp" / "model.safetensors"))["model.layers.3.eh_proj.weight"]
+    np.testing.assert_array_equal(with_mtp["mtp"]["eh_proj"][0], eh_proj.T.reshape(2, 64, 64))
+    _, dropped = hf_workdir.from_hf(str(tmp_path / "mtp"), {**F32, "model.mtp_num_layers": "0"})
+    jax.tree.map(np.testing.assert_array_equal, dropped, params)
     tensors = load_file(os.path.join(d, "model.safetensors"))
-    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if "layers.2." in k}
-    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"))
+    partial = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if "layers.2." in k}
+    save_file({**tensors, **partial}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({**json.loads(Path(d, "config.json").read_text()),
                                                       "num_nextn_predict_layers": 1}))
     _, again = hf_workdir.from_hf(str(tmp_path), F32)
@@ -705,12 +759,11 @@ def test_cli_export_of_unsupported_model_fails_cleanly(tmp_path):
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
-    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}},
+    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
+                                     "original_max_position_embeddings": 4096}},
      "rope_parameters.rope_type"),
-    # DeepSeek-V3's own YaRN rotary, and what jaxllm's sigmoid router or rotary does not compute
-    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
-                                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-                                         "mscale": 1.0, "mscale_all_dim": 1.0}}, "rope_parameters.rope_type"),
+    # what jaxllm's sigmoid router, rotary or YaRN does not compute
+    ("deepseek_v3", {"rope_parameters": {**YARN, "attention_factor": 1.5}}, "rope_parameters.attention_factor"),
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob"),
     ("deepseek_v3", {"topk_group": 2}, "topk_group"),
     ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts"),

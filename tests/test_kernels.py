@@ -288,6 +288,55 @@ def test_cudnn_matches_reference_with_packed_documents(bound):
         _assert_close(name, got, want, TOL[c.dtype])
 
 
+# ----------------------------------------------------------------------------- attention sinks
+
+
+def _sink_grads(fn, qkv, sinks, do, dlse, kw):
+    """Output, lse and the gradients of q, k, v and the sinks of ``fn(q, k, v, sinks=..., return_lse=True, **kw)``."""
+    def loss(q, k, v, s):
+        out, lse = fn(q, k, v, sinks=s, return_lse=True, **kw)
+        return jnp.sum(out.astype(jnp.float32) * do) + jnp.sum(lse * dlse), (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*qkv, sinks)
+    return out, lse, grads
+
+
+SINK_CASES = [Case("sinks-causal-gqa-window", sq=128, heads=4, kv_heads=2, window=40, blocks=SMALL),
+              Case("sinks-positions-mqa", sq=64, sk=192, heads=4, kv_heads=1, positions=True, blocks=SMALL)]
+
+
+def test_reference_sinks_are_a_softmax_logit():
+    """The reference's sinks against the softmax of the scores with each head's sink logit as one more column,
+    which takes no value (transformers' gpt-oss eager attention), on a causal grouped-query case."""
+    (q, k, v), *_ = _inputs(Case("x", sq=16, heads=4, kv_heads=2, head_dim=16))
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    ks, vs = (jnp.repeat(a, 2, axis=2) for a in (k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, ks) / 4.0
+    scores = jnp.where(jnp.tril(jnp.ones((16, 16), bool)), scores, -jnp.inf)
+    logits = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (1, 4, 16, 1))], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)[..., :-1]
+    want = jnp.einsum("bhqk,bkhd->bqhd", probs, vs)
+    _assert_close("out", reference.attention(q, k, v, sinks=sinks), want, 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+@pytest.mark.parametrize("case", SINK_CASES, ids=str)
+def test_sinks_through_each_kernel_match_the_reference(impl, case):
+    """Attention sinks on a flash kernel (its output merged with them by its log-sum-exp: ``merge_sinks``) against
+    the reference's softmax, output, lse and the gradients of q, k, v and the sinks (Pallas interpreted on CPU;
+    jax-triton needs a GPU: skipped without one)."""
+    if impl == "triton" and not ON_GPU:
+        pytest.skip("jax_triton needs a GPU")
+    qkv, do, dlse, kw = _inputs(case)
+    sinks = jax.random.normal(jax.random.key(7), (case.heads,))
+    got = _sink_grads(lambda *a, **k: dispatch.attention(*a, impl=impl, **k), qkv, sinks, do, dlse, kw)
+    with jax.default_matmul_precision("highest"):
+        want = _sink_grads(reference.attention, qkv, sinks, do, dlse, kw)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (*got[:2], *got[2]), (*want[:2], *want[2])):
+        _assert_close(name, g, w, 1e-5)
+    assert np.abs(np.asarray(got[2][3])).max() > 1e-3  # the sinks' gradient is not vacuous
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -321,6 +370,7 @@ def test_dispatch_on_cpu():
 
 def test_dispatch_rules_per_backend_kind():
     assert dispatch.resolve_impl("auto", "cuda") == "cudnn"
+    assert dispatch.resolve_impl("auto", "cuda", sinks=True) == "pallas"  # jax's cuDNN attention takes no sinks
     assert dispatch.resolve_impl("auto", "rocm") == "pallas"
     assert dispatch.resolve_impl("auto", "tpu") == "xla"
     cuda, rocm = dispatch.available_impls("cuda"), dispatch.available_impls("rocm")

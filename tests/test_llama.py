@@ -65,14 +65,35 @@ HF_CONFIGS = {
         moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
         vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        num_nextn_predict_layers=0,  # its checkpoint holds no multi-token prediction module
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    # from memory, not read from the Hub (no network here): see jaxllm/families/deepseek_v3.py
+    "DeepSeek-V3": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        num_nextn_predict_layers=1, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # from memory, not read from the Hub (no network here): see jaxllm/families/olmo2.py
+    "OLMo-2-7B": ("Olmo2Config", dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=500000.0)),
+    "OLMo-2-32B": ("Olmo2Config", dict(
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+        vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=500000.0)),
 }
 
 
 @pytest.mark.parametrize("key", HF_CONFIGS)
 def test_open_model_keys_are_the_published_models(key):
-    """The key's parameter count is transformers' for the published config (built on the meta device), and importing
-    that config.json gives the key's model settings."""
+    """The key's parameter count is transformers' for the published config (built on the meta device; transformers
+    builds no multi-token prediction module, so DeepSeek-V3's is left out of the count), and importing that
+    config.json gives the key's model settings."""
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
@@ -87,7 +108,8 @@ def test_open_model_keys_are_the_published_models(key):
         b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
     m = resolve(llama().get_config(key), num_devices=1, data_files=False).model
     assert m.padded_vocab_size == m.vocab_size  # no padding rows: the count is comparable
-    assert gpt.num_params(gpt.describe(m).params) == reference
+    params = gpt.describe(m).params
+    assert gpt.num_params(params) - gpt.num_params(params.get("mtp", {})) == reference
     _, imported = hf.model_from_hf(hf_config.to_dict())
     assert {k: getattr(m, k) for k in imported} == imported
 

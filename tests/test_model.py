@@ -68,6 +68,24 @@ def test_norm_gradient_is_autodiffs_of_the_written_out_norm(norm, bias):
     assert ours[0].dtype == jnp.bfloat16 and ours[1]["scale"].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("center", [True, False])
+def test_norm_over_two_axes_and_one_plus_is_autodiffs(center):
+    """The same backward over the last two axes (OLMo 2's query/key norm over all heads, ``[heads, head_dim]``) with
+    a (1 + w) scale (Gemma's), in float32 against autodiff of the norm written out with jax.numpy."""
+    k = jax.random.split(jax.random.key(1), 3)
+    x, w, dy = (jax.random.normal(k[0], (2, 5, 4, 8)), 0.1 * jax.random.normal(k[1], (4, 8)),
+                jax.random.normal(k[2], (2, 5, 4, 8)))
+
+    def written_out(x, w):
+        x = x - x.mean((-2, -1), keepdims=True) if center else x
+        return x * jax.lax.rsqrt((x * x).mean((-2, -1), keepdims=True) + 1e-6) * (1 + w)
+
+    ours = jax.grad(lambda x, w: (layers.norm(x, 1 + w, None, center, 1e-6, 2) * dy).sum(), (0, 1))(x, w)
+    ref = jax.grad(lambda x, w: (written_out(x, w) * dy).sum(), (0, 1))(x, w)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def reference_layer(m, L, x):
     """One pre-norm transformer layer (parameters ``L``: ``attn``, ``mlp``, ``ln1``, ``ln2``) of ``x`` [batch, seq,
     hidden] at positions ``arange(seq)``, written out with jax.numpy."""

@@ -65,12 +65,13 @@ LLAMA3_ROPE = RopeType(
     write=lambda m: {"rope_type": "llama3", **{hf: getattr(m, ours) for hf, ours in _LLAMA3_ROPE.items()}})
 
 
-def rope_parameters(m: config.Model) -> dict:
+def rope_parameters(m: config.Model, *types: RopeType) -> dict:
     """config.json's rotary settings: ``rope_parameters`` (transformers 5) with the theta, ``rope_scaling``
-    (transformers 4) the scaling alone; rope type ``llama3`` with ``model.use_rope_scaling``."""
-    if not LLAMA3_ROPE.applies(m):
+    (transformers 4) the scaling alone; the first of the rope types ``types`` (default: ``llama3``, with
+    ``model.use_rope_scaling``) that applies to ``m``, else ``default``."""
+    scaling = next((t.write(m) for t in types or (LLAMA3_ROPE,) if t.applies(m)), None)
+    if scaling is None:
         return {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}}
-    scaling = LLAMA3_ROPE.write(m)
     return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": m.rotary_base}}
 
 

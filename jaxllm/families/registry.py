@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxllm.families import deepseek_v3, gpt2, llama, mixtral, qwen3_moe
+from jaxllm.families import deepseek_v3, gemma3, gpt2, gpt_oss, llama, mixtral, olmo2, qwen3_moe
 from jaxllm.families.tables import Arch, Family, RopeType
 
 # in the order the export tries their tables (a model fits one); the later ones' hallmarks are asked first
-FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, llama.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)
+FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, llama.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY,
+                                olmo2.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY)
 
 
 def _merged(field: str) -> dict:

@@ -21,8 +21,9 @@ class Tensor(NamedTuple):
     HF's output axis (``c_attn = [wq | wk | wv]``).  ``fan_in``: the leading axes of a
     (per-layer) parameter that form the input axis, the rest the output axis (``wq [h, heads, d]``,
     1: ``[h, heads*d]``; ``wo [heads, d, h]``, 2: ``[heads*d, h]``); 0: a vector, flattened.
-    ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings).
-    ``moe``: for a per-layer row, the layers it is in by their kind (:class:`jaxllm.model.gpt.LayerKind`): True,
+    ``linear``: stored ``[out, in]`` (torch ``Linear``), else ``[in, out]`` (``Conv1D``, embeddings);
+    :data:`WHOLE` (``fan_in``): one parameter's slice as it is, every axis (gpt-oss's ``[experts, in, out]`` experts).
+    ``moe``: for a per-layer row, the layers it is in by their kind (:class:`jaxllm.model.groups.LayerKind`): True,
     the mixtures of experts; False, the dense layers; None, every layer.  A model whose layers are of several
     kinds holds them in layer groups (:func:`jaxllm.model.gpt.layer_groups`): ``layers/...`` is then each group's
     ``layers_0/...``, ``layers_1/...``, layer ``i`` that group's slice ``i - group.first``.
@@ -36,6 +37,15 @@ class Tensor(NamedTuple):
 
 
 VEC = 0  # fan_in of a vector
+WHOLE = -1  # fan_in of a tensor held as our (per-layer) parameter is, axes and all
+
+
+# The model keys of features that a table holds only at these values unless its ``needs`` name them (or its
+# ``free`` lists them): a model using one of them fits no table that does not say so
+PLAIN = {"norm_placement": "pre", "rope_type": "rope", "apply_layernorm_1p": False, "scale_embeddings": False,
+         "softmax_scale": 0.0, "window_attn_skip_freq": "", "local_rotary_base": 0.0,
+         "rotary_seq_len_interpolation_factor": 1.0, "softmax_type": "vanilla", "glu_linear_offset": 0.0,
+         "activation_func_clamp_value": 0.0, "moe_router_bias": False}
 
 
 class Condition(str):
@@ -63,7 +73,11 @@ class Arch:
     keeps a model section from the table beyond ``needs``, as ``{"model.KEY": what it needs}`` (a value or a
     :class:`Condition`); ``likely``: whether a model that fits no table is most probably meant as this one
     (its hallmark: the error names the likely table first among equally close ones; the registry's later
-    tables are asked first)."""
+    tables are asked first); ``free``: keys of :data:`PLAIN` the table holds at any value (every other key of
+    :data:`PLAIN` joins ``needs`` at its plain value); ``mtp``: the rows of a multi-token prediction module's own
+    tensors (``model.mtp_num_layers``: ``{m}`` the module's layer number in the checkpoint, ``num_layers + depth``;
+    parameters ``mtp/...``, or a copy of one of no module such as ``wte``), whose layer the engine reads by the
+    table's rows of the last layer's kind (empty: the table holds none, so a model with them fits it not)."""
 
     model_type: str
     hf_class: str
@@ -80,6 +94,14 @@ class Arch:
     derive: Callable[[dict, dict], dict] | None = None
     misfits: Callable[[config.Model], dict[str, Any]] = lambda m: {}
     likely: Callable[[config.Model], bool] = lambda m: False
+    free: tuple[str, ...] = ()
+    mtp: tuple[Tensor, ...] = ()
+
+    def __post_init__(self):  # the plain features' values join the needs the table states (see PLAIN)
+        plain = {k: v for k, v in PLAIN.items() if k not in self.free and k not in self.needs}
+        object.__setattr__(self, "needs", {**self.needs, **plain})
+        read = {ours for ours, _ in self.keys.values()} & set(self.needs)
+        assert not read, f"{self.model_type}: model keys both read from config.json and fixed: {sorted(read)}"
 
 
 class RopeType(NamedTuple):

@@ -24,7 +24,7 @@ import numpy as np
 from jaxllm import config
 from jaxllm.errors import ConvertError, reading
 from jaxllm.families.registry import ARCHITECTURES, ROPE_TYPES
-from jaxllm.families.tables import Arch, Tensor
+from jaxllm.families.tables import WHOLE, Arch, Tensor
 from jaxllm.model import gpt
 from jaxllm.model.params import by_path, unpadded_shapes
 
@@ -35,11 +35,30 @@ UNSAFE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
                   "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
 
 
+def _rows(arch: Arch, m: config.Model) -> tuple[Tensor, ...]:
+    """The rows of ``arch`` for the model ``m``: its table, and with ``m.mtp_num_layers`` its multi-token prediction
+    modules' (``arch.mtp``: ``{m}``, a module's layer number in the checkpoint, ``num_layers + depth``), their
+    layer's the table's rows of the last layer's kind (``layers/`` read as ``mtp/block/``)."""
+    if not m.mtp_num_layers:
+        return arch.tensors
+    moe = gpt.layer_kinds(m)[-1].moe
+    block = tuple(Tensor(t.name.replace("{i}", "{m}"), tuple("mtp/block/" + p.removeprefix("layers/")
+                                                             for p in t.params), t.fan_in, t.linear, t.moe)
+                  for t in arch.tensors if "{i}" in t.name and t.moe in (None, moe))
+    return (*arch.tensors, *arch.mtp, *block)
+
+
 def _placements(t: Tensor, m: config.Model) -> list[tuple[tuple[str, ...], list[tuple]]]:
     """Where the HF tensors of row ``t`` come from: for each layer group the row is in (one entry for a
     row of no layer), the paths of its parameters there and, layer-major, each tensor's ``(layer, index
-    along the group's stacked layers, expert)`` (None: no such axis)."""
+    along the group's stacked layers, expert)`` (None: no such axis); for a multi-token prediction module's row
+    (``{m}``) each module's ``(its layer number, its index along mtp_layers, expert)``, the index None for a copy
+    of a parameter of no module (the shared embedding and output layer some checkpoints hold in each)."""
     experts = range(m.num_experts) if "{e}" in t.name else [None]
+    if "{m}" in t.name:
+        stacked = t.params[0].startswith("mtp/")
+        return [(t.params, [(m.num_layers + k, k if stacked else None, e) for k in range(m.mtp_num_layers)
+                            for e in experts])]
     if "{i}" not in t.name:
         return [(t.params, [(None, None, e) for e in experts])]
     return [(tuple(g.name + p.removeprefix("layers") for p in t.params),
@@ -55,6 +74,8 @@ def _slice(a: np.ndarray, i: int | None, e: int | None) -> np.ndarray:
 
 def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
     """HF's tensor of row ``t`` from one layer's slices of its parameters."""
+    if t.fan_in == WHOLE:
+        return arrays[0]
     flat = [a.reshape((math.prod(a.shape[:t.fan_in]), -1) if t.fan_in else -1) for a in arrays]
     x = np.concatenate(flat, axis=-1)
     return x.T if t.linear else x
@@ -62,6 +83,8 @@ def _to_hf_layout(t: Tensor, arrays: list[np.ndarray]) -> np.ndarray:
 
 def _from_hf_layout(t: Tensor, x: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
     """The inverse of :func:`_to_hf_layout`: one layer's slices, shaped ``shapes``, from HF's tensor."""
+    if t.fan_in == WHOLE:
+        return [x]
     x = x.T if t.linear else x
     sizes = [math.prod(s[t.fan_in:]) for s in shapes]
     return [part.reshape(s) for part, s in zip(np.split(x, np.cumsum(sizes)[:-1], axis=-1), shapes, strict=True)]
@@ -69,6 +92,8 @@ def _from_hf_layout(t: Tensor, x: np.ndarray, shapes: list[tuple]) -> list[np.nd
 
 def _hf_shape(t: Tensor, shapes: list[tuple]) -> tuple[int, ...]:
     """The shape :func:`_to_hf_layout` gives for parameters of (per-layer) ``shapes``."""
+    if t.fan_in == WHOLE:
+        return tuple(shapes[0])
     out = sum(math.prod(s[t.fan_in:]) for s in shapes)
     if not t.fan_in:
         return (out,)
@@ -91,7 +116,7 @@ def hf_architecture(m: config.Model) -> Arch:
     for arch in ARCHITECTURES.values():
         bad = {f"model.{k}": v for k, v in arch.needs.items() if getattr(m, k) != v}
         bad.update(arch.misfits(m))
-        if m.mtp_num_layers:  # no table writes multi-token prediction modules (transformers skips them) yet
+        if m.mtp_num_layers and not arch.mtp:  # a table without multi-token prediction modules would leave them out
             bad["model.mtp_num_layers"] = 0
         if not bad:
             return arch
@@ -145,13 +170,13 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     real = unpadded_shapes(m, spec)
     flat = {k: x[tuple(map(slice, real[k]))] for k, x in flat.items()}
     tensors = {}
-    for t in arch.tensors:
+    for t in _rows(arch, m):
         for paths, where in _placements(t, m):
             if paths[0] not in flat:  # lm_head of a tied model
                 continue
             arrays = [flat[p] for p in paths]
             for i, j, e in where:
-                tensors[t.name.format(i=i, e=e)] = _to_hf_layout(t, [_slice(a, j, e) for a in arrays])
+                tensors[t.name.format(i=i, m=i, e=e)] = _to_hf_layout(t, [_slice(a, j, e) for a in arrays])
     if arch.saves is not None:
         tensors = arch.saves(tensors, m)
     hf = {"architectures": [arch.hf_class], "model_type": arch.model_type,
@@ -165,6 +190,17 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
 # --------------------------------------------------------------------------- HF -> jaxllm
 
 
+def tensor_names(directory: str) -> list[str]:
+    """The names of the tensors :func:`read_safetensors` reads (from the files' headers only). Raises as it."""
+    from safetensors import safe_open
+
+    names = []
+    for path in _safetensors_files(directory):
+        with reading(path, "safetensors weights", ConvertError), safe_open(path, framework="numpy") as f:
+            names += list(f.keys())
+    return names
+
+
 def read_safetensors(directory: str) -> dict[str, np.ndarray]:
     """Every tensor of ``directory``'s ``model.safetensors`` (or of the shards its
     ``model.safetensors.index.json`` names), as float32 numpy arrays.
@@ -174,6 +210,18 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
     """
     from safetensors import safe_open
 
+    tensors = {}
+    with jax.default_device(jax.devices("cpu")[0]):
+        for path in _safetensors_files(directory):
+            with reading(path, "safetensors weights", ConvertError), safe_open(path, framework="flax") as f:
+                for k in f.keys():  # noqa: SIM118  (a safe_open is not a dict); through jax: numpy has no bfloat16
+                    tensors[k] = np.asarray(f.get_tensor(k), np.float32)
+    return tensors
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    """The safetensors files of ``directory``: ``model.safetensors`` or the shards of its index. Raises ConvertError
+    (pickle-based weights are named and refused, never read)."""
     single, index = os.path.join(directory, SAFETENSORS), os.path.join(directory, SAFETENSORS_INDEX)
     if os.path.isfile(single):
         files = [single]
@@ -191,17 +239,13 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
                 f"trust the file), e.g. AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, "
                 f"safe_serialization=True)")
         raise ConvertError(f"{directory} has no {SAFETENSORS} or {SAFETENSORS_INDEX}")
-    tensors = {}
-    with jax.default_device(jax.devices("cpu")[0]):
-        for path in files:
-            with reading(path, "safetensors weights", ConvertError), safe_open(path, framework="flax") as f:
-                for k in f.keys():  # noqa: SIM118  (a safe_open is not a dict); through jax: numpy has no bfloat16
-                    tensors[k] = np.asarray(f.get_tensor(k), np.float32)
-    return tensors
+    return files
 
 
-def model_from_hf(hf: dict) -> tuple[Arch, dict]:
-    """The architecture and jaxllm's model keys of a config.json dict. Raises ConvertError."""
+def model_from_hf(hf: dict, names=None) -> tuple[Arch, dict]:
+    """The architecture and jaxllm's model keys of a config.json dict. ``names``: None, or a function giving the
+    checkpoint's tensor names, asked only of a table with multi-token prediction modules (``Arch.mtp``) when
+    config.json names some: the modules the checkpoint holds (transformers saves none). Raises ConvertError."""
     arch = ARCHITECTURES.get(hf.get("model_type"))
     if arch is None:
         known = ", ".join(f"{a.model_type!r} ({a.hf_class})" for a in ARCHITECTURES.values())
@@ -228,14 +272,33 @@ def model_from_hf(hf: dict) -> tuple[Arch, dict]:
             unsupported("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
                         hf.get("rope_scaling") or rope_type, f"rope type {known}")
         if rope_type != "default":
-            keys.update(ROPE_TYPES[rope_type].read(rope, unsupported))
+            scaling = ROPE_TYPES[rope_type].read(rope, unsupported)
+            clash = {k: v for k, v in scaling.items() if arch.needs.get(k, v) != v}
+            if clash:  # a rope type (or its values) the table does not hold
+                unsupported("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
+                            hf.get("rope_scaling") or rope_type, f"another rope type with {arch.hf_class} (jaxllm "
+                            "holds it with " + ", ".join(f"model.{k}={arch.needs[k]!r}" for k in clash) + ")")
+            keys.update(scaling)
         derived = keys["hidden_size"] // keys["num_attention_heads"]  # as transformers derives it (0: so does jaxllm)
         keys["kv_channels"] = 0 if hf.get("head_dim") in (None, derived) else config.key_type("model.kv_channels")(
             hf["head_dim"])
         keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
     if arch.derive is not None:
         keys.update(arch.derive(hf, keys))
+    if keys.get("mtp_num_layers") and names is not None:
+        keys["mtp_num_layers"] = _mtp_held(arch, keys, set(names()), keys["mtp_num_layers"])
     return arch, {**keys, **arch.needs}
+
+
+def _mtp_held(arch: Arch, keys: dict, names: set[str], most: int) -> int:
+    """How many multi-token prediction modules (at most ``most``) the checkpoint of tensor ``names`` holds: those
+    whose first row of ``arch.mtp`` is there (under the prefix or bare)."""
+    first = arch.mtp[0].name
+    for k in range(most):
+        name = first.format(m=keys["num_layers"] + k)
+        if name not in names and name.removeprefix(arch.prefix) not in names:
+            return k
+    return most
 
 
 def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) -> dict:
@@ -262,18 +325,14 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
         used.add(key)
         return x
 
-    for t in arch.tensors:
-        lead = ("{i}" in t.name) + ("{e}" in t.name)  # the leading [layers[, experts]] axes HF splits into tensors
+    held = bool(arch.mtp) and _mtp_held(arch, {"num_layers": m.num_layers}, set(tensors), 1) == 1
+    for t in _rows(arch, m) if held else arch.tensors:
         for paths, where in _placements(t, m):
             if paths[0] not in shapes:  # the tied copy of the head some checkpoints store: HF ignores it too
-                used.add(t.name)
+                used.update(t.name.format(i=i, m=i, e=e) for i, _, e in where)
                 continue
-            each = [shapes[p][lead:] for p in paths]
-            slices = [_from_hf_layout(t, get(t.name.format(i=i, e=e), _hf_shape(t, each)), each)
-                      for i, _, e in where]
-            for k, p in enumerate(paths):
-                out[p] = np.stack([s[k] for s in slices]).reshape(shapes[p]) if lead else slices[0][k]
-    if m.mtp_num_layers:  # no table holds multi-token prediction modules (transformers skips them): fresh ones
+            _read_row(t, paths, where, shapes, get, out)
+    if m.mtp_num_layers and not held:  # the checkpoint holds no multi-token prediction modules: fresh ones
         out.update(by_path({"mtp": jax.tree.map(np.asarray, jax.jit(lambda: gpt.init(m, 0)["mtp"])())}))
     left = sorted(k for k in tensors if k not in used and not re.fullmatch(arch.buffers, k))
     if left:
@@ -282,3 +341,19 @@ def params_from_hf(arch: Arch, m: config.Model, tensors: dict[str, np.ndarray]) 
     padded = {k: v.shape for k, v in by_path(spec.params).items()}  # the padding rows are zeros
     leaves = [np.pad(out[k], [(0, p - n) for n, p in zip(out[k].shape, padded[k], strict=True)]) for k in shapes]
     return jax.tree_util.tree_unflatten(jax.tree.structure(spec.params), leaves)
+
+
+def _read_row(t: Tensor, paths: tuple[str, ...], where: list[tuple], shapes: dict, get, out: dict) -> None:
+    """The parameters ``paths`` of row ``t`` (:func:`_placements`' ``where``) into ``out``, HF's tensors by ``get(name,
+    shape)``; a parameter another row or tensor already gave (a checkpoint's copies of the embedding) must be equal."""
+    # the leading [layers or modules[, experts]] axes HF splits into tensors
+    lead = ("{i}" in t.name) + ("{m}" in t.name and t.params[0].startswith("mtp/")) + ("{e}" in t.name)
+    each = [shapes[p][lead:] for p in paths]
+    slices = [_from_hf_layout(t, get(t.name.format(i=i, m=i, e=e), _hf_shape(t, each)), each) for i, _, e in where]
+    for k, p in enumerate(paths):
+        values = [np.stack([s[k] for s in slices]).reshape(shapes[p])] if lead else [s[k] for s in slices]
+        for x in values:
+            if p in out and not np.array_equal(out[p], x):
+                raise ConvertError(f"model.safetensors: {t.name.format(i='N', m='N', e='E')} holds other values "
+                                   f"than the parameter {p} it copies")
+            out[p] = x

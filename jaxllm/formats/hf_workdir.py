@@ -1,12 +1,12 @@
 """jaxllm workdirs <-> Hugging Face model directories (``python -m jaxllm.convert --to-hf`` / ``--from-hf``) of the
 architectures :mod:`jaxllm.families` registers (GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-DeepSeek-V3): config.json, safetensors weights and the tokenizer's files.
+DeepSeek-V3, OLMo 2, Gemma 3): config.json, safetensors weights and the tokenizer's files.
 
 ``--to-hf`` (:func:`export_workdir`) writes the latest (or ``--step``) checkpoint of a run as
 ``OUT/config.json`` + ``OUT/model.safetensors`` (float32) for
 ``AutoModelForCausalLM.from_pretrained(OUT)``: GPT-2, Llama, Qwen2, Qwen3, Mistral or (experts) Mixtral, Qwen3-MoE or
-(multi-head latent attention) DeepSeek-V3,
-whichever holds the model exactly (the tables and the parameter mapping are :mod:`jaxllm.formats.hf`'s;
+(multi-head latent attention) DeepSeek-V3, OLMo 2 (norms after attention and the MLP), Gemma 3 (local and global
+layers), whichever holds the model exactly (the tables and the parameter mapping are :mod:`jaxllm.formats.hf`'s;
 any other model is a :class:`~jaxllm.errors.ConvertError` naming the keys that do not fit).  A run on the ``gpt2``
 tokenizer gets its files too (``vocab.json``, ``merges.txt``), and a run on a Hugging Face
 ``tokenizer.json`` gets it with ``tokenizer_config.json`` and ``special_tokens_map.json``, a run on a
@@ -32,7 +32,8 @@ SentencePiece ``tokenizer.model`` gets it with a ``tokenizer_config.json`` for t
 ``model.moe_router_topk_scaling_factor``, ``n_group``, ``topk_group`` ``moe_router_num_groups``,
 ``moe_router_group_topk`` (1: none), ``n_shared_experts`` x ``moe_intermediate_size``
 ``moe_shared_expert_intermediate_size``, ``first_k_dense_replace`` ``moe_layer_freq`` (its sigmoid router with the
-expert bias fixed); ``head_dim`` is ``model.kv_channels``.
+expert bias fixed), ``num_nextn_predict_layers`` ``model.mtp_num_layers`` (the modules its file holds), rope type
+``yarn`` ``model.rope_type`` and the ``model.yarn_*`` keys; ``head_dim`` is ``model.kv_channels``.
 Other keys are jaxllm's defaults, changed with
 ``--config.SECTION.KEY=VALUE`` (of the model keys only
 :data:`jaxllm.formats.workdir.FREE_MODEL_KEYS`).  **The data must be
@@ -67,7 +68,15 @@ from jaxllm.data.tokenizers import (
     gpt2_dir_or_packaged,
 )
 from jaxllm.errors import ConvertError, DataError, reading
-from jaxllm.formats.hf import SAFETENSORS, hf_architecture, model_from_hf, params_from_hf, read_safetensors, to_hf
+from jaxllm.formats.hf import (
+    SAFETENSORS,
+    hf_architecture,
+    model_from_hf,
+    params_from_hf,
+    read_safetensors,
+    tensor_names,
+    to_hf,
+)
 from jaxllm.formats.workdir import apply_overrides, importing, read_json, resolve_for_its_mesh, save_imported
 from jaxllm.model import gpt
 from jaxllm.parallel import sharding
@@ -194,7 +203,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
         raise ConvertError(f"{directory} has no config.json: not a Hugging Face model directory")
     hf = read_json(path)
     with reading(path, "a Hugging Face config.json", ConvertError):  # a value of another type than its key's
-        arch, keys = model_from_hf(hf)
+        arch, keys = model_from_hf(hf, lambda: tensor_names(directory))
     given = config.get_config()
     given.model.update(**keys)
     given.train.seq_length = positions = given.model.max_position_embeddings
@@ -207,7 +216,7 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
 
 
 def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[config.Resolved, dict]:
-    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE or DeepSeek-V3 directory as a jaxllm
+    """A Hugging Face directory of an architecture :mod:`jaxllm.families` registers as a jaxllm
     config and parameters.
 
     Args:

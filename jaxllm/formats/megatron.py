@@ -53,7 +53,7 @@ FIXED = {
     "mtp_num_layers": ((None, 0), "multi-token prediction modules are not read from Megatron checkpoints"),
     "rotary_percent": ((1.0, None), "jaxllm rotates the whole head"),
     "rotary_interleaved": ((False, None), "jaxllm rotates halves, not interleaved pairs"),
-    "apply_layernorm_1p": ((False, None), "jaxllm's norms scale by their weight, not 1 + weight"),
+    "apply_layernorm_1p": ((False, None), "norms scaled by 1 + weight are not read from Megatron checkpoints"),
     "squared_relu": ((False, None), "jaxllm's activations are GELU and SwiGLU"),
     "rampup_batch_size": ((None,), "jaxllm's global batch is one size from the first step"),
     "train_samples": ((None,), "jaxllm's schedule is in iterations (--train-iters), not samples"),
@@ -316,6 +316,9 @@ def check_representable(m: config.Model) -> None:
     if m.num_experts and m.moe_layer_freq != "1":
         raise ConvertError(f"model.moe_layer_freq={m.moe_layer_freq!r}: Megatron checkpoints are written with "
                            f"every layer a mixture of experts", keys=("model.moe_layer_freq",))
+    if m.activation not in ("gelu", "swiglu"):
+        raise ConvertError(f"model.activation={m.activation!r}: Megatron checkpoints are written with gelu or swiglu",
+                           keys=("model.activation",))
     if m.activation == "swiglu" and m.use_bias:
         raise ConvertError("model.use_bias=True with swiglu: megatron-core's SwiGLU also has a gate bias",
                            keys=("model.use_bias",))

@@ -145,15 +145,17 @@ def available_impls(backend=None) -> list[str]:
     return [name for name in ("xla", "cudnn", "pallas", "triton") if _why_not(name, kind) is None]
 
 
-def resolve_impl(impl, backend=None) -> str:
-    """The concrete implementation ``impl`` means on ``backend``.
+def resolve_impl(impl, backend=None, *, sinks: bool = False) -> str:
+    """The concrete implementation ``impl`` means on ``backend`` (``sinks``: the model's attention has sinks, which
+    ``auto`` takes to the Pallas kernel where it would take cuDNN: jax's cuDNN attention has none).
 
     Raises:
       ValueError: ``impl`` is unknown, or not available on this backend; the message says why
         and names the ones that are.
     """
     if impl == "auto":
-        return AUTO.get(_backend_kind(backend), "xla")
+        chosen = AUTO.get(_backend_kind(backend), "xla")
+        return "pallas" if sinks and chosen == "cudnn" else chosen
     _check_available(impl, backend)
     return impl
 
@@ -176,7 +178,8 @@ def check_config(cfg, backend=None) -> None:
     """Checks ``model.attention_impl`` against ``backend`` and the model's head widths before anything compiles.
 
     Raises:
-      ConfigError: the implementation is unknown or not available here (the fix names those that are);
+      ConfigError: the implementation is unknown or not available here (the fix names those that are); cuDNN with
+        attention sinks (``model.softmax_type``);
         value heads wider than query/key heads (``model.v_head_dim`` of multi-head latent attention) for a
         flash implementation (:func:`attention` pads only narrower ones).
     """
@@ -185,6 +188,9 @@ def check_config(cfg, backend=None) -> None:
         impl = resolve_impl(m.attention_impl, backend)
     except ValueError as e:
         raise ConfigError("model.attention_impl", m.attention_impl, str(e).split(": ", 1)[-1]) from None
+    if impl == "cudnn" and m.softmax_type != "vanilla":
+        raise ConfigError("model.attention_impl", "cudnn", f"jax's cuDNN attention takes no attention sinks "
+                          f"(model.softmax_type={m.softmax_type}): set model.attention_impl=pallas, triton or auto")
     dq, dv = m.attention_head_dims
     if impl != "xla" and dv > dq:
         raise ConfigError("model.v_head_dim", dv, f"model.attention_impl={impl} takes value heads no wider than "
@@ -316,8 +322,18 @@ IMPLS = {"xla": _xla, "cudnn": _cudnn, "pallas": _pallas, "triton": _triton}
 CHOICES = ("auto", *IMPLS)  # model.attention_impl's
 
 
+def merge_sinks(out, lse, sinks):
+    """Attention ``out`` ``[batch, q_len, heads, v_dim]`` with its log-sum-exp ``lse`` float32 ``[batch, heads, q_len]``
+    as if each head's softmax had also held the logit ``sinks`` ``[heads]`` (attention sinks, no value): ``out x
+    exp(lse - lse')`` and ``lse' = logaddexp(lse, sink)`` (the log-sum-exp merge of ring attention with a block of
+    zeros).  Differentiable in all three, so any implementation that returns its ``lse`` takes sinks."""
+    total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    w = jnp.exp(lse - total).transpose(0, 2, 1)[..., None]
+    return (out.astype(jnp.float32) * w).astype(out.dtype), total
+
+
 def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segment_ids=None, window=None,
-              q_positions=None, kv_positions=None, return_lse=False, max_documents=None):
+              q_positions=None, kv_positions=None, return_lse=False, max_documents=None, sinks=None):
     """Attention by the implementation ``impl`` names.
 
     Args:
@@ -327,6 +343,9 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
       impl: a key of :data:`IMPLS` (``model.attention_impl`` resolved; not ``"auto"``).
       max_documents: ``cudnn`` with segment ids: the most documents (runs of equal ids) a row holds, the static
         bound of :func:`packed_segments` (None: the call goes to the Pallas kernel); the others need none.
+      sinks: float32 ``[heads]`` attention sinks or None: the reference computes them in its softmax, the flash
+        kernels' output is merged with them by its log-sum-exp (:func:`merge_sinks`; cuDNN's, which jax does not
+        return differentiably, is the Pallas kernel's).
       The other arguments are those of :func:`jaxllm_kernels.reference.attention`.
     Returns:
       ``[batch, q_len, heads, v_dim]``, and with ``return_lse`` the float32
@@ -336,13 +355,19 @@ def attention(q, k, v, *, impl="xla", causal=True, q_segment_ids=None, kv_segmen
         message names the ones that are); ``v_dim`` > ``head_dim`` but for ``xla``.
     """
     _check_available(impl)
+    if sinks is not None and impl != "xla":
+        out, lse = attention(q, k, v, impl=impl, causal=causal, q_segment_ids=q_segment_ids,
+                             kv_segment_ids=kv_segment_ids, window=window, q_positions=q_positions,
+                             kv_positions=kv_positions, return_lse=True, max_documents=max_documents)
+        out, lse = merge_sinks(out, lse, sinks)
+        return (out, lse) if return_lse else out
     dq, dv = q.shape[-1], v.shape[-1]
     if impl != "xla" and dv != dq:  # the kernels take one head width: values padded with zero columns to q's
         if dv > dq:
             raise ValueError(f"attention(impl={impl!r}): value heads ({dv}) wider than query/key heads ({dq}); "
                              "only xla takes them")
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, dq - dv)])
-    bound = {"max_documents": max_documents} if impl == "cudnn" else {}
+    bound = {"max_documents": max_documents} if impl == "cudnn" else {"sinks": sinks} if sinks is not None else {}
     out = IMPLS[impl](q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       window=window, q_positions=q_positions, kv_positions=kv_positions, return_lse=return_lse,
                       **bound)

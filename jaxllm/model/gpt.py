@@ -34,10 +34,10 @@ This module is the assembly (the GPT, its layer stack and scan, :class:`Ops`, th
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from flax import nnx
 
 from jaxllm.model import attention as dispatch
 from jaxllm.model import fused_loss, layers, moe, remat
+from jaxllm.model.groups import Group, layer_groups, layer_kinds
 from jaxllm_kernels.reference import MASKED
 
 if TYPE_CHECKING:
@@ -59,12 +60,12 @@ def _unconstrained(x, axes):
 class PlainAttention:
     """The single-device ``attention`` of :class:`Ops`: causal attention by ``kernel`` (the
     :class:`jaxllm.model.attention.Implementation` of ``model.attention_impl``); ``order`` is not
-    needed, the arrays being in sequence order."""
+    needed, the arrays being in sequence order; ``layer``: the layer's ``window`` (where not the bound one)."""
 
     kernel: dispatch.Implementation
 
-    def __call__(self, q, k, v, order=None, segment_ids=None):
-        return self.kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    def __call__(self, q, k, v, order=None, segment_ids=None, **layer):
+        return self.kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, **layer)
 
 
 def _plain_embed(table, ids):
@@ -78,13 +79,15 @@ class Ops:
     Attributes:
       constrain: ``(x, axes) -> x``: pins activation ``x``, whose dimensions have the
         logical names ``axes``, to its layout (identity on one device).
-      attention: ``(q, k, v, order, segment_ids) -> out``: causal self-attention of q
+      attention: ``(q, k, v, order, segment_ids, **layer) -> out``: causal self-attention of q
         ``[batch, len, heads, head_dim]`` and k, v ``[batch, len, kv_heads, head_dim]``, the implementation
         bound (:class:`jaxllm.model.attention.Implementation`); None (the default): :class:`PlainAttention`
         of the model's ``attention_impl``, which :class:`GPT` fills in; ``order`` int32 ``[batch, len]`` is
         each token's index in the sequence, which the causal mask follows (None: the array's order; ring attention's
         reordered batch gives it), ``segment_ids`` int32 ``[batch, len]`` or None: a token attends
-        only to tokens of its segment (its document, ``data.reset_attention_mask``); returns
+        only to tokens of its segment (its document, ``data.reset_attention_mask``); ``layer``: a layer's own
+        ``window`` (int or None: every earlier position) where it is not the model's, its attention ``sinks``
+        (float32 ``[heads]``, ``model.softmax_type``) where it has them; returns
         ``[batch, len, heads, head_dim]``.
       embed: ``(table, ids) -> x``: the rows of ``table`` ``[padded_vocab, embed]`` at int32 ``ids``
         ``[batch, len]``: ``[batch, len, embed]``.
@@ -121,63 +124,6 @@ LOCAL = Ops()
 
 
 MOE_STATS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")  # the logged routing statistics
-
-
-class LayerKind(NamedTuple):
-    """What sets layers apart, so that the layers of one kind are stacked and scanned together (:class:`Group`).
-
-    Attributes:
-      moe: its MLP is a mixture of experts (:class:`jaxllm.model.layers.MoE`, ``cfg.moe_layers``), else dense.
-    """
-
-    moe: bool
-
-
-def layer_kinds(cfg: ModelConfig) -> tuple[LayerKind, ...]:
-    """Each layer's kind, in order.
-
-    Raises:
-      ConfigError: a ``model.moe_layer_freq`` that names no layers (:attr:`jaxllm.config.Model.moe_layers`).
-    """
-    return tuple(LayerKind(moe=moe) for moe in cfg.moe_layers)
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """Consecutive layers of one kind, whose parameters are stacked on a leading ``layers`` axis in
-    ``params[name]`` and which run as one scan (:meth:`GPT.run_layers`).
-
-    Attributes:
-      name: the parameters' key: ``"layers"`` when the model has one group, else ``"layers_0"``, ``"layers_1"``...
-      kind: its layers' kind (:class:`LayerKind`).
-      first: the model's index of its first layer.
-      num_layers: how many layers.
-    """
-
-    name: str
-    kind: LayerKind
-    first: int
-    num_layers: int
-
-    @property
-    def stop(self) -> int:
-        """The model's index after its last layer."""
-        return self.first + self.num_layers
-
-
-def layer_groups(cfg: ModelConfig) -> tuple[Group, ...]:
-    """The runs of layers of one kind (:func:`layer_kinds`), in order: one group for a homogeneous model; with
-    ``moe_layer_freq`` ``([0]*3+[1]*58)`` (DeepSeek-V3) a dense group of 3 then an MoE group of 58.
-
-    Raises:
-      ConfigError: a ``model.moe_layer_freq`` that names no layers (:attr:`jaxllm.config.Model.moe_layers`).
-    """
-    runs, first = [], 0
-    for kind, run in itertools.groupby(layer_kinds(cfg)):
-        runs.append((kind, first, len(list(run))))
-        first += runs[-1][2]
-    names = ["layers"] if len(runs) == 1 else [f"layers_{i}" for i in range(len(runs))]
-    return tuple(Group(name, *run) for name, run in zip(names, runs))
 
 
 def _concat(trees):
@@ -320,7 +266,8 @@ class GPT(nnx.Module):
             block_def = nnx.graphdef(module.block)
 
             def block(x, params, key, block_def=block_def):
-                return nnx.merge(block_def, params)(x, positions, key, None, order, segment_ids)[0]
+                return nnx.merge(block_def, params)(x, positions, key, None, order, segment_ids,
+                                                    kind=layer_kinds(cfg)[-1])[0]
 
             x = self._remat(block, prevent_cse=True)(module.project(h, e), nnx.to_pure_dict(nnx.state(module.block)),
                                                      block_key)
@@ -357,9 +304,12 @@ class GPT(nnx.Module):
         return layers.split_rows(dropout_key, 1 + self.cfg.num_layers + self.cfg.mtp_num_layers)
 
     def token_embedding(self, tokens, positions):
-        """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout."""
+        """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout; the token
+        embeddings times ``sqrt(hidden_size)`` with ``model.scale_embeddings`` (Gemma's)."""
         dt = jnp.dtype(self.cfg.dtype)
         x = self.ops.embed(self.ops.param(self.wte[...].astype(dt), ("vocab", "embed")), tokens)
+        if self.cfg.scale_embeddings:  # sqrt(hidden), in the embeddings' dtype (as transformers' buffer)
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, dt)
         if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)
             wpe = self.ops.param(self.wpe[...].astype(dt), (None, "embed"))
             x = x + self.ops.constrain(wpe, (None, None))[positions]
@@ -403,17 +353,31 @@ class GPT(nnx.Module):
           ``(x, cache)``.
 
         ``model.layer_loop="scan"`` runs them as one ``jax.lax.scan`` (compile time independent of
-        depth); ``"unrolled"`` one after another (which backend gets which: :mod:`jaxllm.runtime.cpu`).
+        depth); ``"unrolled"`` one after another (which backend gets which: :mod:`jaxllm.runtime.cpu`).  A group of
+        a pattern of kinds (:class:`jaxllm.model.groups.Group`) scans its periods, each step its pattern's layers,
+        each of its kind (``layer_params`` starts a period: a pipeline stage's or chunk's holds whole periods).
         """
-        graphdef = nnx.graphdef(getattr(self, group.name))
+        graphdef, p = nnx.graphdef(getattr(self, group.name)), len(group.pattern)
 
-        def layer(x, xs):
+        def layer(x, xs, kind):
             params, key, layer_cache = xs
-            return nnx.merge(graphdef, params)(x, positions, key, layer_cache, order, segment_ids)
+            return nnx.merge(graphdef, params)(x, positions, key, layer_cache, order, segment_ids, kind=kind)
 
-        layer = self._remat(layer, prevent_cse=self.cfg.layer_loop == "unrolled")
+        each = [self._remat(functools.partial(layer, kind=kind), prevent_cse=self.cfg.layer_loop == "unrolled")
+                for kind in group.pattern]
+        if self.cfg.layer_loop != "unrolled" and p == 1:
+            return jax.lax.scan(each[0], x, (layer_params, keys, cache))
         if self.cfg.layer_loop != "unrolled":
-            return jax.lax.scan(layer, x, (layer_params, keys, cache))
+            def period(x, xs):  # xs: [p, ...], one period's layers
+                outs = []
+                for j, run in enumerate(each):
+                    x, out = run(x, jax.tree.map(lambda a, j=j: a[j], xs))
+                    outs.append(out)
+                return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+            by_period = jax.tree.map(lambda a: a.reshape(-1, p, *a.shape[1:]), (layer_params, keys, cache))
+            x, outs = jax.lax.scan(period, x, by_period)
+            return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
         # unstacked in one split: its gradient is one stack. Indexing a[i] per layer made each layer's
         # gradient a pad to the whole stack, summed over the layers: on an H200 XLA fused those L^2 terms into
         # kernels that took 42 % of GPT1_5B's step (docs/performance.md, 2026-11-27)
@@ -421,7 +385,7 @@ class GPT(nnx.Module):
         columns = [jnp.unstack(a) for a in leaves]
         outs = []
         for i in range(leaves[0].shape[0]):
-            x, out = layer(x, treedef.unflatten([c[i] for c in columns]))
+            x, out = each[i % p](x, treedef.unflatten([c[i] for c in columns]))
             outs.append(out)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
@@ -501,8 +465,8 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
     greatest common divisor, which a split divides when it divides every group)."""
     groups = layer_groups(cfg)
     layer_key = "model.num_layers" if len(groups) == 1 else (
-        f"model.moe_layer_freq (groups of {', '.join(str(g.num_layers) for g in groups)} layers; their greatest "
-        "common divisor)")
+        f"model.moe_layer_freq or model.window_attn_skip_freq (groups of {', '.join(str(g.num_layers) for g in groups)}"
+        " layers; their greatest common divisor)")
     return {
         "heads": (cfg.num_attention_heads, "model.num_attention_heads"),
         "kv_heads": (cfg.num_kv_heads, "model.num_kv_heads"),
@@ -520,7 +484,8 @@ def logical_sizes(cfg: ModelConfig, seq_length: int) -> dict[str, tuple[int, str
 
 
 # read in float32: the norms (multi-head latent attention's latent ones too), the MoE router
-FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "q_norm", "k_norm", "q_a_norm", "kv_a_norm", "router", "expert_bias")
+FLOAT32_PARAMS = ("ln1", "ln2", "ln_f", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
+                  "router", "router_bias", "expert_bias", "sinks")
 
 
 def cast_layers(cfg: ModelConfig, params: dict) -> dict:

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.model import attention as dispatch
 from jaxllm.model import moe
+from jaxllm.model import rotary as scalings
 
 
 def dense(x, w, b, spec, dtype):
@@ -51,13 +52,22 @@ def _dense(ops, x, w, b, spec, dtype):
     return ops.dense(x, w, None if b is None else b[...], spec, dtype)
 
 
-def rotary_frequencies(cfg, half: int):
-    """The rotary embedding's inverse wavelengths, float32 ``[half]`` (radians per position): ``rotary_base ** (-i /
-    half)``; with ``cfg.use_rope_scaling`` Llama 3.1's scaling of them (Megatron-LM's
+def rotary_frequencies(cfg, half: int, base: float = 0.0):
+    """The rotary embedding's inverse wavelengths, float32 ``[half]`` (radians per position): ``base ** (-i / half)``
+    for a layer of its own ``base`` (:attr:`jaxllm.model.groups.LayerKind.rotary_base`), unscaled; else ``rotary_base
+    ** (-i / half)``, divided by ``rotary_seq_len_interpolation_factor`` (linear scaling); with
+    ``cfg.use_rope_scaling`` Llama 3.1's scaling of them (Megatron-LM's
     ``RotaryEmbedding._apply_scaling``, transformers' ``_compute_llama3_parameters``): wavelengths longer than
     ``rope_original_max_position_embeddings / rope_low_freq_factor`` divided by ``rope_scaling_factor``, those
-    shorter than ``... / rope_high_freq_factor`` kept, the ones between interpolated linearly in the inverse."""
+    shorter than ``... / rope_high_freq_factor`` kept, the ones between interpolated linearly in the inverse; with
+    ``cfg.rope_type="yarn"`` YaRN's (:func:`jaxllm.model.rotary.yarn`)."""
+    if base:
+        return base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     inv_freq = cfg.rotary_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if cfg.rotary_seq_len_interpolation_factor != 1:
+        inv_freq = inv_freq / cfg.rotary_seq_len_interpolation_factor
+    if cfg.rope_type == "yarn":
+        return scalings.yarn(inv_freq, cfg)
     if not cfg.use_rope_scaling:
         return inv_freq
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -108,6 +118,26 @@ def _gelu_jvp(primals, tangents):
     return gelu(x), (slope * dx).astype(x.dtype)
 
 
+def quick_geglu(y, offset=0.0, clamp=0.0):
+    """Megatron-LM's quick GeGLU (``--quick-geglu``, ``--glu-linear-offset``, ``--activation-func-clamp-value``;
+    gpt-oss's clamped SwiGLU, transformers' ``GptOssExperts._apply_gate``): of ``y`` ``[..., 2f]`` whose even columns
+    are the gates ``g`` and odd ones the linear units ``u`` (interleaved, as gpt-oss stores them, so that any split of
+    the columns in even parts keeps each pair together), ``g sigmoid(1.702 g) (u + offset)`` with ``g`` clamped to at
+    most ``clamp`` and ``u`` to ``[-clamp, clamp]`` (``clamp`` 0: neither): ``[..., f]`` in ``y``'s dtype."""
+    gate, up = y[..., ::2], y[..., 1::2]
+    if clamp:
+        gate, up = jnp.minimum(gate, clamp), jnp.clip(up, -clamp, clamp)
+    return gate * jax.nn.sigmoid(1.702 * gate) * (up + offset)
+
+
+def activation(cfg):
+    """The activation of an MLP's first matmul where it has no separate gate (``wg``): GPT-2's GELU, or
+    ``model.activation="quick_geglu"``'s :func:`quick_geglu` (``[..., 2f]`` to ``[..., f]``)."""
+    if cfg.activation != "quick_geglu":
+        return gelu
+    return functools.partial(quick_geglu, offset=cfg.glu_linear_offset, clamp=cfg.activation_func_clamp_value)
+
+
 def dropout(x, rate, keys, order=None):
     """Inverted dropout of ``x`` ``[batch, len, ...]`` with one key per row ``keys`` ``[batch]``.
 
@@ -137,53 +167,62 @@ def split_rows(keys, n):
 
 class Norm(nnx.Module):
     """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over the last axis, ``embed`` (or
-    ``axis`` of ``size``: each head's ``head_dim`` for ``model.qk_layernorm``), in float32."""
+    ``axis`` of ``size``: each head's ``head_dim`` for ``model.qk_layernorm``; or the last axes, ``size`` and
+    ``axis`` tuples: all heads' ``[heads, head_dim]`` together), in float32; with ``model.apply_layernorm_1p`` scaled
+    by ``1 + scale``, the scale from 0 (Megatron-LM's zero-centered gamma; Gemma's RMSNorm)."""
 
     def __init__(self, cfg, size=None, axis="embed"):
         self.kind, self.eps, size = cfg.norm, cfg.norm_eps, size or cfg.hidden_size
-        self.scale = param(None, (size,), None, (axis,))
+        shape, axes = (size, (axis,)) if isinstance(size, tuple) else ((size,), (axis,))
+        axes = axis if isinstance(axis, tuple) else axes
+        self.naxes = len(shape)  # the trailing axes normalized over
+        self.one_plus = cfg.apply_layernorm_1p
+        self.scale = param(None, shape, 0 if self.one_plus else None, axes)
         with_bias = cfg.norm == "layernorm" and cfg.use_bias
-        self.bias = param(None, (size,), 0, (axis,)) if with_bias else None
+        self.bias = param(None, shape, 0, axes) if with_bias else None
 
     def __call__(self, x):
-        return norm(x, self.scale[...], None if self.bias is None else self.bias[...], self.kind == "layernorm",
-                    self.eps)
+        scale = 1 + self.scale[...] if self.one_plus else self.scale[...]
+        return norm(x, scale, None if self.bias is None else self.bias[...], self.kind == "layernorm", self.eps,
+                    self.naxes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def norm(x, scale, bias, center: bool, eps: float):
-    """LayerNorm (``center``) or RMSNorm of ``x`` ``[..., n]`` over its last axis in float32, times ``scale``
-    (float32 ``[n]``) plus ``bias`` (float32 ``[n]`` or None), in ``x``'s dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def norm(x, scale, bias, center: bool, eps: float, naxes: int = 1):
+    """LayerNorm (``center``) or RMSNorm of ``x`` ``[..., *n]`` over its last ``naxes`` axes in float32, times
+    ``scale`` (float32 ``[*n]``) plus ``bias`` (float32 ``[*n]`` or None), in ``x``'s dtype.
 
     Its gradient keeps what PyTorch's fused LayerNorm keeps (``aten::native_layer_norm``): ``x`` in its own
     dtype and each row's mean and reciprocal standard deviation (float32 ``[..., 1]``), not autodiff's
     float32 copies of the centred input; the backward pass is the usual ``dx = r (g - mean(g) - x^ mean(g x^))``
     with ``g = dy scale``, ``x^ = (x - mean) r`` (``mean(g)`` left out for RMSNorm).
     """
-    return _norm_fwd(x, scale, bias, center, eps)[0]
+    return _norm_fwd(x, scale, bias, center, eps, naxes)[0]
 
 
-def _norm_fwd(x, scale, bias, center, eps):
+def _norm_fwd(x, scale, bias, center, eps, naxes):
+    axes = tuple(range(-naxes, 0))
     x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True) if center else jnp.zeros(x32.shape[:-1] + (1,), jnp.float32)
+    mean = x32.mean(axes, keepdims=True) if center else jnp.zeros(x32.shape[:-naxes] + (1,) * naxes, jnp.float32)
     centred = x32 - mean
-    r = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
+    r = jax.lax.rsqrt((centred * centred).mean(axes, keepdims=True) + eps)
     y = centred * r * scale
     y = y if bias is None else y + bias
     return y.astype(x.dtype), (x, mean, r, scale, bias)
 
 
-def _norm_bwd(center, eps, res, dy):
+def _norm_bwd(center, eps, naxes, res, dy):
     x, mean, r, scale, bias = res
     # read the saved statistics: XLA would otherwise fuse the forward's reductions into these consumers again,
     # and a kernel that reduces rows cannot also reduce the columns (d scale)
     x, mean, r = jax.lax.optimization_barrier((x, mean, r))
+    axes = tuple(range(-naxes, 0))
     xhat = (x.astype(jnp.float32) - mean) * r
     dy32 = dy.astype(jnp.float32)
     g = dy32 * scale
-    inner = g - xhat * (g * xhat).mean(-1, keepdims=True)
-    dx = r * (inner - g.mean(-1, keepdims=True) if center else inner)
-    rows = tuple(range(x.ndim - 1))
+    inner = g - xhat * (g * xhat).mean(axes, keepdims=True)
+    dx = r * (inner - g.mean(axes, keepdims=True) if center else inner)
+    rows = tuple(range(x.ndim - naxes))
     return (dx.astype(x.dtype), (dy32 * xhat).sum(rows), None if bias is None else dy32.sum(rows))
 
 
@@ -206,13 +245,22 @@ class Attention(nnx.Module):
         self.bk = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
         self.bv = param(None, (nkv, d), 0, ("kv_heads", "head_dim")) if qkv_bias else None
         self.bo = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
-        # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys
-        self.q_norm, self.k_norm = (Norm(cfg, d, "head_dim"), Norm(cfg, d, "head_dim")) if cfg.qk_layernorm else (
-            None, None)
+        # attention sinks (model.softmax_type learnable): a logit per head in its softmax's denominator
+        self.sinks = param(None, (nh,), 0, ("heads",)) if cfg.softmax_type == "learnable" else None
+        # Megatron-LM's qk_layernorm (Dehghani et al. 2023): one norm of each head's queries, one of its keys; or
+        # (qk_layernorm_per_head False) one of all heads' queries, one of all heads' keys
+        if not cfg.qk_layernorm:
+            self.q_norm = self.k_norm = None
+        elif cfg.qk_layernorm_per_head:
+            self.q_norm, self.k_norm = Norm(cfg, d, "head_dim"), Norm(cfg, d, "head_dim")
+        else:
+            self.q_norm, self.k_norm = (Norm(cfg, (n, d), (heads, "head_dim"))
+                                        for n, heads in ((nh, "heads"), (nkv, "kv_heads")))
 
-    def qkv(self, x, positions):
+    def qkv(self, x, positions, rotary_base=0.0):
         """Queries ``[batch, len, heads, head_dim]``, keys and values ``[batch, len, kv_heads, head_dim]`` of ``x``
-        ``[batch, len, embed]``, normed and rotated as configured."""
+        ``[batch, len, embed]``, normed and rotated as configured (``rotary_base``: the layer's own, unscaled; 0:
+        the model's rotary)."""
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
         q = checkpoint_name(_dense(self.ops, x, self.wq[...], self.bq, "bse,ehd->bshd", dt), "query_proj")
         k = checkpoint_name(_dense(self.ops, x, self.wk[...], self.bk, "bse,ehd->bshd", dt), "key_proj")
@@ -223,18 +271,24 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.position_embedding == "rotary":
-            inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2)
-            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
-        return q, k, v
+            inv_freq = rotary_frequencies(cfg, q.shape[-1] // 2, rotary_base)
+            q, k = (_rotary_scaled(cfg, a, positions, inv_freq, scaled=not rotary_base) for a in (q, k))
+        return _scale_queries(cfg, q), k, v
 
-    def __call__(self, x, positions, cache=None, order=None, segment_ids=None):
+    def __call__(self, x, positions, cache=None, order=None, segment_ids=None, kind=None):
         """``(out, cache)``: the attention's output ``[batch, len, embed]`` of ``x`` ``[batch, len, embed]`` at
         int32 ``positions`` ``[batch, len]``, and when decoding (``cache`` the layer's keys and values) the
-        cache with this chunk's written at ``positions``."""
+        cache with this chunk's written at ``positions``; ``kind``: the layer's (its window and rotary base,
+        :class:`jaxllm.model.groups.LayerKind`), None: ``model.sliding_window`` and the model's rotary."""
         cfg, dt, constrain = self.cfg, jnp.dtype(self.cfg.dtype), self.ops.constrain
-        q, k, v = self.qkv(x, positions)
+        window = cfg.sliding_window if kind is None else kind.window
+        q, k, v = self.qkv(x, positions, 0.0 if kind is None else kind.rotary_base)
+        # the layer's window where it is not the model's (which the attention has bound), its sinks
+        layer = {} if window == cfg.sliding_window else {"window": window or None}
+        if cfg.softmax_type != "vanilla":
+            layer["sinks"] = jnp.zeros(q.shape[2], jnp.float32) if self.sinks is None else self.sinks[...]
         if cache is None:
-            out = self.ops.attention(q, k, v, order, segment_ids)
+            out = self.ops.attention(q, k, v, order, segment_ids, **layer)
         else:
             # Decoding: write this chunk's keys/values at `positions` and attend to the whole
             # cache; slots not yet written hold later positions and are masked as the future.
@@ -243,11 +297,27 @@ class Attention(nnx.Module):
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
             kv_positions = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
-            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True, window=cfg.sliding_window or None,
-                                     q_positions=positions, kv_positions=kv_positions)
+            out = dispatch.attention(q, k_cache, v_cache, impl="xla", causal=True, window=window or None,
+                                     q_positions=positions, kv_positions=kv_positions, sinks=layer.get("sinks"))
             cache = (k_cache, v_cache)
         out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
         return checkpoint_name(_dense(self.ops, out, self.wo[...], self.bo, "bshd,hde->bse", dt), "out_proj"), cache
+
+
+def _rotary_scaled(cfg, x, positions, inv_freq, scaled=True):
+    """:func:`rotary` times YaRN's factor (:func:`jaxllm.model.rotary.attention_factor`; none without YaRN, or for a
+    layer of its own rotary base, ``scaled`` False)."""
+    factor = scalings.attention_factor(cfg) if scaled else 1.0
+    x = rotary(x, positions, inv_freq)
+    return x if factor == 1 else (x * factor).astype(x.dtype)
+
+
+def _scale_queries(cfg, q):
+    """``q`` ``[..., width]`` scaled so that the attention's ``1 / sqrt(width)`` gives the model's scores: times
+    ``model.softmax_scale x sqrt(width)`` (Gemma 3's ``query_pre_attn_scalar``) and YaRN's
+    :func:`jaxllm.model.rotary.score_factor` (unchanged without them)."""
+    factor = scalings.score_factor(cfg) * (cfg.softmax_scale * q.shape[-1] ** 0.5 if cfg.softmax_scale else 1.0)
+    return q if factor == 1 else (q * factor).astype(q.dtype)
 
 
 class LatentAttention(Attention):
@@ -284,10 +354,11 @@ class LatentAttention(Attention):
         self.wkv_b = param(rngs.params(), (rkv, n, cfg.qk_head_dim + dv), std, ("kv_lora", "heads", "head_dim"))
         self.wo = param(rngs.params(), (n, dv, h), out_std, ("heads", "head_dim", "embed"))
         self.bo = None  # resolve refuses model.use_bias with MLA
+        self.sinks = param(None, (n,), 0, ("heads",)) if cfg.softmax_type == "learnable" else None
 
-    def qkv(self, x, positions):
+    def qkv(self, x, positions, rotary_base=0.0):
         """Queries, keys ``[batch, len, heads, dn + dr]`` and values ``[batch, len, heads, dv]`` of ``x``
-        ``[batch, len, embed]`` (the class's equations)."""
+        ``[batch, len, embed]`` (the class's equations; ``rotary_base`` as :meth:`Attention.qkv`'s)."""
         cfg, dt, ops = self.cfg, jnp.dtype(self.cfg.dtype), self.ops
         rkv, dn = cfg.kv_lora_rank, cfg.qk_head_dim
         # the latents whole on every tensor device (Megatron-LM duplicates the down projections there); the query
@@ -303,15 +374,17 @@ class LatentAttention(Attention):
         ckv = checkpoint_name(ops.constrain(ckv, ("batch", "length", "kv_lora")), "key_proj")
         kv = _dense(ops, self.kv_a_norm(ckv[..., :rkv]), self.wkv_b[...], None, "bsr,rhd->bshd", dt)
         kv = checkpoint_name(ops.constrain(kv, ("batch", "length", "heads", "head_dim")), "value_proj")
-        inv_freq = rotary_frequencies(cfg, cfg.qk_pos_emb_head_dim // 2)
-        q = jnp.concatenate([q[..., :dn], rotary(q[..., dn:], positions, inv_freq)], axis=-1)
-        k_rope = rotary(ckv[:, :, None, rkv:], positions, inv_freq)  # [batch, len, 1, dr]: one for every head
+        inv_freq, scaled = rotary_frequencies(cfg, cfg.qk_pos_emb_head_dim // 2, rotary_base), not rotary_base
+        q = jnp.concatenate([q[..., :dn], _rotary_scaled(cfg, q[..., dn:], positions, inv_freq, scaled)], axis=-1)
+        k_rope = _rotary_scaled(cfg, ckv[:, :, None, rkv:], positions, inv_freq, scaled)  # [batch, len, 1, dr]
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))], axis=-1)
-        return q, k, kv[..., dn:]
+        return _scale_queries(cfg, q), k, kv[..., dn:]
 
 
 class MLP(nnx.Module):
-    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward block, ``[batch, len, embed]`` to the same.
+    """GELU (tanh approximation, as GPT-2), SwiGLU or GeGLU (Shazeer 2020: ``gelu(x W_g) * x W_1``, Gemma's), or quick
+    GeGLU (:func:`quick_geglu`: ``w1`` ``[embed, 2 x ffn]`` holds its gates and linear units interleaved)
+    feed-forward block, ``[batch, len, embed]`` to the same.
 
     With ``model.mlp_chunks`` = m > 1 the tokens go through in m chunks, one after another, each
     under ``jax.checkpoint``: only one chunk's ``[batch, len / m, ffn]`` intermediates are live, in the
@@ -323,10 +396,11 @@ class MLP(nnx.Module):
     def __init__(self, cfg, rngs, ops):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.cfg, self.ops = cfg, ops
-        self.w1 = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp"))
-        self.wg = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if cfg.activation == "swiglu" else None
+        gated, width = cfg.activation in ("swiglu", "geglu"), 2 * f if cfg.activation == "quick_geglu" else f
+        self.w1 = param(rngs.params(), (h, width), cfg.init_std, ("embed", "mlp"))  # quick_geglu: gates, units
+        self.wg = param(rngs.params(), (h, f), cfg.init_std, ("embed", "mlp")) if gated else None
         self.w2 = param(rngs.params(), (f, h), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
-        self.b1 = param(None, (f,), 0, ("mlp",)) if cfg.use_bias else None
+        self.b1 = param(None, (width,), 0, ("mlp",)) if cfg.use_bias else None
         self.b2 = param(None, (h,), 0, ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
@@ -341,19 +415,20 @@ class MLP(nnx.Module):
         dt = jnp.dtype(self.cfg.dtype)
         y = checkpoint_name(_dense(self.ops, x, self.w1[...], self.b1, "bse,ef->bsf", dt), "mlpwi")
         if self.wg is None:
-            y = gelu(y)
+            y = activation(self.cfg)(y)
         else:
             gate = checkpoint_name(_dense(self.ops, x, self.wg[...], None, "bse,ef->bsf", dt), "mlpwi_gate")
-            y = jax.nn.silu(gate) * y
+            y = (gelu(gate) if self.cfg.activation == "geglu" else jax.nn.silu(gate)) * y
         y = self.ops.constrain(y, ("batch", "length", "mlp"))
         return checkpoint_name(_dense(self.ops, y, self.w2[...], self.b2, "bsf,fe->bse", dt), "mlpwo")
 
 
 class MoE(nnx.Module):
     """Mixture of experts in place of the MLP (``model.num_experts`` > 0): a float32 router picks each token's
-    ``moe_router_topk`` experts (:func:`jaxllm.model.moe.route`), each an MLP of ``moe_ffn_hidden_size`` with
-    the model's activation, combined by the router's weights; plus a shared dense MLP of
-    ``moe_shared_expert_intermediate_size`` that every token takes (Qwen-MoE, DeepSeekMoE), if set.
+    ``moe_router_topk`` experts (:func:`jaxllm.model.moe.route`; the router's logits plus a learned bias with
+    ``model.moe_router_bias``), each an MLP of ``moe_ffn_hidden_size`` with the model's activation (quick GeGLU's
+    ``w1`` ``[experts, embed, 2 x ffn]``, as :class:`MLP`'s), combined by the router's weights; plus a shared dense
+    MLP of ``moe_shared_expert_intermediate_size`` that every token takes (Qwen-MoE, DeepSeekMoE), if set.
 
     The router's losses (``moe_aux_loss_coeff`` x load-balancing loss + ``moe_z_loss_coeff`` x z-loss) join the
     objective through ``ops.router_loss``; the call returns the output ``[batch, len, embed]`` and the
@@ -364,12 +439,14 @@ class MoE(nnx.Module):
         h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.cfg, self.ops = cfg, ops
+        width = 2 * f if cfg.activation == "quick_geglu" else f  # its gates and linear units in one matrix
         self.router = param(rngs.params(), (h, e), std, ("embed", None))
-        self.w1 = param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
+        self.router_bias = param(None, (e,), 0, (None,)) if cfg.moe_router_bias else None
+        self.w1 = param(rngs.params(), (e, h, width), std, ("experts", "expert_embed", "expert_mlp"))
         self.wg = (param(rngs.params(), (e, h, f), std, ("experts", "expert_embed", "expert_mlp"))
                    if cfg.activation == "swiglu" else None)
         self.w2 = param(rngs.params(), (e, f, h), out_std, ("experts", "expert_mlp", "expert_embed"))
-        self.b1 = param(None, (e, f), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
+        self.b1 = param(None, (e, width), 0, ("experts", "expert_mlp")) if cfg.use_bias else None
         self.b2 = param(None, (e, h), 0, ("experts", "expert_embed")) if cfg.use_bias else None
         self.expert_bias = param(None, (e,), 0, (None,)) if cfg.moe_router_enable_expert_bias else None
         shared = cfg.moe_shared_expert_intermediate_size
@@ -378,13 +455,15 @@ class MoE(nnx.Module):
     def __call__(self, x):
         cfg, value = self.cfg, lambda p: None if p is None else p[...]  # noqa: E731
         logits = jnp.einsum("bse,ex->bsx", x.astype(jnp.float32), self.router[...])
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...]
         bias = None if self.expert_bias is None else jax.lax.stop_gradient(self.expert_bias[...])
         ids, weights, stats = moe.route(
             logits, cfg.moe_router_topk, cfg.moe_capacity_factor, score_function=cfg.moe_router_score_function,
             pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
             num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk, bias=bias)
         y = self.ops.experts(x, ids, weights, self.w1[...], value(self.wg), self.w2[...], value(self.b1),
-                             value(self.b2), activation=gelu, dtype=jnp.dtype(cfg.dtype))
+                             value(self.b2), activation=activation(cfg), dtype=jnp.dtype(cfg.dtype))
         y = self.ops.router_loss(y, cfg.moe_aux_loss_coeff * stats["aux_loss"] + cfg.moe_z_loss_coeff * stats["z_loss"])
         if self.expert_bias is not None:  # the tokens each expert took (dropped copies, id num_experts, left out)
             load = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32).sum((0, 1, 2))
@@ -395,30 +474,41 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (the MLP a
-    mixture of experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.gpt.LayerKind`)."""
+    """One transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (pre-norm; the MLP a mixture of
+    experts when ``kind.moe``: the layer's kind, :class:`jaxllm.model.groups.LayerKind`); by ``model.norm_placement``
+    ``x + norm(attn(x))`` (post: OLMo 2's reordered norm, Walsh et al. 2025 section 3.2) or ``x + norm(attn(norm(x)))``
+    (sandwich: Gemma 2's; Ding et al. 2021), the MLP's alike, each norm its own (``post_attn_norm``,
+    ``post_mlp_norm``)."""
 
     def __init__(self, cfg, rngs, ops, *, kind):
         self.dropout, self.ops = cfg.dropout, ops
-        self.ln1 = Norm(cfg)
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        self.ln1 = Norm(cfg) if pre else None
         self.attn = (LatentAttention if cfg.multi_latent_attention else Attention)(cfg, rngs, ops)
-        self.ln2, self.mlp = Norm(cfg), (MoE(cfg, rngs, ops) if kind.moe else MLP(cfg, rngs, ops))
+        self.ln2, self.mlp = Norm(cfg) if pre else None, (MoE(cfg, rngs, ops) if kind.moe else MLP(cfg, rngs, ops))
+        self.post_attn_norm, self.post_mlp_norm = (Norm(cfg), Norm(cfg)) if post else (None, None)
 
-    def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None):
+    def __call__(self, x, positions, key=None, cache=None, order=None, segment_ids=None, kind=None):
         """``(x, out)``: the layer's output and, when decoding, the updated ``cache``, else the mixture of
-        experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP)."""
+        experts' routing statistics (:func:`jaxllm.model.moe.route`; None for a dense MLP); ``kind``: the layer's
+        (its attention's window and rotary: :meth:`Attention.__call__`)."""
         x = checkpoint_name(x, "decoder_layer_input")  # every use below reads it through the name
         k1, k2 = split_rows(key, 2) if key is not None else (None, None)
-        y, cache = self.attn(self.ln1(x), positions, cache, order, segment_ids)
-        x = self.ops.constrain(x + dropout(y, self.dropout, k1, order), RESIDUAL)
-        y, stats = self.mlp(self.ln2(x)), None
+        y, cache = self.attn(_norm(self.ln1, x), positions, cache, order, segment_ids, kind)
+        x = self.ops.constrain(x + dropout(_norm(self.post_attn_norm, y), self.dropout, k1, order), RESIDUAL)
+        y, stats = self.mlp(_norm(self.ln2, x)), None
         if isinstance(self.mlp, MoE):
             y, stats = y
-        x = x + dropout(y, self.dropout, k2, order)
+        x = x + dropout(_norm(self.post_mlp_norm, y), self.dropout, k2, order)
         return self.ops.constrain(x, RESIDUAL), (cache if cache is not None else stats)
 
 
 RESIDUAL = ("batch", "residual", "act_embed")  # the residual stream between blocks
+
+
+def _norm(norm, x):
+    """``norm(x)``, or ``x`` where the layer has no such norm (None: ``model.norm_placement``)."""
+    return x if norm is None else norm(x)
 
 
 class MTPLayer(nnx.Module):

@@ -189,7 +189,7 @@ class Attention:
     ulysses_degree: int = 1
     kernel: attn.Implementation = attn.Implementation()
 
-    def __call__(self, q, k, v, order=None, segment_ids=None):
+    def __call__(self, q, k, v, order=None, segment_ids=None, **layer):
         """Attention of one layer.
 
         Args:
@@ -200,43 +200,58 @@ class Attention:
             expect the order of :func:`zigzag` over :func:`ring_devices`); None: the array's order.
           segment_ids: int ``[batch, len]`` (in the order of ``q``) or None: a token attends only
             within its segment (``data.reset_attention_mask``).
+          layer: the layer's own ``window`` (int, or None: every earlier position) where it is not the bound one, and
+            its attention ``sinks`` (float32 ``[heads]``, split like the heads), merged into each implementation's
+            result by its log-sum-exp (:func:`jaxllm.model.attention.merge_sinks`; ring attention's after the ring).
         Returns:
           ``[batch, len, heads, head_dim]`` in q's dtype, split like q.
         Raises:
           ValueError: unknown ``sequence_impl``; ring or usp with a ring device's length odd.
         """
-        layout, kernel = self.layout, self.kernel
+        layout, sinks = self.layout, layer.get("sinks")
+        kernel = dataclasses.replace(self.kernel, window=layer["window"]) if "window" in layer else self.kernel
         n = layout.size("length")
         if n == 1 and not kernel.flash:
-            return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+            return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                          **({} if sinks is None else {"sinks": sinks}))
         q_spec, kv_spec = layout.spec(("batch", "length", "heads", "head_dim")), layout.spec(
             ("batch", "length", "kv_heads", "head_dim"))
         axes = layout.mesh_axes("length")
         axis = axes[0] if len(axes) == 1 else axes
         if n == 1:  # a kernel is a custom call XLA cannot partition (it would gather q, k, v): run it per shard
-            def body(q, k, v, order, segment_ids=None):
-                return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+            def body(q, k, v, order, segment_ids=None, sinks=None):
+                return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                              **({} if sinks is None else {"sinks": sinks}))
         elif self.sequence_impl == "allgather":
             body = functools.partial(_allgather, axis=axis, kernel=kernel)
         elif self.sequence_impl in ("ulysses", "usp"):
             degree, ring = groups(self.sequence_impl, n, self.ulysses_degree)
             body = functools.partial(_ulysses, axis=axis, degree=degree, ring=ring, kernel=kernel)
         elif self.sequence_impl == "ring":
-            def body(q, k, v, order, segment_ids=None):
-                return _ring((axis, n, 1, kernel), q, k, v, order, segment_ids)
+            def body(q, k, v, order, segment_ids=None, sinks=None):
+                return _ring((axis, n, 1, kernel), q, k, v, order, segment_ids, sinks)
         else:
             raise ValueError(f"parallel.sequence_impl={self.sequence_impl!r}: choose allgather, ring, ulysses or usp")
         if order is None:
             order = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         token_spec = layout.spec(("batch", "length"))
         args, specs = (q, k, v, order.astype(jnp.int32)), (q_spec, kv_spec, kv_spec, token_spec)
-        if segment_ids is not None:
-            args, specs = (*args, segment_ids.astype(jnp.int32)), (*specs, token_spec)
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+        segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        optional = [(a, spec) for a, spec in ((segment_ids, token_spec), (sinks, layout.spec(("heads",))))
+                    if a is not None]
+        args, specs = (*args, *(a for a, _ in optional)), (*specs, *(spec for _, spec in optional))
+
+        def run(q, k, v, order, *rest):  # the optional arguments back in their places
+            rest = list(rest)
+            seg = rest.pop(0) if segment_ids is not None else None
+            return body(q, k, v, order, seg, rest.pop(0) if sinks is not None else None)
+
+        return jax.shard_map(run, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
-def local_attention(q, k, v, q_positions, kv_positions, kernel, q_segment_ids=None, kv_segment_ids=None):
-    """``(out, lse)`` of causal attention by true positions (and segment ids, or None) on one device's shards.
+def local_attention(q, k, v, q_positions, kv_positions, kernel, q_segment_ids=None, kv_segment_ids=None, sinks=None):
+    """``(out, lse)`` of causal attention by true positions (and segment ids, or None; attention ``sinks`` ``[heads]``
+    or None) on one device's shards.
 
     The ``xla`` reference is run over query chunks of at most ``_CHUNK_SCORES / kv_len``
     rows, each under ``jax.checkpoint``, so the backward pass keeps no score matrix; kernels
@@ -245,7 +260,8 @@ def local_attention(q, k, v, q_positions, kv_positions, kernel, q_segment_ids=No
     """
     def one(q, qp, qs=None):
         return kernel(q, k, v, causal=True, q_positions=qp, kv_positions=kv_positions,
-                              q_segment_ids=qs, kv_segment_ids=kv_segment_ids, return_lse=True)
+                      q_segment_ids=qs, kv_segment_ids=kv_segment_ids, return_lse=True,
+                      **({} if sinks is None else {"sinks": sinks}))
 
     sq, sk = q.shape[1], k.shape[1]
     if kernel.flash or sq * sk <= _CHUNK_SCORES:
@@ -261,14 +277,14 @@ def local_attention(q, k, v, q_positions, kv_positions, kernel, q_segment_ids=No
     return out.swapaxes(0, 1).reshape(b, sq, h, v.shape[-1]), lse.transpose(1, 2, 0, 3).reshape(b, h, sq)
 
 
-def _allgather(q, k, v, pos, seg=None, *, axis, kernel):
+def _allgather(q, k, v, pos, seg=None, sinks=None, *, axis, kernel):
     """Local queries against all-gathered keys and values; the gather is redone in the backward pass."""
 
-    def f(q, k, v, pos, seg):
+    def f(q, k, v, pos, seg, sinks):
         gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
-        return local_attention(q, gather(k), gather(v), pos, gather(pos), kernel, seg, gather(seg))[0]
+        return local_attention(q, gather(k), gather(v), pos, gather(pos), kernel, seg, gather(seg), sinks)[0]
 
-    return jax.checkpoint(f)(q, k, v, pos, seg)
+    return jax.checkpoint(f)(q, k, v, pos, seg, sinks)
 
 
 def _repeat_kv(x, degree):
@@ -297,10 +313,11 @@ def _group_all_to_all(x, split_axis, concat_axis, *, axis, degree, ring):
     return jnp.concatenate([got[j] for j in range(degree)], axis=concat_axis)
 
 
-def _ulysses(q, k, v, pos, seg=None, *, axis, degree, ring, kernel):
+def _ulysses(q, k, v, pos, seg=None, sinks=None, *, axis, degree, ring, kernel):
     """All-to-all sequence-split -> head-split inside groups of ``degree`` consecutive devices, attention on
     ``1 / degree`` of the heads over the group's tokens (ring attention across the ``n / degree`` groups
-    where there are several: USP), and the all-to-all back."""
+    where there are several: USP), and the all-to-all back; ``sinks``: the heads' attention sinks, each member
+    taking its heads'."""
     if ring == 1:  # one group: the axis's own collectives
         exchange = functools.partial(jax.lax.all_to_all, axis_name=axis, tiled=True)
         gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
@@ -308,19 +325,21 @@ def _ulysses(q, k, v, pos, seg=None, *, axis, degree, ring, kernel):
         exchange = functools.partial(_group_all_to_all, axis=axis, degree=degree, ring=ring)
         gather = functools.partial(exchange, split_axis=None, concat_axis=1)
 
-    def f(q, k, v, pos, seg):
+    def f(q, k, v, pos, seg, sinks):
         to_heads = lambda x: exchange(x, split_axis=2, concat_axis=1)  # noqa: E731
         q, k, v = to_heads(q), to_heads(_repeat_kv(k, degree)), to_heads(_repeat_kv(v, degree))
         pos, seg = gather(pos), None if seg is None else gather(seg)
+        if sinks is not None:  # member u of the group holds the u-th of its heads
+            sinks = sinks.reshape(degree, -1)[jax.lax.axis_index(axis) % degree]
         if ring == 1:
-            out = local_attention(q, k, v, pos, pos, kernel, seg, seg)[0]
+            out = local_attention(q, k, v, pos, pos, kernel, seg, seg, sinks)[0]
         else:
-            out = _ring((axis, ring, degree, kernel), q, k, v, pos, seg)
+            out = _ring((axis, ring, degree, kernel), q, k, v, pos, seg, sinks)
         return exchange(out, split_axis=1, concat_axis=2)
 
     # Ulysses alone redoes the all-to-alls in the backward pass rather than keep q, k, v twice; under USP
     # the ring's backward needs its head-split inputs, which recomputing would cost a whole ring pass.
-    return (jax.checkpoint(f) if ring == 1 else f)(q, k, v, pos, seg)
+    return (jax.checkpoint(f) if ring == 1 else f)(q, k, v, pos, seg, sinks)
 
 
 # ----- ring attention -------------------------------------------------------------------------
@@ -369,7 +388,7 @@ def _ring_index_and_send(axis, n, stride):
     return jax.lax.axis_index(axis) // stride, lambda xs: jax.lax.ppermute(xs, axis, perm)
 
 
-def _ring_forward(static, q, k, v, pos, seg=None):
+def _ring_forward(static, q, k, v, pos, seg=None, sinks=None):
     axis, n, stride, kernel = static
     if q.shape[1] % 2:
         raise ValueError(f"ring attention: local length {q.shape[1]} is odd; the sequence must divide by 2 x {n}")
@@ -391,20 +410,22 @@ def _ring_forward(static, q, k, v, pos, seg=None):
 
     (o, lse, block), _ = jax.lax.scan(body, (o, lse, block), jnp.arange(1, n - 1))
     o, lse = attend(o, lse, block, n - 1)
+    if sinks is not None:  # the sinks join once, after the ring: a block of zeros with their logit
+        o, lse = attn.merge_sinks(o, lse, sinks)
     return o.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(static, q, k, v, pos, seg):
+def _ring(static, q, k, v, pos, seg, sinks=None):
     """Ring attention on one device's zigzag shards: ``[b, 2c, h, d]`` queries, ``[b, 2c, kvh, d]`` keys,
-    positions and segment ids (or None) ``[b, 2c]``.  ``static``: ``(axis, ring devices, their stride
-    on the axis, the local attention's Implementation)``."""
-    return _ring_forward(static, q, k, v, pos, seg)[0]
+    positions and segment ids (or None) ``[b, 2c]``, the heads' attention sinks ``[h]`` (or None).  ``static``:
+    ``(axis, ring devices, their stride on the axis, the local attention's Implementation)``."""
+    return _ring_forward(static, q, k, v, pos, seg, sinks)[0]
 
 
-def _ring_fwd(static, q, k, v, pos, seg):
-    out, lse = _ring_forward(static, q, k, v, pos, seg)
-    return out, (q, k, v, (pos, seg), out, lse)
+def _ring_fwd(static, q, k, v, pos, seg, sinks=None):
+    out, lse = _ring_forward(static, q, k, v, pos, seg, sinks)
+    return out, (q, k, v, (pos, seg), out, lse, sinks)
 
 
 def _ring_bwd(static, res, dout):
@@ -412,9 +433,10 @@ def _ring_bwd(static, res, dout):
     accumulated for it so far; after n steps every accumulator is back on its owner.  Each
     block's gradient is the vjp of its (out, lse) (recomputed), with the cotangents the
     log-sum-exp merge gives: ``d out_b = w_b dout``, ``d lse_b = w_b (<dout, out_b> - <dout, out>)``,
-    ``w_b = exp(lse_b - lse)``."""
+    ``w_b = exp(lse_b - lse)`` (``lse`` and ``out`` the sinks' too, whose gradient is ``-exp(sink - lse) <dout,
+    out>``, summed over the queries)."""
     axis, n, stride, kernel = static
-    q, k, v, pos, out, lse = res
+    q, k, v, pos, out, lse, sinks = res
     i, send = _ring_index_and_send(axis, n, stride)
     dout = dout.astype(jnp.float32)
     d_all = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [b, q, h]
@@ -447,7 +469,9 @@ def _ring_bwd(static, res, dout):
     (dq, block, pending), _ = jax.lax.scan(body, (dq, block, pending), jnp.arange(1, n - 1))
     dq, pending = grads(dq, block, send(pending), n - 1)
     dk, dv = send(pending)  # one more hop: every block's gradients back on its owner
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    dsinks = None if sinks is None else -jnp.sum(
+        jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * d_all.transpose(0, 2, 1), axis=(0, 2))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

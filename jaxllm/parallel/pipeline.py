@@ -161,10 +161,15 @@ def check(cfg) -> None:
         raise ConfigError("model.moe_router_enable_expert_bias", True, f"the experts' loads reach the bias through the "
                           f"backward pass, which parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} also runs "
                           f"for idle slots: use 1f1b, interleaved_1f1b or zb_h1")
-    if groups[-1].num_layers % (stages * virtual):
+    period = len(groups[-1].pattern)  # a chunk's layers must be whole periods of its pattern of kinds
+    if groups[-1].num_layers % (stages * virtual * period):
         key, value, what = ("model.num_layers", cfg.model.num_layers, "must be") if len(groups) == 1 else (
             "model.moe_layer_freq", cfg.model.moe_layer_freq,
             f"ends with a group of {groups[-1].num_layers} layer(s) of one kind, which the stages split: it must be")
+        if period > 1:
+            key, value, what = ("model.window_attn_skip_freq", cfg.model.window_attn_skip_freq,
+                                f"ends with a group of {groups[-1].num_layers} layers in periods of {period}, which "
+                                f"the stages split in whole periods: its periods must be")
         raise ConfigError(key, value, f"{what} divisible by pipeline stages x virtual stages (mesh.pipeline x "
                           f"parallel.pipeline_virtual_stages) = {stages} x {virtual} = {stages * virtual}")
 

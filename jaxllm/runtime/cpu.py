@@ -49,17 +49,17 @@ class BatchSlices:
     """An ``attention`` operation (:class:`jaxllm.model.gpt.Ops`) run as up to ``slices`` independent
     slices of the batch (the largest count that divides it).  Same arguments and result as ``attention``:
     q ``[batch, len, heads, head_dim]``, k, v ``[batch, len, kv_heads, head_dim]``, order and
-    segment_ids int ``[batch, len]`` or None."""
+    segment_ids int ``[batch, len]`` or None, the layer's own keywords (``window``) passed on."""
 
     attention: object
     slices: int
 
-    def __call__(self, q, k, v, order=None, segment_ids=None):
+    def __call__(self, q, k, v, order=None, segment_ids=None, **layer):
         n = max(c for c in range(1, self.slices + 1) if q.shape[0] % c == 0)
         if n == 1:
-            return self.attention(q, k, v, order, segment_ids)
+            return self.attention(q, k, v, order, segment_ids, **layer)
         parts = [jnp.split(a, n) if a is not None else [None] * n for a in (q, k, v, order, segment_ids)]
-        return jnp.concatenate([self.attention(*args) for args in zip(*parts)])
+        return jnp.concatenate([self.attention(*args, **layer) for args in zip(*parts)])
 
 
 def row_major_dense(x, w, b, spec, dtype):

@@ -12,6 +12,7 @@ FLOPs per second, throughput is tokens/s, times are seconds.
 
 from __future__ import annotations
 
+from jaxllm.model.groups import layer_kinds
 from jaxllm.parallel import schedules
 
 
@@ -28,10 +29,11 @@ def flops_per_token(model_cfg, seq_length: int, *, recompute: bool = False) -> f
       and values then with the query/key and value widths ``dq``, ``dv`` in place of ``d``)
     * attention scores ``Q K^T`` and ``probs @ V``: ``2 * 2*s*n*d``, halved for the
       causal mask, i.e. ``2*s*n*d`` (each query attends to ~s/2 keys on average; this is
-      the work a causal kernel does, and the convention of FlashAttention's benchmarks); with
-      ``model.sliding_window`` = w < s, ``w - w^2/(2s)`` keys on average instead of ``s/2``
+      the work a causal kernel does, and the convention of FlashAttention's benchmarks); in a layer with a window
+      w < s (``model.sliding_window``, the layers ``model.window_attn_skip_freq`` gives it: each layer by its kind,
+      :func:`jaxllm.model.groups.layer_kinds`), ``w - w^2/(2s)`` keys on average instead of ``s/2``
     * output projection: ``2*(n*d)*h`` (= ``2*h*h``)
-    * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu: gate, up, down); for a mixture of
+    * MLP: ``2*h*f*2`` (gelu: up, down) or ``2*h*f*3`` (swiglu, geglu: gate, up, down); for a mixture of
       experts the active parameters, as Megatron-LM's ``num_floating_point_operations``: the
       ``moe_router_topk`` experts a token takes (``f`` = ``moe_ffn_hidden_size``), the shared expert, and
       the router's ``2*h*num_experts``; each layer's MLP by its kind (``model.moe_layer_freq``: dense and MoE
@@ -103,7 +105,7 @@ def _mlp_flops(m, moe: bool) -> tuple[float, float]:
     """Forward matmul FLOPs per token of one layer's MLP: ``(mlp_in, mlp_out)``; for a mixture of experts
     (``moe``) the ``moe_router_topk`` experts a token takes plus the shared expert, the router counted in
     ``mlp_in``."""
-    gates = 2 if m.activation == "swiglu" else 1
+    gates = 1 if m.activation == "gelu" else 2  # swiglu, geglu: a gate matmul too
     mlp_in = lambda f: 2 * m.hidden_size * f * gates  # noqa: E731
     if not moe:
         return mlp_in(m.ffn_hidden_size), 2 * m.ffn_hidden_size * m.hidden_size
@@ -135,11 +137,13 @@ def _stack_forward_flops(m, s: int) -> dict[str, float]:
     (``model.mtp_num_layers``, each of the last layer's kind) with them.  Attention's widths are
     :attr:`jaxllm.config.Model.attention_head_dims` (``dq`` for the scores, ``dv`` for the values and the output
     projection; both ``d`` but with multi-head latent attention)."""
-    h, n, L, w = m.hidden_size, m.num_attention_heads, m.num_layers + m.mtp_num_layers, m.sliding_window
+    h, n, L = m.hidden_size, m.num_attention_heads, m.num_layers + m.mtp_num_layers
     dq, dv = m.attention_head_dims
-    mlps = [_mlp_flops(m, moe) for moe in m.moe_layers + m.moe_layers[-1:] * m.mtp_num_layers]
-    keys = s / 2 if not w or w >= s else w - w * w / (2 * s)  # keys a query attends to, on average
-    return {"qkv": L * _qkv_flops(m), "scores": L * 2 * keys * n * dq, "values": L * 2 * keys * n * dv,
+    kinds = layer_kinds(m) + layer_kinds(m)[-1:] * m.mtp_num_layers
+    mlps = [_mlp_flops(m, kind.moe) for kind in kinds]
+    # keys a query attends to, on average, summed over the layers: a windowed layer's w - w^2 / 2s, another's s / 2
+    keys = sum(s / 2 if not w or w >= s else w - w * w / (2 * s) for w in (kind.window for kind in kinds))
+    return {"qkv": L * _qkv_flops(m), "scores": 2 * keys * n * dq, "values": 2 * keys * n * dv,
             "out_proj": L * 2 * (n * dv) * h, "mlp_in": sum(x for x, _ in mlps), "mlp_out": sum(y for _, y in mlps)}
 
 
