@@ -260,20 +260,24 @@ def test_import_matches_transformers_and_exports_back(hf_dir, tmp_path):
             plain = jax_logits(dataclasses.replace(m, **{key: off}), params, tokens())
             assert np.abs(plain - ref).max() > 100 * TOL
 
-    hf_config, tensors = to_hf(m, params)
+    hf_config, _ = to_hf(m, params)
     assert hf_config["architectures"] == [HF_CLASSES[name.split("-")[0]]]
-    hf_workdir.save_hf(m, params, str(tmp_path / "back"))
-    back = load_hf(tmp_path / "back")
-    np.testing.assert_allclose(hf_logits(back, tokens()), ref, atol=TOL, rtol=0)
-    # Exactly the same tensors as transformers itself saved (the tied head is not stored).
+    exports_back(m, params, d, ref, tmp_path / "back")
+
+
+def exports_back(m, params, d, ref, back):
+    """``save_hf`` of an imported model into ``back``: transformers loads it and gives the logits ``ref`` of the
+    original in ``d``, the file holds exactly the tensors transformers itself saved there (a tied head is not
+    stored), and importing it gives the same parameters, bit for bit."""
     from safetensors.numpy import load_file
 
-    original = load_file(os.path.join(d, "model.safetensors"))
-    assert sorted(tensors) == sorted(original)
+    hf_workdir.save_hf(m, params, str(back))
+    np.testing.assert_allclose(hf_logits(load_hf(back), tokens()), ref, atol=TOL, rtol=0)
+    original, written = (load_file(os.path.join(p, "model.safetensors")) for p in (d, back))
+    assert sorted(written) == sorted(original)
     for k in original:
-        np.testing.assert_array_equal(tensors[k], original[k], err_msg=k)
-    # and importing the export gives the same parameters, bit for bit
-    _, again = hf_workdir.from_hf(str(tmp_path / "back"), F32)
+        np.testing.assert_array_equal(written[k], original[k], err_msg=k)
+    _, again = hf_workdir.from_hf(str(back), F32)
     jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
