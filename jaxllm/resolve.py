@@ -246,7 +246,7 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
     if m.layer_loop == "auto":
         m.layer_loop = layer_loop(hardware.backend_kind(backend), m.remat)
     if m.attention_impl == "auto":  # decided here once: the model binds the concrete one (attention.implementation)
-        m.attention_impl = attention.resolve_impl("auto", backend, sinks=m.softmax_type != "vanilla")
+        m.attention_impl = attention.model_impl(m, backend)
     m.max_position_embeddings = m.max_position_embeddings or seq_length
     if vocab_size is not None and m.vocab_size and m.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", m.vocab_size,

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from jaxllm import config as jaxllm_config
+from jaxllm.analysis import layouts
 from jaxllm.model import attention as dispatch
 from jaxllm.platform import hardware
 from jaxllm_kernels import pallas_attention as pa
@@ -373,6 +374,15 @@ def test_dispatch_rules_per_backend_kind():
     assert dispatch.resolve_impl("auto", "cuda", sinks=True) == "pallas"  # jax's cuDNN attention takes no sinks
     assert dispatch.resolve_impl("auto", "rocm") == "pallas"
     assert dispatch.resolve_impl("auto", "tpu") == "xla"
+    # every caller that has the model (resolve, check_config, tune's GPU attention, a layout's candidate) takes
+    # its sinks into account: auto with sinks on an NVIDIA GPU is Pallas, the config check then passes
+    sinks = jaxllm_config.Config()
+    sinks.model.softmax_type, sinks.model.attention_impl = "learnable", "auto"
+    assert dispatch.model_impl(sinks.model, "cuda") == dispatch.model_impl(sinks.model, "cuda", "auto") == "pallas"
+    dispatch.check_config(sinks, "cuda")
+    assert layouts.candidate_of(sinks, dict.fromkeys(jaxllm_config.MESH_AXES, 1), "cuda").attention == "pallas"
+    sinks.model.softmax_type = "vanilla"
+    assert layouts.candidate_of(sinks, dict.fromkeys(jaxllm_config.MESH_AXES, 1), "cuda").attention == "cudnn"
     cuda, rocm = dispatch.available_impls("cuda"), dispatch.available_impls("rocm")
     assert cuda[:3] == ["xla", "cudnn", "pallas"] and rocm[:2] == ["xla", "pallas"] and "cudnn" not in rocm
     assert dispatch.available_impls("tpu") == ["xla"]

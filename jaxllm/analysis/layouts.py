@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 import jax
 
 from jaxllm import config
-from jaxllm.model.attention import available_impls, resolve_impl
+from jaxllm.model.attention import available_impls, model_impl
 
 AXES = config.MESH_AXES  # data, fsdp, expert, pipeline, tensor, sequence
 
@@ -89,7 +89,7 @@ def candidate_of(cfg: config.Config, mesh: Mapping[str, int], backend: str | Non
     ``model.attention_impl="auto"`` is the implementation it picks on ``backend`` (None: this one), as in
     :func:`space`."""
     return Candidate(tuple(mesh[a] for a in AXES), cfg.train.micro_batch_size, cfg.model.remat,
-                     resolve_impl(cfg.model.attention_impl, backend), cfg.parallel.pipeline_virtual_stages,
+                     model_impl(cfg.model, backend), cfg.parallel.pipeline_virtual_stages,
                      cfg.parallel.sequence_impl, cfg.parallel.pipeline_schedule, cfg.model.layer_loop)
 
 

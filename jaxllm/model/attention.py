@@ -160,6 +160,12 @@ def resolve_impl(impl, backend=None, *, sinks: bool = False) -> str:
     return impl
 
 
+def model_impl(m, backend=None, impl: str | None = None) -> str:
+    """:func:`resolve_impl` of ``impl`` (None: ``m.attention_impl``) for the model ``m`` (``config.Model``), its
+    attention sinks (``m.softmax_type``) included: what every caller that has the model passes."""
+    return resolve_impl(impl or m.attention_impl, backend, sinks=m.softmax_type != "vanilla")
+
+
 def _check_available(impl, backend=None) -> None:
     """Raises ValueError: ``impl`` is unknown or does not run on ``backend`` (the message names those that do)."""
     if impl not in CHOICES:
@@ -185,7 +191,7 @@ def check_config(cfg, backend=None) -> None:
     """
     m = cfg.model
     try:
-        impl = resolve_impl(m.attention_impl, backend)
+        impl = model_impl(m, backend)
     except ValueError as e:
         raise ConfigError("model.attention_impl", m.attention_impl, str(e).split(": ", 1)[-1]) from None
     if impl == "cudnn" and m.softmax_type != "vanilla":
