@@ -367,27 +367,24 @@ class GPT(nnx.Module):
                 for kind in group.pattern]
         if self.cfg.layer_loop != "unrolled" and p == 1:
             return jax.lax.scan(each[0], x, (layer_params, keys, cache))
-        if self.cfg.layer_loop != "unrolled":
-            def period(x, xs):  # xs: [p, ...], one period's layers
-                outs = []
-                for j, run in enumerate(each):
-                    x, out = run(x, jax.tree.map(lambda a, j=j: a[j], xs))
-                    outs.append(out)
-                return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-            by_period = jax.tree.map(lambda a: a.reshape(-1, p, *a.shape[1:]), (layer_params, keys, cache))
-            x, outs = jax.lax.scan(period, x, by_period)
-            return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
-        # unstacked in one split: its gradient is one stack. Indexing a[i] per layer made each layer's
-        # gradient a pad to the whole stack, summed over the layers: on an H200 XLA fused those L^2 terms into
-        # kernels that took 42 % of GPT1_5B's step (docs/performance.md, 2026-11-27)
-        leaves, treedef = jax.tree.flatten((layer_params, keys, cache))
-        columns = [jnp.unstack(a) for a in leaves]
-        outs = []
-        for i in range(leaves[0].shape[0]):
-            x, out = each[i % p](x, treedef.unflatten([c[i] for c in columns]))
-            outs.append(out)
-        return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        def unrolled(x, xs):  # each layer of xs (a period's, or all), the stack's leaves unstacked in one split:
+            # its gradient is one stack.  Indexing a[i] per layer made each layer's gradient a pad to the whole
+            # stack, summed over the layers: on an H200 XLA fused those L^2 terms into kernels that took 42 % of
+            # GPT1_5B's step (docs/performance.md, 2026-11-27)
+            leaves, treedef = jax.tree.flatten(xs)
+            columns = [jnp.unstack(a) for a in leaves]
+            outs = []
+            for i in range(leaves[0].shape[0]):
+                x, out = each[i % p](x, treedef.unflatten([c[i] for c in columns]))
+                outs.append(out)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+        if self.cfg.layer_loop == "unrolled":
+            return unrolled(x, (layer_params, keys, cache))
+        by_period = jax.tree.map(lambda a: a.reshape(-1, p, *a.shape[1:]), (layer_params, keys, cache))
+        x, outs = jax.lax.scan(unrolled, x, by_period)  # one period's layers a step
+        return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
 
     def _remat(self, layer, *, prevent_cse: bool):
         """``layer`` under ``model.remat``'s policy (unchanged for ``none``); ``prevent_cse`` outside a scan,
