@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 
 from jaxllm import config
-from jaxllm.errors import ConvertError
 from jaxllm.families import llama, mixtral
-from jaxllm.families.tables import VEC, Arch, Condition, Family, RopeType, Tensor
+from jaxllm.families.tables import VEC, Arch, Condition, Family, RopeType, Tensor, refuse
 from jaxllm.model import rotary
 
 PRESET = {**llama.PRESET, "multi_latent_attention": True}
@@ -72,9 +71,6 @@ def _deepseek_v3_keys(hf: dict, keys: dict) -> dict:
     layers, topk, heads = keys["num_layers"], keys["moe_router_topk"], keys["num_attention_heads"]
     dense, shared = hf.get("first_k_dense_replace", 3), hf.get("n_shared_experts", 1)
     groups, group_topk = hf.get("n_group", 8) or 1, hf.get("topk_group", 4) or 1
-
-    def refuse(key, value, need):
-        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
 
     if hf.get("num_key_value_heads") not in (None, heads):  # transformers would repeat MLA's per-head keys
         refuse("num_key_value_heads", hf["num_key_value_heads"], f"num_attention_heads={heads} (or null)")

@@ -13,9 +13,8 @@ Sizes: Google's 1B, 4B, 12B and 27B (the text models); ``configs/gemma3.py`` tra
 from typing import Any
 
 from jaxllm import config
-from jaxllm.errors import ConvertError
 from jaxllm.families import llama
-from jaxllm.families.tables import VEC, Arch, Family, RopeType, Tensor
+from jaxllm.families.tables import VEC, Arch, Family, RopeType, Tensor, refuse
 
 PRESET = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "geglu", "use_bias": False,
           "apply_layernorm_1p": True, "norm_placement": "sandwich", "scale_embeddings": True, "qk_layernorm": True,
@@ -54,9 +53,6 @@ def _gemma3_keys(hf: dict, keys: dict) -> dict:
     theta ``model.local_rotary_base``), or transformers 4's ``rope_theta``, ``rope_scaling`` and
     ``rope_local_base_freq``; ``query_pre_attn_scalar`` as ``model.softmax_scale`` (0 where it is the head size).
     Raises ConvertError for other rope types or a layer type of neither kind."""
-
-    def refuse(key, value, need):
-        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
 
     rope = hf.get("rope_parameters") or {}
     if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one per layer type

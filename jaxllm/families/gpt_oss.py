@@ -18,7 +18,7 @@ import numpy as np
 from jaxllm import config
 from jaxllm.errors import ConvertError
 from jaxllm.families import deepseek_v3, gemma3, llama, mixtral
-from jaxllm.families.tables import VEC, WHOLE, Arch, Family, Tensor
+from jaxllm.families.tables import VEC, WHOLE, Arch, Family, Tensor, refuse
 
 PRESET = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "quick_geglu", "use_bias": True,
           "glu_linear_offset": 1.0, "softmax_type": "learnable", "moe_router_bias": True, "tie_embeddings": False}
@@ -70,11 +70,7 @@ def _gpt_oss_keys(hf: dict, keys: dict) -> dict:
     ConvertError for a quantization other than MXFP4."""
     quantization = hf.get("quantization_config") or {}
     if quantization and quantization.get("quant_method") != "mxfp4":
-        raise ConvertError(f"config.json: quantization_config={quantization!r} is not supported: jaxllm needs "
-                           f"none or quant_method mxfp4", keys=("quantization_config",))
-
-    def refuse(key, value, need):
-        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
+        refuse("quantization_config", quantization, "none or quant_method mxfp4")
 
     pattern = {**hf, "sliding_window_pattern": 2}  # transformers' default: every other layer global
     return {"ffn_hidden_size": keys["moe_ffn_hidden_size"],

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from jaxllm import config
+from jaxllm.errors import ConvertError
 
 
 class Tensor(NamedTuple):
@@ -145,3 +146,8 @@ class Family:
     def hf_tables(self) -> dict[str, Arch]:
         """Its Hugging Face tables by ``model_type``."""
         return {a.model_type: a for a in self.architectures}
+
+
+def refuse(key: str, value, need: str):
+    """Raises ConvertError: config.json's ``key`` holds ``value``, which jaxllm cannot hold; it needs ``need``."""
+    raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))

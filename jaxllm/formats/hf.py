@@ -24,7 +24,7 @@ import numpy as np
 from jaxllm import config
 from jaxllm.errors import ConvertError, reading
 from jaxllm.families.registry import ARCHITECTURES, ROPE_TYPES
-from jaxllm.families.tables import WHOLE, Arch, Tensor
+from jaxllm.families.tables import WHOLE, Arch, Tensor, refuse
 from jaxllm.model import gpt
 from jaxllm.model.params import by_path, unpadded_shapes
 
@@ -254,12 +254,9 @@ def model_from_hf(hf: dict, names=None) -> tuple[Arch, dict]:
 
     hf = {**{ours: hf[theirs] for theirs, ours in arch.aliases.items() if theirs in hf}, **hf}
 
-    def unsupported(key, value, need):
-        raise ConvertError(f"config.json: {key}={value!r} is not supported: jaxllm needs {need}", keys=(key,))
-
     for key, allowed in arch.supports.items():
         if hf.get(key, allowed[0]) not in allowed:
-            unsupported(key, hf[key], " or ".join(map(repr, allowed)))
+            refuse(key, hf[key], " or ".join(map(repr, allowed)))
     keys = {}
     for key, (ours, default) in arch.keys.items():
         value = hf.get(key, default)
@@ -269,13 +266,13 @@ def model_from_hf(hf: dict, names=None) -> tuple[Arch, dict]:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default" and rope_type not in ROPE_TYPES:
             known = " or ".join(["'default'", *(f"{k!r} ({t.what})" for k, t in ROPE_TYPES.items())])
-            unsupported("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
+            refuse("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
                         hf.get("rope_scaling") or rope_type, f"rope type {known}")
         if rope_type != "default":
-            scaling = ROPE_TYPES[rope_type].read(rope, unsupported)
+            scaling = ROPE_TYPES[rope_type].read(rope, refuse)
             clash = {k: v for k, v in scaling.items() if arch.needs.get(k, v) != v}
             if clash:  # a rope type (or its values) the table does not hold
-                unsupported("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
+                refuse("rope_scaling" if hf.get("rope_scaling") else "rope_parameters.rope_type",
                             hf.get("rope_scaling") or rope_type, f"another rope type with {arch.hf_class} (jaxllm "
                             "holds it with " + ", ".join(f"model.{k}={arch.needs[k]!r}" for k in clash) + ")")
             keys.update(scaling)
