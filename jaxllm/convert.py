@@ -30,9 +30,7 @@ from jaxllm.families.registry import ARCHITECTURES
 from jaxllm.formats.hf import hf_architecture
 from jaxllm.formats.hf_workdir import export_workdir, import_to_workdir
 from jaxllm.formats.megatron_workdir import export_megatron, import_megatron
-from jaxllm.runtime.checkpoint import SaveError
-
-EXIT_SAVE_FAILED = 74  # as jaxllm.train's: the import's checkpoint was not saved (a full disk); nothing is left
+from jaxllm.runtime.checkpoint import EXIT_SAVE_FAILED, SaveError  # an import's too: nothing is left
 
 
 def _megatron_main(args: argparse.Namespace, overrides: dict[str, str]) -> int:

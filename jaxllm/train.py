@@ -9,7 +9,7 @@ gradient norm was NaN/inf for ``train.max_nonfinite_steps`` steps in a row), or
 :class:`jaxllm.runtime.checkpoint.CheckpointError` (checkpoints exist but none can be read);
 2 bad config or data, one line naming the key, the value and the fix, before
 anything is compiled, or the workdir is in use by another run
-(:mod:`jaxllm.runtime.workdir_lock`); :data:`EXIT_SAVE_FAILED` (74) a checkpoint was not
+(:mod:`jaxllm.runtime.workdir_lock`); :data:`~jaxllm.runtime.checkpoint.EXIT_SAVE_FAILED` (74) a checkpoint was not
 saved (a full disk or quota): one line naming the newest complete step, which a rerun resumes
 from; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
 made the run save a checkpoint at the next step boundary and stop; rerun the same
@@ -43,6 +43,7 @@ from jaxllm.parallel import schedules
 from jaxllm.platform import console, distributed, gpu_env, hardware, host_memory
 from jaxllm.resolve import resolve
 from jaxllm.runtime import checkpoint, compile_cache, flops, metrics, stragglers, workdir_lock
+from jaxllm.runtime.checkpoint import EXIT_SAVE_FAILED
 from jaxllm.runtime.preemption import Preemption
 from jaxllm.runtime.run import Run
 from jaxllm.runtime.sampling import Sampler
@@ -50,9 +51,6 @@ from jaxllm.runtime.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
-# Exit status of a run stopped by a checkpoint that was not saved (a full disk or quota): BSD's EX_IOERR.  The launch
-# scripts do not restart it (it would fail again); free space and rerun, which resumes from the newest saved step.
-EXIT_SAVE_FAILED = 74
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started: the shell's status for SIGINT
 
 

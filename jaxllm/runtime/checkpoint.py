@@ -63,6 +63,11 @@ class CheckpointError(RuntimeError):
     (:class:`SaveError`)."""
 
 
+# Exit status of jaxllm.train and jaxllm.convert stopped by a SaveError: BSD's EX_IOERR.  The launch scripts do not
+# restart it (it would fail again); free space and rerun, which resumes from the newest saved step.
+EXIT_SAVE_FAILED = 74
+
+
 class SaveError(CheckpointError):
     """A checkpoint was not saved (a full disk or quota, a directory gone): its partial directory is removed and the
     message names the newest complete step, which a rerun resumes from; the run stops (``jaxllm.train`` exits 74)

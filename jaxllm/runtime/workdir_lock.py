@@ -40,7 +40,7 @@ HEARTBEAT_S = 60.0  # the holder renews the file's modification time this often
 # (JAXLLM_RESTART_MIN_TIME's default, 300 s)
 STALE_S = 300.0
 _POLL_S = 5.0
-_HELD: dict[str, _Lock] = {}  # workdir (real path) -> this process's lock of it (re-entrant)
+_HELD: set[str] = set()  # the workdirs (real paths) this process holds (re-entrant)
 _AGREED = "jaxllm/workdir_lock"  # the coordination service's key: process 0 took the lock
 
 
@@ -48,11 +48,15 @@ class WorkdirBusy(ConfigError):
     """Another run or import holds the workdir (exit 2); the message names it."""
 
     def __init__(self, workdir: str, holder: dict | str, flag: str = "--workdir"):
-        who = holder if isinstance(holder, str) else (
-            f"{holder.get('what', 'a jaxllm run')} (pid {holder.get('pid')} on {holder.get('host')}, started "
-            f"{holder.get('started')})")
+        who = holder if isinstance(holder, str) else _who(holder)
         super().__init__(flag, workdir, f"is in use by {who}, which holds {os.path.join(workdir, LOCK_FILE)}; wait "
                          f"for it to end, or use another {flag}")
+
+
+def _who(holder: dict) -> str:
+    """The holder a lock file names, in words."""
+    return (f"{holder.get('what', 'a jaxllm run')} (pid {holder.get('pid')} on {holder.get('host')}, started "
+            f"{holder.get('started')})")
 
 
 def _read(path: str) -> dict:
@@ -79,7 +83,7 @@ class _Lock:
     """This process's hold of ``path``: the open file (its ``flock``) and the heartbeat thread."""
 
     def __init__(self, path: str, what: str, flag: str):
-        self.path, self.what, self.flag = path, what, flag
+        self.path, self.flag = path, flag
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "what": what,
                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self.fd, self.flock = None, True
@@ -123,8 +127,7 @@ class _Lock:
                 raise WorkdirBusy(workdir, holder, self.flag)
         else:
             self._wait_for_heartbeat(workdir, holder)
-        return (f"jaxllm: note: took over {self.path} from {holder.get('what', 'a jaxllm run')} (pid "
-                f"{holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}), which is gone")
+        return f"jaxllm: note: took over {self.path} from {_who(holder)}, which is gone"
 
     def _wait_for_heartbeat(self, workdir: str, holder: dict) -> None:
         """Returns once another host's holder is dead (no heartbeat for STALE_S); raises WorkdirBusy if it beats."""
@@ -155,12 +158,12 @@ class _Lock:
         os.close(self.fd)
 
 
-def _job() -> tuple[int, int, object]:
-    """``(process index, process count, the jax.distributed client or None)``, without starting a backend."""
+def _job() -> tuple[int, object]:
+    """``(process index, the jax.distributed client or None)``, without starting a backend."""
     from jax._src import distributed  # noqa: PLC0415  (jax.process_index() would start the backend)
 
     state = distributed.global_state
-    return (state.process_id, state.num_processes, state.client) if state.client is not None else (0, 1, None)
+    return (state.process_id, state.client) if state.client is not None else (0, None)
 
 
 def _agreed(ok: bool, process: int, client) -> bool:
@@ -192,7 +195,7 @@ def held(workdir: str, what: str = "jaxllm.train", *, collective: bool = True, f
         yield
         return
     lock, error = None, None
-    process, _, client = _job() if collective else (0, 1, None)
+    process, client = _job() if collective else (0, None)
     if process == 0:
         lock = _Lock(os.path.join(workdir, LOCK_FILE), what, flag)
         try:
@@ -201,17 +204,13 @@ def held(workdir: str, what: str = "jaxllm.train", *, collective: bool = True, f
                 print(note, flush=True)
         except WorkdirBusy as e:
             lock, error = None, e
-    if not _agreed(error is None, process, client):
-        if lock:
-            lock.release()
+    if not _agreed(error is None, process, client):  # process 0 holds no lock then: its error, or the others'
         raise error or WorkdirBusy(workdir, "another run (process 0 says which)", flag)
-    if error:
-        raise error
-    _HELD[key] = lock
+    _HELD.add(key)
     try:
         yield
     finally:
-        del _HELD[key]
+        _HELD.discard(key)
         if lock:
             lock.release()
 
