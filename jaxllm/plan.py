@@ -122,7 +122,7 @@ def plan(spec: config.Config, num_devices: int, backend: str | None = None, coll
     ``gpu``: the estimate of :func:`jaxllm.platform.xla_gpu.cudnn_workspace`, counted in ``device``; else 0),
     ``gemm_workspace`` (with ``gpu``: the largest cuBLAS workspace, already in ``temp``; else 0), ``predicted`` (with
     ``gpu``: the step-time model of the program, :func:`jaxllm.analysis.gpu_time.predict`'s ``step_s``,
-    ``categories``, ``kinds``, ``launches``; else None).
+    ``categories``, ``launches``, ``category_launches``; else None).
     Raises:
       ConfigError: the config does not fit the mesh or the model, or this process sees fewer than
         ``num_devices`` devices; ``model.fp8`` on a GPU without FP8 matmuls.
@@ -176,7 +176,7 @@ def _gpu_figures(hlo: str, gpu: str | None, mesh_shape: dict) -> dict:
             "gemm_loops": xla_gpu.gemm_loops(hlo) if gpu else 0,
             "cudnn_workspace": xla_gpu.cudnn_workspace(hlo) if gpu else 0,
             "gemm_workspace": xla_gpu.gemm_workspace(hlo) if gpu else 0,
-            "predicted": predicted and {k: v for k, v in predicted.items() if k != "kernels"}}
+            "predicted": predicted}
 
 
 def cpu_compile(cfg, num_devices: int, backend: str | None):

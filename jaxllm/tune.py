@@ -479,10 +479,9 @@ def main(argv):
                 base, n, workdir=F.workdir)[0].model.vocab_size  # the char vocabulary: read from the data
         resolve(base, num_devices=n, data_files=False, backend="cuda" if gpu else None)  # valid as given
 
-    if (cluster or gpu) and F.attention == "auto":  # the GPU's attention (memory linear in the sequence)
-        dims["attentions"] = [attention.model_impl(base.model, named_device(gpu or named_cluster(cluster[0]).device)[1],
-                                                   "auto")]
     tuner = Tuner(base, n, memory_limit=memory, steps=F.steps, warmup=F.warmup, cluster=cluster, gpu=gpu)
+    if tuner.backend and F.attention == "auto":  # the GPU's attention (memory linear in the sequence)
+        dims["attentions"] = [attention.model_impl(base.model, tuner.backend, "auto")]
     tuner.filter(layouts.space(base, n, **dims))
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)

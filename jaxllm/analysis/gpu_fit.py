@@ -36,7 +36,6 @@ COLUMNS = {"gemm": ("overhead", "flops", "bytes"), "attention_fwd": ("overhead",
            "attention_bwd": ("overhead", "flops"), "loop": ("overhead", "bytes", "ops"),
            "reduction": ("overhead", "bytes", "ops"), "triton": ("overhead", "bytes", "ops"),
            "copy": ("overhead", "bytes"), "memcpy": ("overhead", "bytes")}
-_TERMS = ("overhead", "flops", "bytes", "ops")
 _GEMM = re.compile(r"^nvjet|gemm|xmma|cutlass", re.I)
 _CUDNN_BWD = ("compute_dot_do_o", "bprop", "convert_dq")
 

@@ -188,8 +188,8 @@ def census(hlo_text: str, mesh_shape: dict | None = None) -> list[Kernel]:
         if op.name in found:
             found[op.name].runs += 1
             continue
-        group, label = xla_gpu.classify(op, body, bodies)
         ins = prog[op.name]
+        group, label = ins.kind  # profile.program's xla_gpu.classify of it
         fused = bodies.get(next(iter(re.findall(r"calls=%([\w.-]+)", op.rest)), ""), [])
         k = Kernel(op.name, _kind(group, label, ins.root), profile.categorize(ins), 1, bytes=float(ins.bytes))
         if k.kind == "gemm":
@@ -313,29 +313,20 @@ def predict(kernels: list[Kernel], dev: Device, mesh_shape: dict | None = None, 
 
     Returns:
       ``step_s`` (seconds: every kernel's runs, one after another, and a gap of :data:`FITTED` ``["gap"]`` before
-      each launch), ``categories`` ``{category: seconds}`` (the profile's, ``idle`` the gaps), ``kinds``
-      ``{kind: seconds}``, ``launches`` (kernels per step), ``category_launches`` ``{category: kernels per step}``,
-      ``kernels`` (``[(seconds per step, Kernel)]``, the
-      costliest first).
+      each launch), ``categories`` ``{category: seconds}`` (the profile's, ``idle`` the gaps), ``launches`` (kernels
+      per step), ``category_launches`` ``{category: kernels per step}``.
     """
     categories: dict[str, float] = collections.defaultdict(float)
-    kinds: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
-    timed = []
     for k in kernels:
-        t = k.runs * kernel_time(k, dev, mesh_shape)
-        categories[k.category] += t
-        kinds[k.kind] += t
+        categories[k.category] += k.runs * kernel_time(k, dev, mesh_shape)
         counts[k.category] += k.runs
-        timed.append((t, k))
     launches = sum(k.runs for k in kernels)
     categories["idle"] = launches * FITTED["gap"]["overhead_s"]
     scale = DEVICELESS if deviceless else 1.0
     categories = {c: t * scale for c, t in categories.items()}
-    kinds = {c: t * scale for c, t in kinds.items()}
-    return {"step_s": sum(categories.values()), "categories": categories, "kinds": kinds,
-            "launches": launches, "category_launches": dict(counts),
-            "kernels": sorted(timed, key=lambda tk: -tk[0])}
+    return {"step_s": sum(categories.values()), "categories": categories, "launches": launches,
+            "category_launches": dict(counts)}
 
 
 def report(predicted: dict, device_name: str, tokens: int, model_flops: float, devices: int = 1) -> str:

@@ -173,8 +173,8 @@ class Norm(nnx.Module):
 
     def __init__(self, cfg, size=None, axis="embed"):
         self.kind, self.eps, size = cfg.norm, cfg.norm_eps, size or cfg.hidden_size
-        shape, axes = (size, (axis,)) if isinstance(size, tuple) else ((size,), (axis,))
-        axes = axis if isinstance(axis, tuple) else axes
+        shape = size if isinstance(size, tuple) else (size,)
+        axes = axis if isinstance(axis, tuple) else (axis,)
         self.naxes = len(shape)  # the trailing axes normalized over
         self.one_plus = cfg.apply_layernorm_1p
         self.scale = param(None, shape, 0 if self.one_plus else None, axes)

@@ -139,7 +139,8 @@ def _stack_forward_flops(m, s: int) -> dict[str, float]:
     projection; both ``d`` but with multi-head latent attention)."""
     h, n, L = m.hidden_size, m.num_attention_heads, m.num_layers + m.mtp_num_layers
     dq, dv = m.attention_head_dims
-    kinds = layer_kinds(m) + layer_kinds(m)[-1:] * m.mtp_num_layers
+    kinds = layer_kinds(m)
+    kinds += kinds[-1:] * m.mtp_num_layers
     mlps = [_mlp_flops(m, kind.moe) for kind in kinds]
     # keys a query attends to, on average, summed over the layers: a windowed layer's w - w^2 / 2s, another's s / 2
     keys = sum(s / 2 if not w or w >= s else w - w * w / (2 * s) for w in (kind.window for kind in kinds))
