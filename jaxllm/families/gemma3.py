@@ -76,12 +76,11 @@ def _gemma3_keys(hf: dict, keys: dict) -> dict:
 
 def _rope(m: config.Model) -> dict:
     """config.json's rotary of both layer types, transformers 5's and 4's names."""
-    full = {"rope_type": "default", "rope_theta": m.rotary_base, **(LINEAR_ROPE.write(m) if LINEAR_ROPE.applies(m)
-                                                                       else {})}
+    rope = llama.rope_parameters(m, LINEAR_ROPE)  # the global layers'
+    full = rope["rope_parameters"]
     local = {"rope_type": "default", "rope_theta": m.local_rotary_base} if m.local_rotary_base else full
     return {"rope_parameters": {"full_attention": full, "sliding_attention": local},
-            "rope_local_base_freq": local["rope_theta"],
-            "rope_scaling": LINEAR_ROPE.write(m) if LINEAR_ROPE.applies(m) else None}
+            "rope_local_base_freq": local["rope_theta"], "rope_scaling": rope["rope_scaling"]}
 
 
 def _gemma3_extra(m: config.Model) -> dict[str, Any]:
