@@ -13,7 +13,7 @@ Sizes: Google's 1B, 4B, 12B and 27B (the text models); ``configs/gemma3.py`` tra
 from typing import Any
 
 from jaxllm import config
-from jaxllm.families import llama
+from jaxllm.families import llama, olmo2
 from jaxllm.families.tables import VEC, Arch, Family, RopeType, Tensor, refuse
 
 PRESET = {"position_embedding": "rotary", "norm": "rmsnorm", "activation": "geglu", "use_bias": False,
@@ -74,6 +74,11 @@ def _gemma3_keys(hf: dict, keys: dict) -> dict:
             "softmax_scale": 0.0 if scalar == head else float(scalar) ** -0.5}
 
 
+def layer_types(m: config.Model) -> list[str]:
+    """config.json's ``layer_types`` of ``m``'s layers (the inverse of :func:`layer_pattern`)."""
+    return ["sliding_attention" if w else "full_attention" for w in m.window_layers]
+
+
 def _rope(m: config.Model) -> dict:
     """config.json's rotary of both layer types, transformers 5's and 4's names."""
     rope = llama.rope_parameters(m, LINEAR_ROPE)  # the global layers'
@@ -88,7 +93,7 @@ def _gemma3_extra(m: config.Model) -> dict[str, Any]:
     scalar = m.softmax_scale ** -2 if m.softmax_scale else m.head_dim
     return {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
             "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-            "layer_types": ["sliding_attention" if w else "full_attention" for w in m.window_layers], **_rope(m)}
+            "layer_types": layer_types(m), **_rope(m)}
 
 
 GEMMA3 = Arch(
@@ -108,12 +113,10 @@ GEMMA3 = Arch(
     **llama.FILES,
     tensors=(
         llama.ATTENTION[0], llama.ATTENTION[1],  # the embedding, input_layernorm
-        *(t for t in llama.ATTENTION if ".self_attn." in t.name),
-        *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight", (f"layers/attn/{x}_norm/scale",), VEC)
-          for x in "qk"),
-        Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/post_attn_norm/scale",), VEC),
+        *llama.PROJECTIONS, *llama.QK_NORMS,
+        olmo2.POST_NORMS[0],
         Tensor("model.layers.{i}.pre_feedforward_layernorm.weight", ("layers/ln2/scale",), VEC),
-        Tensor("model.layers.{i}.post_feedforward_layernorm.weight", ("layers/post_mlp_norm/scale",), VEC),
+        olmo2.POST_NORMS[1],
         *llama.MLP, *llama.OUTPUT),
     derive=_gemma3_keys,
     free=("softmax_scale", "window_attn_skip_freq", "local_rotary_base", "rotary_seq_len_interpolation_factor"),

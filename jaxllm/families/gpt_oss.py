@@ -100,7 +100,7 @@ GPT_OSS = Arch(
     supports={"hidden_act": ("silu",), "swiglu_alpha": (1.702,), "attention_bias": (True,),
               "tie_word_embeddings": (False,)},
     extra=lambda m: {"head_dim": m.head_dim, "attention_dropout": 0.0, "sliding_window": m.sliding_window or None,
-                     "layer_types": ["sliding_attention" if w else "full_attention" for w in m.window_layers],
+                     "layer_types": gemma3.layer_types(m),
                      "output_router_logits": False, **llama.rope_parameters(m, deepseek_v3.YARN_ROPE)},
     **llama.FILES,
     tensors=(

@@ -113,8 +113,10 @@ QWEN2 = Arch(
              *(Tensor(f"model.layers.{{i}}.self_attn.{x}_proj.bias", (f"layers/attn/b{x}",), VEC) for x in "qkv"),
              *MLP, *OUTPUT),
     likely=lambda m: m.add_qkv_bias)
-QWEN3_ATTENTION = (*ATTENTION, *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight",
-                                        (f"layers/attn/{x}_norm/scale",), VEC) for x in "qk"))
+PROJECTIONS = tuple(t for t in ATTENTION if ".self_attn." in t.name)  # the query, key, value and output ones
+QK_NORMS = tuple(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight", (f"layers/attn/{x}_norm/scale",), VEC)
+                 for x in "qk")  # model.qk_layernorm's (per head, or of all heads with qk_layernorm_per_head=False)
+QWEN3_ATTENTION = (*ATTENTION, *QK_NORMS)
 QWEN3 = Arch(
     model_type="qwen3", hf_class="Qwen3ForCausalLM", needs={**NEEDS, "qk_layernorm": True}, keys=QWEN_KEYS,
     supports={"hidden_act": ("silu",), "attention_bias": (False,), "use_sliding_window": (False,)},

@@ -12,6 +12,10 @@ from jaxllm.families.tables import VEC, Arch, Family, Tensor
 
 PRESET = {**llama.PRESET, "norm_placement": "post", "qk_layernorm": True, "qk_layernorm_per_head": False}
 
+# the norms of model.norm_placement post (and sandwich): after attention, after the MLP
+POST_NORMS = (Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/post_attn_norm/scale",), VEC),
+              Tensor("model.layers.{i}.post_feedforward_layernorm.weight", ("layers/post_mlp_norm/scale",), VEC))
+
 OLMO2 = Arch(
     model_type="olmo2", hf_class="Olmo2ForCausalLM",
     needs={**llama.NEEDS, **PRESET},
@@ -22,12 +26,9 @@ OLMO2 = Arch(
     **llama.FILES,
     tensors=(
         llama.ATTENTION[0],  # the embedding, then each layer's projections
-        *(t for t in llama.ATTENTION if ".self_attn." in t.name),
-        # one norm of all heads' queries [heads*d], one of all heads' keys [kv_heads*d]
-        *(Tensor(f"model.layers.{{i}}.self_attn.{x}_norm.weight", (f"layers/attn/{x}_norm/scale",), VEC)
-          for x in "qk"),
-        Tensor("model.layers.{i}.post_attention_layernorm.weight", ("layers/post_attn_norm/scale",), VEC),
-        Tensor("model.layers.{i}.post_feedforward_layernorm.weight", ("layers/post_mlp_norm/scale",), VEC),
+        *llama.PROJECTIONS,
+        *llama.QK_NORMS,  # one norm of all heads' queries [heads*d], one of all heads' keys [kv_heads*d]
+        *POST_NORMS,
         *llama.MLP, *llama.OUTPUT),
     likely=lambda m: m.norm_placement == "post")
 
