@@ -77,16 +77,15 @@ def quiet_absent_gpu_plugin(environ=None, dev: str = "/dev") -> bool:
     return True
 
 
-class _LibraryRecords(logging.Filter):
-    """Sends the records logged from inside the packages in ``roots`` (Orbax's: its background save threads log
-    each failure of a save with its traceback, ~30 lines, through absl) to ``logger``, keeps the others."""
+class _Divert(logging.Filter):
+    """Sends the records ``diverted(record)`` is true of to ``logger`` (the log file's), keeps the others."""
 
-    def __init__(self, logger, roots: tuple[str, ...]):
+    def __init__(self, logger, diverted):
         super().__init__()
-        self.logger, self.roots = logger, roots
+        self.logger, self.diverted = logger, diverted
 
     def filter(self, record):
-        if record.pathname.startswith(self.roots):
+        if self.diverted(record):
             self.logger.handle(record)
             return False
         return True
@@ -132,21 +131,6 @@ def _closed_loop_callbacks_to(logger, previous):
             previous(unraisable)
 
     return hook
-
-
-class _UnretrievedTaskErrors(logging.Filter):
-    """Sends asyncio's "Task (Future) exception was never retrieved" records to ``logger``, keeps the others."""
-
-    def __init__(self, logger):
-        super().__init__()
-        self.logger = logger
-
-    def filter(self, record):
-        if record.getMessage().startswith(("Task exception was never retrieved", "Future exception was never "
-                                                                                 "retrieved")):
-            self.logger.handle(record)
-            return False
-        return True
 
 
 # The survivors of a multi-process job whose coordinator or other process died: JAX's distributed client (C++) logs
@@ -208,7 +192,8 @@ def configure(workdir: str, *, process: int, verbose: bool, processes: int = 1) 
     library.setLevel(logging.DEBUG)
     library.propagate = verbose
     sys.unraisablehook = _closed_loop_callbacks_to(library, sys.unraisablehook)
-    logging.getLogger("asyncio").addFilter(_UnretrievedTaskErrors(library))
+    logging.getLogger("asyncio").addFilter(_Divert(library, lambda r: r.getMessage().startswith((
+        "Task exception was never retrieved", "Future exception was never retrieved"))))  # a failed restore's
     logging.captureWarnings(True)
     warnings = logging.getLogger("py.warnings")
     warnings.addHandler(handler)
@@ -220,8 +205,9 @@ def configure(workdir: str, *, process: int, verbose: bool, processes: int = 1) 
     utils.absl_set_min_log_level(_CPP_ERROR)
     import orbax.checkpoint  # noqa: PLC0415  (its records, by the files they come from)
 
-    absl_logging.get_absl_handler().addFilter(
-        _LibraryRecords(library, (os.path.dirname(orbax.checkpoint.__file__) + os.sep,)))
+    orbax_files = os.path.dirname(orbax.checkpoint.__file__) + os.sep  # its background save threads log each failure
+    absl_logging.get_absl_handler().addFilter(  # of a save with its traceback, ~30 lines, through absl
+        _Divert(library, lambda r: r.pathname.startswith(orbax_files)))
     redirect_native_stdout(os.path.join(directory, f"process_{process}.out"))
     if processes > 1:
         filter_native_stderr(os.path.join(directory, f"process_{process}.out"), process)
