@@ -40,18 +40,30 @@ check the script and the report; its report says DRY RUN and its figures are not
 On the lent GPU machines (their own Python 3.12 with jax, jaxlib, the CUDA plugin, flax, optax,
 orbax, tensorstore, triton, pytest; no network): carry the missing pure-Python wheels,
 ``ml-collections`` (jaxllm.config), ``jax-triton`` (``attention_impl=triton``; without it the
-Triton rows are skipped and say so) and ``tensorboardX`` (what ``jaxllm.train`` logs with).
-Once, in the repository root of the checkout that travels::
+Triton rows are skipped and say so) and ``tensorboardX`` (what ``jaxllm.train`` logs with), and the JAX
+that compiles the GPU program here (:mod:`jaxllm.platform.xla_gpu`): jax, jaxlib, jax-cuda13-plugin and
+jax-cuda13-pjrt 0.12.0.1 (the machine's CUDA 13 libraries; the same XLA as the cuda12 plugin) with flax
+0.12.12, where the machine has 0.11.2.  Once, in the repository root of the checkout that travels::
 
-    echo /.whl/ >> .git/info/exclude
+    echo /.whl/ >> .git/info/exclude; echo '/.jax-*/' >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
-        ml-collections==1.1.0 jax-triton==0.3.1 tensorboardX==2.6.5
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \\
+        -d .whl ml-collections==1.1.0 jax-triton==0.3.1 tensorboardX==2.6.5 jax==0.12.0.1 flax==0.12.12
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_27_x86_64 -d /tmp/jaxwhl jaxlib==0.12.0.1 jax-cuda13-plugin==0.12.0.1 \\
+        jax-cuda13-pjrt==0.12.0.1
+    tar -cf - -C /tmp/jaxwhl . | split -b 44M - /tmp/jaxpart-
+    for p in /tmp/jaxpart-*; do mkdir -p .jax-${p##*-} && mv $p .jax-${p##*-}/; done
 
-and run with ``.whl`` carried::
+Those three wheels are 219 MiB, more than a call carries (64 MiB with the checkout): carry one ``.jax-*``
+folder a call on one warm machine (it stays there), then ``.whl`` and run::
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 benchmarks/gpu_check.py --output=$OUT/gpu_check.md
+    mkdir -p /tmp/jaxwhl && cat .jax-*/jaxpart-* | tar -x -C /tmp/jaxwhl && python3 -m pip install -q \\
+        --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \\
+        /tmp/jaxwhl/*.whl && export PYTHONPATH=/tmp/site || exit
+    python3 benchmarks/gpu_check.py --output=$OUT/gpu_check.md
+
+(docs/performance.md, its section on this script).  The report's versions table says which JAX ran.
 
 jaxllm itself need not be installed: the script puts the checkout (and ``kernels/`` as
 ``jaxllm_kernels``) on ``PYTHONPATH`` for itself and its subprocesses.

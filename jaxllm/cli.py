@@ -136,6 +136,19 @@ def config_arg(argv) -> str | None:
     return None
 
 
+def _config_error(e: BaseException) -> ConfigError | None:
+    """The ConfigError a config file raised (an unknown key, a bad type or value, as on the command line), found
+    in the chain of what ml-collections raised in its place (it re-raises a file's error as ``type(e)(text)``,
+    which a ConfigError's arguments do not fit)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ConfigError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _file_error(e: BaseException) -> str:
     """One line for a config file that failed to load."""
     if isinstance(e, SyntaxError):
@@ -280,7 +293,7 @@ def parse_flags(argv: list[str]) -> list[str]:
             value = rest.split(":", 1)[0]
             fail(ConfigError(key, value, f"must be {config.type_name(key)}"))
         if path is not None and text.startswith("flag --config="):
-            fail(f"config error: --config={path}: {_file_error(e.__cause__ or e)}")
+            fail(_config_error(e) or f"config error: --config={path}: {_file_error(e.__cause__ or e)}")
         fail(f"error: {text}")
     except flags.Error as e:
         fail(f"error: {e}")

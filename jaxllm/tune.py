@@ -158,6 +158,7 @@ class Tuner:
         self.valid: list[Candidate] = []
         self.space_size = 0
         self.measured_count = 0
+        self.baseline: Candidate | None = None
 
     def filter(self, candidates: list[Candidate]) -> None:
         """Applies the constraints to every candidate, counting rejections by key."""
@@ -326,7 +327,10 @@ class Tuner:
         lines = [f"- search space: {self.space_size} candidates on {self.n} device(s); sampler {self.sampler}",
                  f"- rejected by the constraints (config.resolve + tune.constraint), never compiled: {rejected}"]
         lines += [f"  - {key}: {count}" for key, count in sorted(self.rejected.items(), key=lambda kv: -kv[1])]
-        lines += [f"- planned (ahead-of-time memory plan): {len(self.results)} of {len(self.valid)} valid",
+        valid = set(self.valid)
+        outside = self.baseline in self.results and self.baseline not in valid
+        lines += [f"- planned (ahead-of-time memory plan): {sum(c in valid for c in self.results)} of {len(valid)} "
+                  "valid" + (", and the baseline (the config as given: not a candidate)" if outside else ""),
                   f"- pruned by the memory plan (> {limit}), not run: {pruned}",
                   f"- {'modeled' if self.cluster else 'predicted' if self.gpu else 'measured'}: {measured}; "
                   f"failed: {failed}"]

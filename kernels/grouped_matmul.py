@@ -131,7 +131,7 @@ def _tgmm_kernel(groups_ref, x_ref, dy_ref, dw_ref, *, tiles: Tiles):
 
 def _dot(a, b, **trans):
     """``a @ b`` (optionally transposed), float32; IEEE float32 for float32 operands (no TF32)."""
-    return pl.dot(a, b, **trans, precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
+    return plgpu.dot(a, b, **trans, precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
 
 
 def _launch(tiles: Tiles, interpret: bool) -> dict:

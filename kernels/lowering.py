@@ -11,12 +11,15 @@ can compile the IR to machine code with the Triton compiler.
 
 With no GPU present, JAX's Pallas lowering assumes compute capability 9.0 for CUDA
 (only float8 casts depend on it; none is used here), so the TTIR is the same for
-every NVIDIA target; ROCm gets its own lowering (its math functions differ).
+every NVIDIA target; ROCm gets its own lowering (its math functions differ).  JAX 0.10 made
+that assumption itself; JAX 0.11 and newer ask the device and refuse without a GPU, so
+:func:`without_gpu` (entered by :func:`export_for` and by ``lowering_target``) answers as 0.10 did.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
 
@@ -26,6 +29,33 @@ from jax import export
 TRITON_CALL = "__gpu$xla.gpu.triton"
 CUDNN_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 PLATFORMS = ("cuda", "rocm")
+
+
+@contextlib.contextmanager
+def without_gpu():
+    """Pallas's Triton lowering where the GPU it lowers for is not here: JAX 0.11+ asks the default device (or the
+    abstract mesh's) for its compute capability (``jax._src.pallas.triton.gpu_info.get_gpu_info``, a ValueError
+    without a GPU, raised as "No supported GPU devices found"); inside the block that question is answered as JAX
+    0.10's lowering answered it itself (``pallas_call_registration.py``: "the minimum CC supported by Triton"):
+    an H100's, 9.0.  A GPU that is here answers as usual; under JAX 0.10 nothing changes."""
+    try:
+        from jax._src.pallas.triton import gpu_info  # noqa: PLC0415 - JAX 0.11 and newer
+    except ImportError:
+        yield
+        return
+    asked = gpu_info.get_gpu_info
+
+    def answer():
+        try:
+            return asked()
+        except ValueError:
+            return gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+
+    gpu_info.get_gpu_info = answer
+    try:
+        yield
+    finally:
+        gpu_info.get_gpu_info = asked
 
 
 def export_for(fn, args, platform: str) -> export.Exported:
@@ -45,7 +75,8 @@ def export_for(fn, args, platform: str) -> export.Exported:
         raise ValueError(f"platform={platform!r}: choose one of {', '.join(PLATFORMS)}")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in (TRITON_CALL, *CUDNN_CALLS)]
-    return export.export(jitted, platforms=[platform], disabled_checks=checks)(*args)
+    with without_gpu():
+        return export.export(jitted, platforms=[platform], disabled_checks=checks)(*args)
 
 
 def custom_call_targets(exported: export.Exported) -> collections.Counter:

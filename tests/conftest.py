@@ -1,10 +1,11 @@
 """Session settings for the tests, set before anything imports jax.
 
-XLA's CPU backend compiles without LLVM's optimization passes and with its older element-wise emitters
-instead of the MLIR fusion emitters: the tests' models are tiny, so they spend their time compiling, not
-running. The first cut a layout run by about a fifth (30.4 s -> 23.8 s), the second halves the train
-step's compile again (a 2-layer MoE layout on 8 devices: 3.6 s -> 1.7 s; three layouts 27.3 s -> 23.0 s in
-all, the same losses to the bit, parameters within 3e-6). The subprocesses the tests start inherit both.
+XLA's CPU backend compiles without LLVM's optimization passes and, under JAX 0.10 (the last whose XLA has
+them), with its older element-wise emitters instead of the MLIR fusion emitters: the tests' models are
+tiny, so they spend their time compiling, not running. The first cut a layout run by about a fifth
+(30.4 s -> 23.8 s), the second halves the train step's compile again (a 2-layer MoE layout on 8 devices:
+3.6 s -> 1.7 s; three layouts 27.3 s -> 23.0 s in all, the same losses to the bit, parameters within
+3e-6). The subprocesses the tests start inherit them.
 Results agree with XLA's default build to float rounding; every comparison in the suite is
 between runs made with the same setting.  The few tests that run many steps of a larger
 model (bfloat16 on CPU is emulated in generated code, which -O0 slows) start their
@@ -12,9 +13,19 @@ subprocesses with :func:`optimized_env`.
 """
 
 import os
+from importlib.metadata import version
 
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *FAST_COMPILE]))
+
+def _fast_compile(jaxlib: str) -> tuple[str, ...]:
+    """The fast-compile flags that ``jaxlib``'s XLA knows: XLA aborts every process on an unknown flag (printing
+    nothing under pytest), and JAX 0.11 dropped the older emitters' switch (tests/test_gpu_env.py checks both)."""
+    older = tuple(int(x) for x in jaxlib.split(".")[:2]) < (0, 11)
+    return ("--xla_backend_optimization_level=0", *(["--xla_cpu_use_fusion_emitters=false"] if older else []))
+
+
+FAST_COMPILE = _fast_compile(version("jaxlib"))
+os.environ["XLA_FLAGS"] = " ".join(dict.fromkeys(filter(None, [*os.environ.get("XLA_FLAGS", "").split(),
+                                                               *FAST_COMPILE])))
 
 
 def optimized_env(env: dict) -> dict:

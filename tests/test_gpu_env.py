@@ -8,6 +8,8 @@ import stat
 import subprocess
 import sys
 
+from conftest import FAST_COMPILE, _fast_compile
+
 from jaxllm.platform import gpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +28,33 @@ def test_every_flag_is_known_to_this_jaxlib():
     assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-2000:]
     bad = _start_jax("--xla_gpu_graph_level=0")  # AMD scripts' older spelling: this XLA refuses it
     assert bad.returncode != 0 and "Unknown flag in XLA_FLAGS: --xla_gpu_graph_level=0" in bad.stderr
+
+
+def test_the_tests_fast_compile_flags_are_known_to_this_jaxlib():
+    """conftest.py's flags start a backend under the installed jaxlib; JAX 0.11's XLA dropped the older emitters'
+    switch, which it names when asked for it (so conftest passes it to JAX 0.10 only)."""
+    r = _start_jax(" ".join(FAST_COMPILE))
+    assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-2000:]
+    assert _fast_compile("0.10.2") == ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+    assert _fast_compile("0.12.0.1") == _fast_compile("0.11.2") == ("--xla_backend_optimization_level=0",)
+    if len(FAST_COMPILE) == 1:  # JAX 0.11 or newer
+        bad = _start_jax("--xla_cpu_use_fusion_emitters=false")
+        assert bad.returncode != 0 and "Unknown flag in XLA_FLAGS: --xla_cpu_use_fusion_emitters" in bad.stderr
+
+
+def test_settings_this_jaxlibs_xla_no_longer_has_are_not_applied():
+    """jaxlib 0.12's XLA has no pipelined all-gather, reduce-scatter and all-reduce flags (a compile option of that
+    name is refused, XLA_FLAGS ignores them): applied under 0.10 and 0.11 only."""
+    pipelined = {f"--xla_gpu_enable_pipelined_{c}" for c in ("all_gather", "reduce_scatter", "all_reduce")}
+    for old in ("0.10.2", "0.11.2"):
+        assert gpu_env.retired("cuda", old) == [] and pipelined <= {s.name for s in gpu_env.settings_for("cuda", old)}
+    assert {s.name for s in gpu_env.retired("cuda", "0.12.0.1")} == pipelined
+    assert not pipelined & {s.name for s in gpu_env.settings_for("cuda", "0.12.0.1")}
+    assert gpu_env.jaxlib_release("0.12.0.1") == (0, 12) and gpu_env.retired("rocm", "0.12.0.1") == []
+    env = {}
+    gpu_env.apply(env, "cuda")
+    applied = pipelined & gpu_env.flag_names(env["XLA_FLAGS"])
+    assert applied == (set() if gpu_env.jaxlib_release() >= (0, 12) else pipelined)
 
 
 def test_every_setting_has_a_source_and_a_reason():

@@ -123,14 +123,16 @@ def test_fp8_gemms_are_cublaslt_without_triton_gemms():
 @needs_plugin
 @pytest.mark.parametrize("name", ["bf16", "fp8"])
 def test_copies_are_bounded(programs, name):
-    """Copies and transposes per step, with full remat: the backward of each layer and micro batch reads that
-    layer's parameters and its input out of the scan's stacked arrays, at most one copy each (XLA copies a
-    slice of a stacked array out where a kernel cannot read it in place; the FP8 step's transposes of its
-    float8 operands are among the same reads), and the step's loops copy at most each array of the train
-    state once besides.  (Measured: 9 per layer and micro batch of the 17 allowed, 41 of the 64 besides.)"""
+    """Copies and transposes per step, with full remat: each layer and micro batch reads that layer's parameters
+    out of the scan's stacked arrays twice (the forward, and the backward's recompute) and its input once, at most
+    one copy per read (XLA copies a slice of a stacked array out where a kernel cannot read it in place; the FP8
+    step's transposes of its float8 operands are among the same reads), and the step's loops copy at most each
+    array of the train state once besides.  (Measured, bfloat16: with jaxlib 0.10.2, 9 per layer and micro batch
+    and 41 besides; with 0.12.0.1, which copies each read's slice out asynchronously, 289 of the 329 allowed, 264 of
+    them those slices.)"""
     p = programs[name]
     copies = sum(c[1] for k, c in p["kernels"].items() if k.startswith("copy/transpose|"))
-    bound = p["layers"] * p["microbatches"] * (p["layer_arrays"] + 1) + p["state_arrays"]
+    bound = p["layers"] * p["microbatches"] * (2 * p["layer_arrays"] + 1) + p["state_arrays"]
     assert 0 < copies <= bound, (copies, bound, p["kernels"])
 
 
@@ -175,13 +177,15 @@ def test_fp8_on_an_a100_and_a_gpu_compile_without_a_target_are_one_line():
 
 def test_compile_options_are_a_gpu_runs_flags_less_the_users():
     """The deviceless compile gets gpu_env's CUDA flags and XLA's own sort in place of CUB's, typed as compile
-    options take them, except those the user's XLA_FLAGS sets (XLA reads those itself)."""
+    options take them, except those the user's XLA_FLAGS sets (XLA reads those itself) and those this jaxlib's XLA
+    no longer has (jaxlib 0.12: the pipelined collectives' three, which gpu_env.settings_for leaves out)."""
     opts = xla_gpu.compiler_options({"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"})
     flags = {s.name[2:] for s in gpu_env.settings_for("cuda") if s.is_flag}
     assert set(opts) == flags - {"xla_gpu_enable_latency_hiding_scheduler"} | {"xla_gpu_deviceless_cub_mode"}
+    assert not flags & {s.name[2:] for s in gpu_env.retired("cuda")}
     assert "xla_gpu_deviceless_cub_mode" not in xla_gpu.compiler_options(
         {"XLA_FLAGS": "--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_WITH_FALLBACK"})
-    assert opts["xla_gpu_enable_pipelined_all_gather"] is True
+    assert opts.get("xla_gpu_enable_pipelined_all_gather", True) is True
     assert opts["xla_gpu_enable_all_gather_combine_by_dim"] is False
     assert opts["xla_gpu_all_reduce_combine_threshold_bytes"] == 8 * 2**30
 

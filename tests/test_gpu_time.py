@@ -3,7 +3,8 @@
 * what the census reads off a program: a loop body's kernels times its trip count, a GEMM's ``2 m n k``, cuDNN
   attention's causal FLOPs, a slice's bytes through bitcasts, a collective's ring traffic; each against the
   numbers worked out by hand from the shapes;
-* the constants in the source are what the fit gives on the committed H100 traces of 2026-11-26;
+* the constants in the source are what the fit gives on the committed traces: the kernel constants on the H100's
+  of 2026-11-26, the H200's bandwidth factor on the H200's of 2026-11-27 (its kernels outside the optimizer);
 * on a committed (HLO, trace) pair the model reproduces the step and every category above 5 % of it within
   the issue's bounds (10 % and 25 %): a pair of the fit (the only traced steps of a program that still
   exists; the held-out H200 step's padded gradients are benchmarks/step_time_check.py's record).
@@ -18,6 +19,7 @@ from jaxllm.analysis import gpu_fit, gpu_time, profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = os.path.join(ROOT, "benchmarks", "results", "2026-11-26-h100")
+H200 = os.path.join(ROOT, "benchmarks", "results", "2026-11-27-h200")
 TRACES = [("call1.jsonl", 0, "call1-GPT1_5B-full-micro4"), ("call2.jsonl", 0, "call2-GPT1_5B-full-micro4"),
           ("call2.jsonl", 1, "call2-GPT1_5B-full-micro8"), ("call2.jsonl", 2, "call2-GPT1_5B-save_dots-micro8")]
 
@@ -110,6 +112,18 @@ def _steps():
 
 def test_the_fit_gives_the_constants_of_the_source():
     assert gpu_fit.fit(_steps()) == gpu_time.FITTED
+
+
+def test_the_h200_bandwidth_factor_is_its_traces_fit():
+    """The H200's kernels outside its padded optimizer reach less of the datasheet's bandwidth than the H100's:
+    the factor in the source is the fit's, below 1, and an H200 is priced with it (an H100 with none)."""
+    with open(os.path.join(H200, "call1.jsonl"), encoding="utf-8") as f:
+        step = json.loads(f.read().splitlines()[2])["step_time_s"]
+    steps = [(*gpu_fit.load(os.path.join(H200, "call1-GPT1_5B-none-micro8-unrolled")), step)]
+    factor = gpu_fit.bandwidth(steps, "H200", skip=("optimizer",))
+    assert gpu_time.BANDWIDTH == {"H200": factor} and 0.5 < factor < 1
+    assert gpu_time.device("H200").bandwidth == pytest.approx(4.8e12 * factor)
+    assert gpu_time.device("H100").bandwidth == 3.35e12
 
 
 def test_a_traced_step_and_its_categories_are_reproduced():

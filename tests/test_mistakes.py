@@ -88,6 +88,28 @@ def test_broken_config_files_are_one_line(tmp_path):
     assert "no such recipe" in one_line(run(f"--config={raising}", f"--workdir={tmp_path / 'w'}"))
 
 
+@pytest.mark.parametrize("line, words", [
+    ("c.model.num_layer = 2", "config error: model.num_layer=2: no such key in section model; did you mean "
+                              "model.num_layers?"),
+    ("c.train.micro_batch_size = 'four'", "config error: train.micro_batch_size='four': must be an integer"),
+    ("c.train.micro_batch_size = -3", "config error: train.micro_batch_size=-3: must be > 0"),
+])
+def test_mistakes_inside_a_config_file_are_the_command_lines_line(tmp_path, line, words):
+    """An unknown key, a bad type and a bad value set inside a config file: the one line the same mistake gives as
+    a ``--config.*`` flag, nothing written."""
+    bad = write(tmp_path / "bad.py", f"from jaxllm.config import get_config as base\n\n\ndef get_config():\n"
+                                     f"    c = base()\n    {line}\n    return c\n")
+    assert one_line(run(f"--config={bad}", f"--workdir={tmp_path / 'w'}")) == words
+    assert not (tmp_path / "w").exists()
+
+
+def test_an_empty_corpus_is_one_line_naming_it(tmp_path):
+    empty = write(tmp_path / "empty.txt", "")
+    line = one_line(run(f"--config.data.input={empty}", f"--workdir={tmp_path / 'w'}"))
+    assert line.startswith(f"data error: data input {empty}: no document with any text") and "give a corpus" in line
+    assert not (tmp_path / "w").exists()
+
+
 def test_launcher_dry_run_checks_the_config_it_would_run():
     env = {**ENV, "MODEL_SIZE_KEY": "GPT999"}
     r = subprocess.run(["bash", "launch/local.sh", "2", "--dry-run"], cwd=ROOT, env=env, capture_output=True,

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -317,6 +318,7 @@ def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
                      "--config.log.tensorboard=False", "--config.log.progress_bar=False", "--config.log.samples=0",
                      env=env).stdout
     assert "M active per token)" in out and " aux " in out and "max load" in out, out
+    assert re.search(r"^experts' token dispatcher: (allgather|alltoall|ragged) \(", out, re.M), out  # auto resolved
     records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4]

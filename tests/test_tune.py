@@ -214,6 +214,10 @@ def test_tuner_prunes_by_the_plan_and_measures_the_rest(tmp_path):
     assert float(rows[0]["tokens_per_sec"]) == pytest.approx(measured.throughput, rel=1e-3)
     text = open(paths["md"]).read()
     assert "pruned by the memory plan" in text and "--config.train.micro_batch_size=1" in text
+    assert "- planned (ahead-of-time memory plan): 2 of 2 valid\n" in text  # the baseline is one of them
+    tuner.valid.remove(tuner.baseline)  # a baseline outside the search space is not counted as a valid candidate
+    assert "- planned (ahead-of-time memory plan): 1 of 1 valid, and the baseline (the config as given: not a " \
+           "candidate)" in tuner.summary()
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 

@@ -21,6 +21,7 @@ GPU, cuBLAS's workspace memsets), per launch.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import math
 import re
@@ -29,6 +30,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from jaxllm.analysis import gpu_time, profile
+from jaxllm.platform.hardware import GPU_KINDS, memory_bandwidth
 
 # the terms fitted per kind: GEMMs by FLOPs and bytes, attention by FLOPs, the rest by bytes (and the fusions'
 # element-wise work); every kind with an overhead per run
@@ -129,6 +131,30 @@ def fit(steps: list[tuple[str, str, float]], device: str = "H100") -> dict[str, 
     out["gap"] = {"overhead_s": _round(idle / launches), "flop_efficiency": 0.0, "bandwidth_efficiency": 0.0,
                   "s_per_op": 0.0}
     return out
+
+
+def bandwidth(steps: list[tuple[str, str, float]], device: str, skip: tuple[str, ...] = ()) -> float:
+    """:data:`jaxllm.analysis.gpu_time.BANDWIDTH`'s factor of ``device`` from its profiled steps: with
+    :data:`jaxllm.analysis.gpu_time.FITTED` held, the one factor on the datasheet bandwidth that every run's bytes
+    term is divided by, least squares as :func:`fit` (each squared error over the measured time).
+
+    Args:
+      steps: ``(optimized HLO text, trace path, measured step time in seconds)`` per profiled program of ``device``
+        (a ``--device`` name); skip: the profile's categories whose kernels are left out.
+    Returns:
+      the factor (dimensionless, 3 significant digits): the fraction of the datasheet bandwidth the device's kernels
+      reach, as a share of the traced H100's (whose is in the efficiencies).
+    """
+    datasheet = dataclasses.replace(gpu_time.device(device), bandwidth=memory_bandwidth(GPU_KINDS[device]))
+    num = den = 0.0
+    for hlo_text, trace, _ in steps:
+        for k, us in measured(hlo_text, trace)[1]:
+            efficiency = gpu_time.FITTED[k.kind]["bandwidth_efficiency"]
+            if k.category in skip or not efficiency:
+                continue
+            t, b = us * 1e-6, k.bytes / (datasheet.bandwidth * efficiency)
+            num, den = num + b * b / t, den + b * (t - gpu_time.kernel_time(k, datasheet) + b) / t
+    return _round(num / den)
 
 
 def _round(x: float) -> float:

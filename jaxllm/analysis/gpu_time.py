@@ -15,18 +15,20 @@ each kernel on a :class:`Device`:
 
 one linear cost per kind, whose coefficients :data:`FITTED` holds (fitted by
 :func:`jaxllm.analysis.gpu_fit.fit` to the kernels of the H100 traces of 2026-11-26; each constant's value,
-data and meaning are there), plus a gap between consecutive kernels (the GPU idle while the next launches);
+data and meaning are there; a GPU's bandwidth by :data:`BANDWIDTH` where its trace says: the H200's of
+2026-11-27), plus a gap between consecutive kernels (the GPU idle while the next launches);
 collectives by NCCL's ring algorithms over the link the group spans (:func:`collective_time`, constants
 assumed from published nccl-tests figures: no multi-GPU trace exists to fit them).  The step is the sum: one
 stream, nothing overlaps (true of the one-GPU traces: XLA:GPU ran every kernel on one stream; with several GPUs an
-upper bound where XLA overlaps collectives with compute).  A program compiled here (jaxlib 0.10.2, no autotuning)
-is scaled by :data:`DEVICELESS`, fitted on the same four steps.
+upper bound where XLA overlaps collectives with compute).  A program compiled here (the installed jaxlib, no
+autotuning) is scaled by :data:`DEVICELESS`, fitted on the profiled steps.
 
 What it ignores: clocks (a hot GPU's lower clock is inside the fitted efficiencies of the H100 of the fit),
 the L2 cache (a kernel that rereads what the one before wrote is priced as a read from memory), cuBLAS's
 choice of algorithm by shape beyond its fitted overhead, and the host (a step whose host work outlasts the
 GPU's is not seen).  FP8 GEMMs are priced at the bfloat16 GEMMs' fitted efficiency of the FP8 peak (no FP8
-kernel in the fit); other devices by their datasheet peaks at the H100's efficiencies.
+kernel in the fit); other devices by their datasheet peaks at the H100's efficiencies (the H200's bandwidth by its
+own trace, :data:`BANDWIDTH`).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def walk(hlo_text: str):
     """The kernel-launching instructions of an optimized HLO module in the order one execution runs them:
     ``(op, its computation's body, every computation's body)`` per run; a ``while`` loop's body repeated its known
     trip count (1 when unknown; its condition, a scalar compare, left out), each branch of a conditional once (an
-    upper bound), a call's callee in place."""
+    upper bound), a call's and an ``async-start``'s callee in place."""
     entry, bodies = hlo.parse(hlo_text)
 
     def visit(name: str, depth: int):
@@ -94,7 +96,7 @@ def walk(hlo_text: str):
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', op.rest)
                 for _ in range(int(trips.group(1)) if trips else 1):
                     yield from visit(body.group(1) if body else "", depth + 1)
-            elif op.opcode in ("conditional", "call"):
+            elif op.opcode in ("conditional", "call", "async-start"):
                 for called, _ in xla_gpu.executed(op):
                     yield from visit(called, depth + 1)
             elif xla_gpu.classify(op, bodies[name], bodies) is not None:
@@ -235,13 +237,19 @@ FITTED: dict[str, dict[str, float]] = {
 }
 
 
-# A program compiled here is jaxlib 0.10.2's XLA:GPU without autotuning; the GPUs of the fit ran jaxlib 0.11.2's, with
-# it.  The same configs at the same commit compiled here predict less than the programs the GPU ran: the
-# 4 fitted steps' own HLO over their compile here, 1.027-1.040, the mean this factor (fitted and checked by
-# benchmarks/step_time_check.py's check_fit).  :func:`predict` applies it to every category of a
-# program compiled here (``deviceless``): a step of 0.400 s on a GPU's own program is predicted as 0.400 s from its
-# compile here, not 0.388.
-DEVICELESS = 1.03
+# A program compiled here is the installed jaxlib's XLA:GPU without autotuning (0.12.0.1 on 2026-12-02); the GPUs of the
+# traces ran jaxlib 0.11.2's, with it.  The same configs at the same commits compiled here predict less than the
+# programs the GPU ran: the 5 profiled steps' own HLO over their compile here, 1.025-1.049, the mean this factor
+# (fitted and checked by benchmarks/step_time_check.py's check_fit; with jaxlib 0.10.2's compile it was 1.03, over the
+# 4 H100 steps).  :func:`predict` applies it to every category of a program compiled here (``deviceless``).
+DEVICELESS = 1.04
+
+# Per GPU, the factor on its datasheet memory bandwidth that its kernels' bytes are priced at, where a trace of it
+# says (FITTED's bandwidth efficiencies are the H100's): fitted by jaxllm.analysis.gpu_fit.bandwidth to the kernels of
+# the H200's profiled step of 2026-11-27 outside its optimizer (its padded gradients' fusions, 231 ms for a modelled
+# 14: left out), 5,550 kernel runs of two steps.  The H200's kernels reached 1.43 x 0.87 = 1.25x the H100's bandwidth,
+# not the datasheets' 1.43x (4.8 against 3.35 TB/s); the H200's bfloat16 records were predicted 6-10 % low without it.
+BANDWIDTH: dict[str, float] = {"H200": 0.87}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +268,8 @@ class Device:
 
 def device(name: str, per_node: int = 8) -> Device:
     """The :class:`Device` of a ``--device`` name, from the datasheet tables of :mod:`jaxllm.platform.hardware`:
-    float32 GEMMs at the TF32 tensor-core rate (XLA's default precision on these GPUs), half the bfloat16 one.
+    float32 GEMMs at the TF32 tensor-core rate (XLA's default precision on these GPUs), half the bfloat16 one; the
+    memory bandwidth the datasheet's times :data:`BANDWIDTH`'s factor where one was fitted.
 
     Raises:
       ValueError: ``name`` is not one of :data:`jaxllm.platform.hardware.GPU_KINDS`.
@@ -271,7 +280,8 @@ def device(name: str, per_node: int = 8) -> Device:
     bf16 = lookup_peak_flops(kind, "bfloat16")
     fp8 = lookup_peak_flops(kind, "float8_e4m3fn")
     peaks = {"bf16": bf16[0], "f16": bf16[0], "f32": bf16[0] / 2, "f8": fp8[0] if fp8 else bf16[0]}
-    return Device(name, peaks, memory_bandwidth(kind), NVLINK_BANDWIDTH[bf16[1].split()[0]], per_node)
+    return Device(name, peaks, memory_bandwidth(kind) * BANDWIDTH.get(name, 1.0), NVLINK_BANDWIDTH[bf16[1].split()[0]],
+                  per_node)
 
 
 # NCCL's ring collectives (assumed, not fitted: no multi-GPU trace exists).  A ring step's latency: NCCL's LL
@@ -335,7 +345,8 @@ def report(predicted: dict, device_name: str, tokens: int, model_flops: float, d
     step = predicted["step_s"]
     peak = device(device_name).peaks["bf16"]
     lines = [f"step-time MODEL of this XLA:GPU program on {devices} x {device_name} (predicted, not measured: "
-             "jaxllm/analysis/gpu_time.py, constants fitted to the H100 traces of 2026-11-26):",
+             "jaxllm/analysis/gpu_time.py, constants fitted to the H100 traces of 2026-11-26 and the H200's of "
+             "2026-11-27):",
              f"  step {step:.4f} s, {tokens / step:,.0f} tokens/s, MFU {model_flops / step / devices / peak:.1%} "
              f"({predicted['launches']} kernels a step)",
              f"  {'category':<30} {'ms/step':>9} {'share':>6} {'kernels':>8}"]

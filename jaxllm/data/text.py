@@ -403,7 +403,9 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
             num_tokens, text_bytes = _write_documents(encoded, writer, tok, tokenizer, bar)
         bar.close()
         if not writer.lengths:
-            raise DataError(f"data input: the {len(files)} file(s) hold no non-empty document; nothing to write")
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise DataError(f"data input {shown}: no document with any text in it (empty, or only blank lines "
+                            "and document markers); give a corpus that holds text (--input, data.input)")
         writer.finish()
         meta = {
             "format_version": FORMAT_VERSION,

@@ -54,7 +54,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
 from jaxllm.errors import ConfigError
 from jaxllm.platform.hardware import backend_kind
-from jaxllm_kernels import pallas_attention, reference, triton_attention
+from jaxllm_kernels import lowering, pallas_attention, reference, triton_attention
 
 AUTO = {"cuda": "cudnn", "rocm": "pallas", "cpu": "xla"}  # any other backend: xla
 # Pallas tiles when lowering for a GPU that is not here: Pallas itself then lowers for compute
@@ -104,7 +104,8 @@ def lowering_target(kind: str, family: str | None = None, *, interpret: bool = F
     if kind == "cuda" and not interpret:
         cudnn_fa.check_compute_capability = lambda c: CAPABILITY[family] >= tuple(int(p) for p in c.split("."))
     try:
-        yield
+        with lowering.without_gpu():  # Pallas's Triton lowering for a GPU that is not here
+            yield
     finally:
         cudnn_fa.check_compute_capability = check
         _TARGET.reset(token)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +52,8 @@ class Setting:
       why: what it does and why jaxllm sets it.
       source: where the value comes from (URL).
       measured: True once a jaxllm measurement (docs/performance.md) supports it.
+      retired: the jaxlib release ``(major, minor)`` whose XLA no longer has the flag (its parser takes it in
+        ``XLA_FLAGS`` and ignores it; a compile option of that name is refused): not applied from then on.
     """
 
     name: str
@@ -58,6 +62,7 @@ class Setting:
     why: str
     source: str
     measured: bool = False
+    retired: tuple[int, int] | None = None
 
     @property
     def is_flag(self) -> bool:
@@ -78,11 +83,12 @@ SETTINGS: tuple[Setting, ...] = (
             f"{JAX_TIPS}; https://docs.nvidia.com/jax-toolbox/environment-variables; {AMD_AXLEARN}"),
     Setting("--xla_gpu_enable_pipelined_all_gather", "true", ("cuda",),
             "the layers are a scan: pipelines each iteration's FSDP parameter all-gather with the previous "
-            "iteration's compute", JAX_TOOLBOX),
+            "iteration's compute", JAX_TOOLBOX, retired=(0, 12)),
     Setting("--xla_gpu_enable_pipelined_reduce_scatter", "true", ("cuda",),
-            "the same for the gradient reduce-scatter of the backward scan (ZeRO-2/3, FSDP)", JAX_TOOLBOX),
+            "the same for the gradient reduce-scatter of the backward scan (ZeRO-2/3, FSDP)", JAX_TOOLBOX,
+            retired=(0, 12)),
     Setting("--xla_gpu_enable_pipelined_all_reduce", "true", ("cuda",),
-            "the same for gradient all-reduces inside the layer scan (data parallelism)", JAX_TOOLBOX),
+            "the same for gradient all-reduces inside the layer scan (data parallelism)", JAX_TOOLBOX, retired=(0, 12)),
     Setting("--xla_gpu_enable_while_loop_double_buffering", "true", ("cuda",),
             "double-buffers the layer scan so that the pipelined collectives above have an iteration to hide in",
             JAX_TOOLBOX),
@@ -130,9 +136,25 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 
-def settings_for(vendor: str) -> list[Setting]:
-    """The :data:`SETTINGS` applied for ``vendor`` (``"cuda"`` or ``"rocm"``), in order."""
-    return [s for s in SETTINGS if vendor in s.vendors]
+def jaxlib_release(version: str | None = None) -> tuple[int, int]:
+    """``"0.12.0.1"`` -> ``(0, 12)``; default the installed jaxlib's version (read without importing it)."""
+    major, minor = re.findall(r"\d+", version or importlib.metadata.version("jaxlib"))[:2]
+    return int(major), int(minor)
+
+
+def _retired(s: Setting, jaxlib: str | None) -> bool:
+    return s.retired is not None and jaxlib_release(jaxlib) >= s.retired
+
+
+def settings_for(vendor: str, jaxlib: str | None = None) -> list[Setting]:
+    """The :data:`SETTINGS` applied for ``vendor`` (``"cuda"`` or ``"rocm"``) under ``jaxlib`` (a version, default
+    the installed one), in order: those its XLA still has."""
+    return [s for s in SETTINGS if vendor in s.vendors and not _retired(s, jaxlib)]
+
+
+def retired(vendor: str, jaxlib: str | None = None) -> list[Setting]:
+    """The :data:`SETTINGS` of ``vendor`` that ``jaxlib``'s XLA no longer has (:attr:`Setting.retired`): not applied."""
+    return [s for s in SETTINGS if vendor in s.vendors and _retired(s, jaxlib)]
 
 
 def flag_names(xla_flags: str) -> set[str]:

@@ -89,12 +89,11 @@ def devices(name: str, count: int) -> list:
 # deviceless data for it: cudaErrorInvalidDevice, e.g. the experts' sort of a micro batch's token copies); without
 # a GPU, XLA's own sort
 DEVICELESS = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"}
-
-
 def compiler_options(environ: Mapping[str, str] | None = None) -> dict[str, bool | int | str]:
     """The XLA flags a CUDA run of ``python -m jaxllm.train`` gets from :mod:`jaxllm.platform.gpu_env` and
     :data:`DEVICELESS`, as ``compile(compiler_options=...)`` takes them: ``{flag without --: bool, int or text}``,
-    less those the user's ``XLA_FLAGS`` (in ``environ``, default ``os.environ``) sets, whose values XLA reads."""
+    less those the user's ``XLA_FLAGS`` (in ``environ``, default ``os.environ``) sets, whose values XLA reads
+    (:func:`jaxllm.platform.gpu_env.settings_for` leaves out those this jaxlib's XLA no longer has)."""
     given = gpu_env.flag_names((os.environ if environ is None else environ).get("XLA_FLAGS", ""))
     typed = lambda v: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v)  # noqa: E731
     options = {**DEVICELESS, **{s.name[2:]: typed(s.value) for s in gpu_env.settings_for("cuda") if s.is_flag}}
@@ -113,8 +112,10 @@ class Count(NamedTuple):
 GROUPS = ("GEMM", "attention", "fusion", "copy/transpose", "collective", "other")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
                 "send", "recv")
+# (an async-start launches what its computation holds, :func:`executed`: jaxlib 0.12 runs a slice of a stacked array
+# as a fusion in one, where 0.11 had a fusion-start)
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-                "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
+                "async-start", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
 _GEMM_CALLS = {"__cublas$gemm": "cuBLAS", "__cublas$lt$matmul": "cuBLASLt", "__cublas$lt$matmul$f8": "cuBLASLt"}
 # Pallas kernels (Triton custom calls) that are GEMMs, by the kernel name's start (jaxllm_kernels.grouped_matmul)
 _PALLAS_GEMMS = {"jaxllm_grouped_matmul": "Pallas grouped"}
@@ -247,7 +248,7 @@ def gemm_loops(hlo: str) -> int:
 def executed(op: Op) -> list[tuple[str, int]]:
     """The computations ``op`` runs as sequences of kernels, each with its runs per run of ``op``: a loop's body
     (its known trip count, else 1) and condition (one more), a conditional's branches (each once: an upper
-    bound), a call's callee; not a fusion's or a reduction's computation."""
+    bound), a call's callee, an ``async-start``'s computation; not a fusion's or a reduction's computation."""
     if op.opcode == "while":
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', op.rest)
         n = int(trips.group(1)) if trips else 1
@@ -259,6 +260,8 @@ def executed(op: Op) -> list[tuple[str, int]]:
         return [(c, 1) for c in named + (re.findall(r"%([\w.-]+)", branches.group(1)) if branches else [])]
     if op.opcode == "call":
         return [(c, 1) for c in re.findall(r"to_apply=%([\w.-]+)", op.rest)]
+    if op.opcode == "async-start":
+        return [(c, 1) for c in re.findall(r"calls=%([\w.-]+)", op.rest)]
     return []
 
 

@@ -133,9 +133,14 @@ class Run:
                                     self.batch_sharding, progress=progress)
 
     def describe(self, params) -> str:
-        """The mesh and a table of every parameter: shape, partition spec, bytes per device."""
-        lines = [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} device(s)",
-                 f"{'parameter':<28} {'shape':<22} {'partition spec':<44} {'bytes/device':>13}"]
+        """The mesh, a mixture of experts' token dispatcher as it runs (``auto`` resolved), and a table of every
+        parameter: shape, partition spec, bytes per device."""
+        m = self.cfg.model
+        lines = [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} device(s)"]
+        if m.num_experts:
+            lines.append(f"experts' token dispatcher: {m.moe_token_dispatcher_type} (model.moe_token_dispatcher_type; "
+                         "jaxllm/parallel/experts.py)")
+        lines += [f"{'parameter':<28} {'shape':<22} {'partition spec':<44} {'bytes/device':>13}"]
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             name = "/".join(str(getattr(k, "key", k)) for k in path)
             spec = str(tuple(leaf.sharding.spec))
