@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import sys
+import tempfile
 import threading
 
 from jaxllm.errors import MEGATRON_NAMES, ConfigError, DataError
@@ -66,6 +67,30 @@ def usage_errors(more: dict | None = None, *, now: bool = False, report=None):
         if report is not None:
             report(line)
         fail(line, now=now)
+
+
+def check_output(flag: str, path: str, *, directory: bool = True) -> None:
+    """Before any work: a tool can write ``path`` (``directory``: a folder it fills, created if missing; else a
+    file or a prefix of files, created in its folder).  Creates nothing: the nearest folder that exists must be a
+    writable directory, and a ``directory`` that exists must be one.
+
+    Raises:
+      ConfigError: naming ``flag``, the path, the cause and the fix.
+    """
+    path = os.path.abspath(path)
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(flag, path, "is a file; give a directory (created if missing)")
+    parent = path if directory else os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(flag, path, f"{parent} is a file, not a directory; give a path under a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ConfigError(flag, path, f"cannot be written ({e.strerror}: {parent}); give a place you can "
+                          "write") from None
 
 
 def devices_from_argv(argv, default: int = 0, flag: str = "devices") -> int:

@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     with cli.usage_errors(dict.fromkeys((ConvertError, DataError, OSError), "error: ")):
+        for mode in ("to_hf", "from_hf", "from_megatron", "to_megatron"):
+            if getattr(args, mode):  # the folder it writes, before anything is read
+                written = "OUT" if mode.startswith("to") else "WORKDIR"
+                cli.check_output(f"--{mode.replace('_', '-')} {written}", getattr(args, mode)[1])
         if args.to_megatron or args.from_megatron:
             return _megatron_main(args, overrides)
         if args.to_hf:

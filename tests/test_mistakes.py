@@ -144,6 +144,28 @@ def test_read_only_workdir_and_plot(tmp_path):
     assert sorted(p.name for p in readonly.iterdir()) == ["metrics.jsonl"]
 
 
+def test_unwritable_outputs_of_prepare_and_convert_are_one_line(tmp_path):
+    """An output in a folder the user cannot write: ``jaxllm.prepare --output-prefix`` and each ``jaxllm.convert``
+    mode's folder, refused before anything is read or written; an input whose lines lack the JSON key leaves no
+    output folder behind."""
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    corpus = write(tmp_path / "c.jsonl", '{"text": "a line"}\n')
+    r = run("--input", corpus, "--tokenizer=byte", f"--output-prefix={readonly / 'd' / 'x'}", module="jaxllm.prepare",
+            read_only=readonly)
+    assert one_line(r) == (f"config error: --output-prefix='{readonly / 'd' / 'x'}': cannot be written (Read-only "
+                           f"file system: {readonly}); give a place you can write"), r.stderr
+    for mode, written in (("--from-hf", "WORKDIR"), ("--to-hf", "OUT"), ("--from-megatron", "WORKDIR"),
+                          ("--to-megatron", "OUT")):
+        line = one_line(run(mode, tmp_path, readonly / "out", module="jaxllm.convert", read_only=readonly))
+        assert line.startswith(f"config error: {mode} {written}='{readonly / 'out'}': cannot be written"), line
+    assert list(readonly.iterdir()) == []
+    keyless = write(tmp_path / "k.jsonl", '{"body": "a line"}\n')
+    line = one_line(run("--input", keyless, "--tokenizer=byte", f"--output-prefix={tmp_path / 'new' / 'sub' / 'x'}",
+                        module="jaxllm.prepare"))
+    assert "no string at key 'text'" in line and not (tmp_path / "new").exists(), line
+
+
 def test_binary_input_stops_and_can_be_insisted_on(tmp_path):
     binary = tmp_path / "program"
     binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:200_000])
@@ -309,6 +331,24 @@ def test_ctrl_c_saves_and_resumes_and_a_finished_run_says_so(tmp_path):
     r = run(*args[:-3], "--config.train.train_iters=3", "--config.train.eval_interval=0")
     assert r.returncode == 0 and f"is finished: its checkpoint is at step {saved}" in r.stdout, r.stderr
     assert "compiled" not in r.stdout
+
+
+def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path, stdlib_corpus):
+    """``jaxllm.prepare`` interrupted while it tokenizes (its temporary files exist): one line, exit 130, the folder
+    it made and its partial files gone."""
+    out = tmp_path / "new" / "data"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.prepare", "--input", str(stdlib_corpus), "--tokenizer",
+                             "gpt2", f"--output-prefix={out}"], cwd=ROOT, text=True, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while not (out.parent.is_dir() and any(out.parent.iterdir())) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
+    assert err.strip().splitlines()[-1] == f"jaxllm.prepare: interrupted; nothing written to {out} (the partial " \
+                                           "files removed)"
+    assert not (tmp_path / "new").exists()
 
 
 def checksums(workdir):

@@ -388,16 +388,21 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
     dtype = indexed.token_dtype(tok.vocab_size)
     tok_meta = {"tokenizer": tok.name, **tok.meta_fields()}
     parent = os.path.dirname(prefix)
+    made, d = [], parent  # the folders this call creates, deepest first: removed again if it fails
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(prefix)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     names = {s: tmp + s for s in (".bin", ".idx", META_SUFFIX)}
-    writer = indexed.IndexedWriter(names[".bin"], names[".idx"], dtype)
     from tqdm import tqdm
 
     total = sum(os.path.getsize(f) for f in files if os.path.isfile(f))  # an unreadable one fails when read
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress else True,
-               file=sys.stderr)
-    try:
+    writer = bar = None
+    try:  # from the first file written on: whatever stops it (Ctrl-C too) leaves nothing behind
+        writer = indexed.IndexedWriter(names[".bin"], names[".idx"], dtype)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress else True,
+                   file=sys.stderr)
         batches = _batches(files, json_key, document_marker, inputs_of, max_undecodable)
         with _encoded(batches, tok, tok_meta, workers) as encoded:
             num_tokens, text_bytes = _write_documents(encoded, writer, tok, tokenizer, bar)
@@ -423,13 +428,18 @@ def _prepare(files: list[str], tokenizer: str, prefix: str, *, gpt2_dir: str = "
         _write_json(names[META_SUFFIX], meta)
         _commit(names, prefix)
     except BaseException:
-        writer.abort()
-        bar.close()
+        if writer is not None:
+            writer.abort()
+        if bar is not None:
+            bar.close()
         for n in names.values():
             try:
                 os.unlink(n)
             except FileNotFoundError:
                 pass
+        for d in made:
+            with contextlib.suppress(OSError):  # only if empty: another process may have written there meanwhile
+                os.rmdir(d)
         raise
     dt = time.perf_counter() - t0
     mb = text_bytes / 1e6
