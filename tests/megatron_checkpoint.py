@@ -189,6 +189,20 @@ def sharded_adam(opt, model_sd, params) -> dict:
     return optim_sd
 
 
+@contextlib.contextmanager
+def empty_without_strides():
+    """megatron-core 0.19.2's ``load_tensors_metadata`` (behind ``load_plain_tensors``) calls ``torch.empty(size,
+    **TensorProperties.__dict__)``, and torch 2.15's TensorProperties has a ``strides`` field that ``torch.empty``
+    does not take (``TypeError: empty() got an unexpected keyword argument 'strides'``): inside, that keyword is
+    dropped (the tensors it makes are empty ``meta`` ones, for their shapes and dtypes only)."""
+    empty = torch.empty
+    torch.empty = lambda *args, strides=None, **kwargs: empty(*args, **kwargs)
+    try:
+        yield
+    finally:
+        torch.empty = empty
+
+
 def load(kind: str, directory: str, out: str) -> None:
     """megatron-core's reading of the checkpoint: every tensor whole (``dist_checkpointing.load_plain_tensors``,
     as ``tensor.NAME``); a tensor-1 pipeline-1 model and its AdamW state loaded from it as
@@ -196,7 +210,8 @@ def load(kind: str, directory: str, out: str) -> None:
     whole (``adam.NAME``: what the optimizer holds); the model's logits (``logits``) on a batch (``tokens``)."""
     with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as fp:
         path = os.path.join(directory, f"iter_{int(fp.read()):07d}")
-    plain = dist_checkpointing.load_plain_tensors(path)  # with common.pt's entries
+    with empty_without_strides():
+        plain = dist_checkpointing.load_plain_tensors(path)  # with common.pt's entries
     arrays = {f"tensor.{k}": v.float().numpy() for k, v in plain.items() if isinstance(v, torch.Tensor)}
     model = build(kind, 1, 1, 1)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -212,7 +227,9 @@ def load(kind: str, directory: str, out: str) -> None:
     again = out + ".adam"
     os.makedirs(again)
     dist_checkpointing.save({"optimizer": sharded_adam(opt, model.sharded_state_dict(), params)}, again)
-    arrays.update({f"adam.{k}": v.float().numpy() for k, v in dist_checkpointing.load_plain_tensors(again).items()
+    with empty_without_strides():
+        again_plain = dist_checkpointing.load_plain_tensors(again)
+    arrays.update({f"adam.{k}": v.float().numpy() for k, v in again_plain.items()
                    if isinstance(v, torch.Tensor)})
     tokens, _ = batch(1000)
     with torch.no_grad():

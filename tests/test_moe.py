@@ -30,6 +30,7 @@ from jaxllm.parallel import experts
 from jaxllm.resolve import resolve
 from jaxllm.runtime import flops
 from jaxllm_kernels import grouped_matmul as grouped_gemm
+from jaxllm_kernels import lowering
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 SWIGLU = {**MOE, "activation": "swiglu", "use_bias": False, "moe_shared_expert_intermediate_size": 64}
@@ -265,8 +266,9 @@ def _experts_temp_bytes(num_experts: int, gpu: str | None = None) -> int:
         ids, weights, _ = moe.route(logits, 8)
         return moe.local_experts(x, ids, weights, w1, wg, w2, None, None, activation=None, dtype=jnp.float32).sum()
 
-    lowered = jax.jit(jax.grad(loss, argnums=range(4))).lower(shape(1, t, h), shape(e, h, f), shape(e, h, f),
-                                                              shape(e, f, h), shape(1, t, e))
+    with lowering.without_gpu():  # the Pallas kernels lowered for a GPU that is not here, as jaxllm.plan does
+        lowered = jax.jit(jax.grad(loss, argnums=range(4))).lower(shape(1, t, h), shape(e, h, f), shape(e, h, f),
+                                                                  shape(e, f, h), shape(1, t, e))
     compiled = lowered.compile(compiler_options=xla_gpu.compiler_options()) if gpu else lowered.compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
