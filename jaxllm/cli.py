@@ -27,7 +27,8 @@ EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on st
 MAX_HOST_DEVICES = 2048
 # stand_in_processes' most: each is a client of the job in this process, with a few threads of its own.
 MAX_STAND_INS = 1024
-_STAND_INS: list = []  # the clients of stand_in_processes, alive until the exit
+_STAND_INS: list = []  # the threads of stand_in_processes, each holding its client in the job until _LEAVE
+_LEAVE = threading.Event()
 
 
 def exit_now(code: int = 0):
@@ -428,25 +429,27 @@ def _start_stand_ins(address: str, num_devices: int, per_process: int, processes
             client = _jax.get_distributed_runtime_client(address, process, init_timeout=60)
             client.connect()  # returns once every process of the job has connected
             client.key_value_set_bytes(f"cpu:local_topology/cpu/{process}", _topology(process, count, boot_id))
-            _STAND_INS.append(client)  # a dropped client would leave the job
         except Exception as e:  # noqa: BLE001  said by the caller, in one line
             failures.append(e)
+            return
+        _LEAVE.wait()  # a dropped client would leave the job
+        client.shutdown()
 
     for process in range(1, processes):
         count = min(per_process, num_devices - process * per_process)
-        threading.Thread(target=stand_in, args=(process, count), daemon=True).start()
+        _STAND_INS.append(threading.Thread(target=stand_in, args=(process, count), daemon=True))
+        _STAND_INS[-1].start()
     return failures
 
 
 def _leave_job() -> None:
-    """At the exit, before jax's own hook (registered before this one): the whole job shuts down."""
+    """At the exit, before jax's own hook (registered before this one): the whole job shuts down. The
+    stand-ins' threads were started before (Python 3.12 starts no thread once the interpreter is exiting)."""
     import jax  # noqa: PLC0415
 
-    threads = [threading.Thread(target=client.shutdown) for client in _STAND_INS]
-    for t in threads:
-        t.start()
+    _LEAVE.set()
     jax.distributed.shutdown()  # this process's client meets the stand-ins' at the job's shutdown barrier
-    for t in threads:
+    for t in _STAND_INS:
         t.join()
     _STAND_INS.clear()
 

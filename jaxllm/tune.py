@@ -116,6 +116,11 @@ def baseline_candidate(base, num_devices: int, backend: str | None = None) -> Ca
     return layouts.candidate_of(base, mesh_shape(base.mesh, num_devices), backend)
 
 
+def _digits(x: float) -> float:
+    """``x`` to 4 significant digits: a step of 0.8 ms keeps its precision in tune.csv as one of 8 s does."""
+    return float(f"{x:.4g}")
+
+
 def parse_budget(text: str) -> tuple[int | None, float | None]:
     """``"20"`` -> (20 measured candidates, None); ``"10m"`` / ``"90s"`` -> (None, seconds).
 
@@ -358,8 +363,8 @@ class Tuner:
                 "plan_memory_gib": round(r.memory / GiB, 4) if r.memory is not None else "",
                 "tokens_per_sec": round(r.throughput, 1) if r.tokens_per_sec else "",
                 "measurements": len(r.tokens_per_sec),
-                "step_time_s": round(rec["tokens_per_step"] / r.throughput, 5) if r.tokens_per_sec else "",
-                "mfu": round(rec["mfu"], 5) if rec else "",
+                "step_time_s": _digits(rec["tokens_per_step"] / r.throughput) if r.tokens_per_sec else "",
+                "mfu": _digits(rec["mfu"]) if rec else "",
                 "vs_baseline": round(r.throughput / base, 3) if (base and r.tokens_per_sec) else "",
                 "error": r.error,
             })

@@ -186,6 +186,8 @@ ZERO_SCRIPT = textwrap.dedent('''
         c.model.update(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=128, dtype="float32")
         c.train.update(seq_length=16, micro_batch_size=2, global_batch_size=4, warmup_iters=0, lr=1e-2,
                        min_lr=1e-3, train_iters=10, optimizer=name)
+        if name == "lion":  # its update is a moment's sign: the global norm's last bit, which a sharded sum rounds
+            c.train.grad_clip = 0.0  # otherwise, flips an element near 0 (0.011 = lr apart on XLA 0.12)
         if devices == 4:
             c.mesh.update(data=2, tensor=2)
             c.parallel.zero_stage = 1

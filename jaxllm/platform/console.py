@@ -147,9 +147,12 @@ for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)  # the job's signals are for the process it serves; this one ends at its EOF
 log, note = open(int(sys.argv[1]), "ab", buffering=0), sys.argv[2].encode() + b"\n"  # opened by the parent
 peer, fatal, out = re.compile(sys.argv[3].encode()), sys.argv[4].encode(), sys.stdout.buffer
-dying = False  # after the fatal line: the abort's stack traces, C++'s and Python's
+record = re.compile(rb"[IWEF]\d{4} ")  # a C++ log record's first line (absl's); its next lines start otherwise
+dying = diverted = False  # after the fatal line: the abort's stack traces; diverted: the last record was a peer's
 for line in sys.stdin.buffer:
-    if dying or peer.search(line) or fatal in line:
+    if record.match(line):
+        diverted = bool(peer.search(line)) or fatal in line  # its continuation lines (JAX 0.12: a source trace) too
+    if dying or diverted or peer.search(line) or fatal in line:
         log.write(line)
         if fatal in line and not dying:
             out.write(note)
