@@ -328,7 +328,8 @@ class Train(Section):
     straggler_threshold: float = _key(1.3, ">=0")
     # JAX's persistent compilation cache: a restart reads the compiled programs instead of compiling them
     # again. A relative path is under WORKDIR; an absolute one may be shared by every run of a cluster
-    # (docs/clusters.md); "": jaxllm sets none (JAX's own JAX_COMPILATION_CACHE_DIR still applies)
+    # (docs/clusters.md); "": jaxllm sets none (JAX's own JAX_COMPILATION_CACHE_DIR still applies). The
+    # default gives way to JAX_COMPILATION_CACHE_DIR when that is set (jaxllm/runtime/compile_cache.py)
     compile_cache_dir: str = "compile_cache"
     # programs that compile faster than this are not written to the cache (JAX's
     # jax_persistent_cache_min_compile_time_secs; 0: every program)

@@ -62,6 +62,7 @@ if __name__ == "__main__":  # the CPU device count and the GPU settings must be 
     gpu_env.apply()  # measure with training's GPU settings, or its host allocator on CPUs
     host_memory.keep_freed_memory()
 
+import contextlib  # noqa: E402
 import csv  # noqa: E402
 import dataclasses  # noqa: E402
 import re  # noqa: E402
@@ -495,8 +496,10 @@ def main(argv):
     print(f"jaxllm.tune: {tuner.space_size} candidates, {len(tuner.valid)} pass the constraints; memory limit "
           f"{'%.3f GiB/device' % (memory / GiB) if memory else 'none'}; budget {F.budget}", flush=True)
     # The plan and the measurement of a candidate compile the same program: with XLA's persistent
-    # cache (in a directory removed at the end) the second compilation is a lookup.
-    with tempfile.TemporaryDirectory(prefix="jaxllm-tune-xla-") as cache:
+    # cache (JAX_COMPILATION_CACHE_DIR's, else a directory removed at the end) the second compilation is a lookup.
+    with contextlib.ExitStack() as stack:
+        cache = jax.config.jax_compilation_cache_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="jaxllm-tune-xla-"))
         for key, value in (("jax_compilation_cache_dir", cache), ("jax_persistent_cache_min_compile_time_secs", 0),
                            ("jax_persistent_cache_min_entry_size_bytes", 0)):
             jax.config.update(key, value)

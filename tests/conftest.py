@@ -14,6 +14,7 @@ subprocesses with :func:`optimized_env`.
 
 import os
 from importlib.metadata import version
+from pathlib import Path
 
 
 def _fast_compile(jaxlib: str) -> tuple[str, ...]:
@@ -26,6 +27,23 @@ def _fast_compile(jaxlib: str) -> tuple[str, ...]:
 FAST_COMPILE = _fast_compile(version("jaxlib"))
 os.environ["XLA_FLAGS"] = " ".join(dict.fromkeys(filter(None, [*os.environ.get("XLA_FLAGS", "").split(),
                                                                *FAST_COMPILE])))
+
+
+# One persistent compilation cache for every process of a run of the suite (the workers and what they start),
+# kept for the next run in this clone: JAX keys an entry by program, jaxlib, XLA flags and devices, so a hit
+# is the executable a compile would give. Programs that compile in under a second are not kept: the suite
+# compiles thousands (5,600 entries after one run at 0 s). No size limit: with one, JAX locks the folder and
+# reads every entry's access time at every write.
+# jaxllm.train uses it in place of WORKDIR/compile_cache (jaxllm/runtime/compile_cache.py);
+# tests/test_compile_cache.py checks the cache's own behaviour in folders of its own.
+COMPILE_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation_cache"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILE_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+
+
+def xla_flags(*extra: str) -> str:
+    """``XLA_FLAGS`` for a test's subprocess that replaces the variable: the fast-compile flags, then ``extra``."""
+    return " ".join(dict.fromkeys(f for flags in (*FAST_COMPILE, *extra) for f in flags.split()))
 
 
 def optimized_env(env: dict) -> dict:
@@ -53,11 +71,31 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
 
 
+# --- the suite's budget, shown at its end: the wall time and the ten files that took longest ----------
+
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+
+_FILE_SECONDS, _STARTED = Counter(), time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    _FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration  # setup, call and teardown of each test
+
+
+def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
+    wall = time.monotonic() - _STARTED
+    terminalreporter.section("the suite's time")
+    write(f"wall {wall / 60:.1f} min ({wall:.0f} s); the tests' own times, summed per file, the ten largest:")
+    for path, seconds in _FILE_SECONDS.most_common(10):
+        write(f"{seconds:8.0f} s  {path}")
+
+
 # --- corpora: files of this repository or made from Python's standard library, no other folder --
 
 import json  # noqa: E402
 import sysconfig  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 

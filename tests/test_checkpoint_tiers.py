@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 from test_checkpoint import train_losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +30,10 @@ MESH = {"mesh.data": 2, "mesh.tensor": 2, "mesh.fsdp": 2}
 
 
 def env(**extra):
-    """This environment without any launcher's variables, on the CPU."""
+    """This environment without any launcher's variables, on the CPU, with the tests' fast-compile flags."""
     prefixes = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "PALS_", "PBS_", "MPI_", "JAXLLM_", "XLA_FLAGS")
-    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, "JAX_PLATFORMS": "cpu", **extra}
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, "JAX_PLATFORMS": "cpu", **extra,
+            "XLA_FLAGS": xla_flags(extra.get("XLA_FLAGS", ""))}
 
 
 def free_port():

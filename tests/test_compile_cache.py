@@ -10,7 +10,9 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+# without the suite's cache (tests/conftest.py): these runs check train.compile_cache_dir's own folders
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))},
+       "JAX_PLATFORMS": "cpu"}
 # A tiny byte-level run on the json package's sources (six files, one document each): no data to fetch.
 # lr_decay_iters is fixed: derived from train_iters, it would make the rerun's program another one.
 TINY = [f"--config.data.input={Path(sysconfig.get_paths()['stdlib']) / 'json'}", "--config.data.tokenizer=byte",
@@ -24,9 +26,9 @@ STARTUP_KEYS = {"startup_s", "startup_data_s", "startup_index_s", "startup_index
                 "startup_first_step_s", "compile_cache"}
 
 
-def train(workdir, iters, *extra):
+def train(workdir, iters, *extra, env=ENV):
     r = subprocess.run([sys.executable, "-m", "jaxllm.train", f"--workdir={workdir}", *TINY,
-                        f"--config.train.train_iters={iters}", *extra], cwd=ROOT, env=ENV, capture_output=True,
+                        f"--config.train.train_iters={iters}", *extra], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("jaxllm: first step ")]
@@ -61,6 +63,20 @@ def test_rerun_hits_the_compilation_cache(tmp_path):
     line, off = train(tmp_path / "off", 2, "--config.train.compile_cache_dir=")
     assert off["compile_cache"] == "off" and "no compilation cache" in line, line
     assert not (tmp_path / "off" / "compile_cache").exists()
+
+
+def test_jaxs_own_cache_directory_takes_the_defaults_place(tmp_path):
+    """JAX_COMPILATION_CACHE_DIR set (a cluster's cache for every JAX program): the default train.compile_cache_dir
+    gives way to it; a directory given on the command line still wins."""
+    jax_cache = tmp_path / "jax_cache"
+    env = {**ENV, "JAX_COMPILATION_CACHE_DIR": str(jax_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    line, first = train(tmp_path / "a", 2, env=env)
+    assert first["compile_cache"] == "miss" and f"compilation cache miss: {jax_cache}" in line, line
+    assert not (tmp_path / "a" / "compile_cache").exists()
+    line, other = train(tmp_path / "b", 2, env=env)
+    assert other["compile_cache"] == "hit" and f"compilation cache hit: {jax_cache}" in line, line
+    line, given = train(tmp_path / "c", 2, f"--config.train.compile_cache_dir={tmp_path / 'mine'}", env=env)
+    assert given["compile_cache"] == "miss" and f"compilation cache miss: {tmp_path / 'mine'}" in line, line
 
 
 def test_an_unwritable_cache_directory_is_one_line(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from jaxllm.platform.distributed import LaunchError, Topology, detect, device_env, expand_nodelist, jax_local_device_ids
 
@@ -22,9 +23,10 @@ LAUNCH_PREFIXES = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "PALS_", "PBS_", "MPI_", 
 
 
 def clean_env(**extra):
-    """This environment without any launcher's variables (so a CI job inside Slurm stays single-process)."""
+    """This environment without any launcher's variables (so a CI job inside Slurm stays single-process), with
+    the tests' fast-compile flags before ``extra``'s ``XLA_FLAGS``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_PREFIXES)}
-    return {**env, "JAX_PLATFORMS": "cpu", **extra}
+    return {**env, "JAX_PLATFORMS": "cpu", **extra, "XLA_FLAGS": xla_flags(extra.get("XLA_FLAGS", ""))}
 
 
 def free_port():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, run_python
+from conftest import ROOT, run_python, xla_flags
 from harness import assert_same_training, run_layouts
 
 from jaxllm import config, tune
@@ -312,7 +312,7 @@ def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
     line and in metrics.jsonl, the evaluation loss, and the startup line's active parameters."""
     (tmp_path / "t.txt").write_text("=== doc\nthe experts of a mixture route each token to two of four.\n" * 400)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLLM_", "XLA_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"))
     out = run_python("-m", "jaxllm.train", "--config=configs/moe.py:tiny", f"--workdir={tmp_path / 'w'}",
                      f"--config.data.input={tmp_path / 't.txt'}", "--config.data.document_marker====",
                      "--config.mesh.expert=2",
@@ -330,7 +330,7 @@ def test_the_tiny_recipe_trains_on_two_expert_devices(tmp_path):
 
 DISPATCH = """
 import itertools, json, os, re, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 import jax.numpy as jnp
@@ -509,7 +509,7 @@ def test_ragged_exchange_compiles_for_32_gpus_from_the_routed_copies():
 
 EXPERT_TENSOR = """
 import json, os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 import jax.numpy as jnp

@@ -19,14 +19,18 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxllm import config
+
 _CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
                  "/jax/compilation_cache/cache_hits": "hits"}
 
 
 def directory(configured: str, workdir: str) -> str | None:
-    """The cache directory of ``train.compile_cache_dir=configured``: under ``workdir`` when relative,
-    None when ``""`` (off)."""
-    if not configured:
+    """The cache directory of ``train.compile_cache_dir=configured``: under ``workdir`` when relative; None
+    (jaxllm sets none: JAX's own settings apply) when ``""``, or when it is the default and the environment
+    has ``JAX_COMPILATION_CACHE_DIR``: a cache chosen for every JAX program (a cluster's, a test suite's) is
+    used as JAX uses it, with JAX's ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``."""
+    if not configured or (configured == config.Train.compile_cache_dir and os.environ.get("JAX_COMPILATION_CACHE_DIR")):
         return None
     return os.path.abspath(os.path.join(workdir, os.path.expanduser(configured)))
 
