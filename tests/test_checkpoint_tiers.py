@@ -3,7 +3,6 @@ between two shared saves resumes from the local tier when every process has its 
 when a process's local copy is gone, bit for bit; and a resume with another tokenizer or sequence length is
 refused in one line naming the key."""
 
-import os
 import shutil
 import signal
 import subprocess
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import xla_flags
 from test_checkpoint import train_losses
+from test_distributed import clean_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
@@ -27,21 +26,6 @@ TINY = {"data.input": SHAKESPEARE, "data.tokenizer": "char", "data.sampling": "u
         "train.train_iters": ITERS, "train.log_interval": 1, "train.eval_interval": 0, "log.tensorboard": False,
         "log.progress_bar": False, "log.samples": 0}
 MESH = {"mesh.data": 2, "mesh.tensor": 2, "mesh.fsdp": 2}
-
-
-def env(**extra):
-    """This environment without any launcher's variables, on the CPU, with the tests' fast-compile flags."""
-    prefixes = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "PALS_", "PBS_", "MPI_", "JAXLLM_", "XLA_FLAGS")
-    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, "JAX_PLATFORMS": "cpu", **extra,
-            "XLA_FLAGS": xla_flags(extra.get("XLA_FLAGS", ""))}
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def flags(workdir, o):
@@ -74,8 +58,8 @@ def two_processes(workdir, o, until=None, timeout=420):
     """Runs ``jaxllm.train`` as 2 processes x 4 CPU devices, as ``launch/local.sh 2`` starts them; with
     ``until``, once it holds, kills process 1 with SIGKILL and then process 0 (what a launcher does when a
     node dies).  Returns ``(return codes, process 0's output)``."""
-    e = env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXLLM_NUM_PROCESSES="2",
-            JAXLLM_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
+    e = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXLLM_NUM_PROCESSES="2",
+                  JAXLLM_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
     log = Path(str(workdir) + f".{time.monotonic_ns()}.log")
     cmd = [sys.executable, "-m", "jaxllm.train", *flags(workdir, o)]
     with open(log, "w") as out:
@@ -168,7 +152,7 @@ def test_resume_with_another_tokenizer_or_seq_length_is_refused(tokenizers, tmp_
     o = {**TINY, "data.input": corpus, "data.tokenizer": tok_a, "data.split": "9,1", "train.train_iters": 2,
          "checkpoint.interval": 1}
     run = lambda **changes: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "jaxllm.train", *flags(tmp_path, {**o, **changes})], cwd=ROOT, env=env(),
+        [sys.executable, "-m", "jaxllm.train", *flags(tmp_path, {**o, **changes})], cwd=ROOT, env=clean_env(),
         capture_output=True, text=True, timeout=300)
     r = run()
     assert r.returncode == 0, r.stderr[-3000:]

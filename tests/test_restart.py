@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_COMPILE
 from test_distributed import TINY, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ def launch(workdir, cache, **env):
     err = open(f"{workdir}.err", "w")
     return subprocess.Popen(["bash", "launch/local.sh", "2", f"--workdir={workdir}", *FLAGS,
                              f"--config.train.compile_cache_dir={cache}"], cwd=ROOT, stdout=out, stderr=err,
-                            env=clean_env(XLA_FLAGS=" ".join(FAST_COMPILE), PYTHON=sys.executable, **env),
+                            env=clean_env(PYTHON=sys.executable, **env),
                             start_new_session=True)
 
 
@@ -160,7 +159,7 @@ def test_a_dead_coordinator_is_one_line_on_the_survivor(tmp_path, cache):
     from test_distributed import free_port  # noqa: PLC0415
 
     workdir = tmp_path / "run"
-    env = clean_env(XLA_FLAGS=" ".join([*FAST_COMPILE, "--xla_force_host_platform_device_count=4"]),
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4",
                     JAXLLM_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAXLLM_NUM_PROCESSES="2")
     args = [sys.executable, "-m", "jaxllm.train", f"--workdir={workdir}", *FLAGS, "--config.train.train_iters=10000",
             f"--config.train.compile_cache_dir={cache}"]
