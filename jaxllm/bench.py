@@ -91,7 +91,8 @@ def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", w
     the vocabulary cannot be known otherwise (``model.vocab_size=0`` with the char tokenizer).
 
     Raises:
-      ConfigError: the config does not fit the mesh or the model, or an unavailable attention impl.
+      ConfigError: the config does not fit the mesh or the model, or an unavailable attention impl; a
+        ``workdir`` that cannot be written where the data are read.
       DataError: the data cannot be read.
       ValueError: ``data`` is not synthetic or real.
     """
@@ -102,6 +103,7 @@ def prepare(spec: config.Config, num_devices: int, *, data: str = "synthetic", w
     resolve(spec, num_devices=num_devices, data_files=read)  # every config error before the data is read
     tokens = None
     if read:
+        cli.check_output("--workdir", workdir)  # the data's tokens and sample indices go there
         tokens = Data(spec, workdir, splits=("train",))
         vocab = tokens.vocab_size
     cfg = resolve(spec, num_devices=num_devices, vocab_size=vocab, data_files=read)
@@ -347,6 +349,7 @@ def run_apart(name: str, F) -> dict:
     return {"name": name, "error": words[:200]}
 
 
+@cli.stoppable("jaxllm.bench", "the configs measured before it are in --output")
 def main(argv):
     from absl import flags  # noqa: PLC0415
 
@@ -363,6 +366,9 @@ def main(argv):
                              f"{jax.devices()[0].platform} device(s) (0: all)")
         if F.data not in DATA_MODES:
             raise ValueError(f"--data={F.data!r}: choose synthetic or real")
+        for flag, path, directory in (("--output", F.output, False), ("--profile", F.profile, True)):
+            if path:  # what it writes, before any config is compiled (--workdir: by prepare, where it is used)
+                cli.check_output(flag, path, directory=directory)
         variants = ["", *(v.strip() for v in F.compare.split(";") if v.strip())]
         n = F.devices or len(jax.devices())
         configs = [(name, prepare(with_overrides(F.config, name), n, data=F.data, workdir=F.workdir))

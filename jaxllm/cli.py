@@ -7,9 +7,12 @@ Imports nothing heavy at module level: :func:`force_host_devices` must run befor
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
+import functools
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -21,6 +24,8 @@ from jaxllm.platform import console
 console.quiet_absent_gpu_plugin()  # every tool imports this module before JAX starts (see platform/console.py)
 
 EXIT_USAGE = 2  # a bad flag, config, data or launch environment: one line on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): the shell's status, 128 + 2
+EXIT_TERMINATED = 143  # SIGTERM (where no save is due): 128 + 15
 # XLA:CPU holds at most this many devices in one process: a device's global id is its process index x 2,048
 # + its local index (kMaxCpuDevicesPerProcess, xla/pjrt/plugin/xla_cpu/cpu_topology.h).  The planning tools
 # compile larger meshes with the other devices on stand-in processes (:func:`stand_in_processes`).
@@ -70,10 +75,57 @@ def usage_errors(more: dict | None = None, *, now: bool = False, report=None):
         fail(line, now=now)
 
 
+class Terminated(BaseException):
+    """SIGTERM in a tool (or a phase of one) with nothing to save: raised where Ctrl-C raises KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def stoppable(tool: str, kept: str = "nothing written"):
+    """Inside (or, as a decorator, in a tool's ``main``): Ctrl-C (SIGINT) and SIGTERM stop the tool at whatever it
+    is doing with one line on stderr, ``TOOL: interrupted (Ctrl-C); KEPT`` (exit :data:`EXIT_INTERRUPTED`) or
+    ``TOOL: terminated (SIGTERM); KEPT`` (:data:`EXIT_TERMINATED`), never a traceback.  The tools write a file whole
+    or not at all, so ``kept`` says what is left.  Code inside that catches KeyboardInterrupt itself says more
+    (jaxllm.train saves instead); SIGTERM is taken only where nothing else handles it.
+
+    An interrupt raised inside a library's callback (JAX's garbage-collection callback, a ``__del__``) is printed
+    and dropped by Python ("Exception ignored in ...") and the tool would run on to its end: the unraisable hook
+    here delivers such an interrupt again, to the main thread's code, as the signal it was.
+    """
+    hook, term = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    own_term = threading.current_thread() is threading.main_thread() and term is signal.SIG_DFL
+    sys.unraisablehook = functools.partial(_redeliver, hook)
+    if own_term:
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    except KeyboardInterrupt:
+        fail(f"{tool}: interrupted (Ctrl-C); {kept}", code=EXIT_INTERRUPTED)
+    except Terminated:
+        fail(f"{tool}: terminated (SIGTERM); {kept}", code=EXIT_TERMINATED)
+    finally:
+        sys.unraisablehook = hook
+        if own_term:
+            signal.signal(signal.SIGTERM, term)
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+def _redeliver(previous, unraisable) -> None:
+    """sys.unraisablehook: an interrupt a callback swallowed is sent again to the main thread, from a timer
+    thread a moment later (sent from here, it would be raised in this hook, which Python swallows too)."""
+    signum = {KeyboardInterrupt: signal.SIGINT, Terminated: signal.SIGTERM}.get(unraisable.exc_type)
+    if signum is None:
+        return previous(unraisable)
+    threading.Timer(0.02, _thread.interrupt_main, (signum,)).start()
+
+
 def check_output(flag: str, path: str, *, directory: bool = True) -> None:
     """Before any work: a tool can write ``path`` (``directory``: a folder it fills, created if missing; else a
     file or a prefix of files, created in its folder).  Creates nothing: the nearest folder that exists must be a
-    writable directory, and a ``directory`` that exists must be one.
+    writable directory, a ``directory`` that exists must be one, and a file that exists (appended to) must be a
+    writable file.
 
     Raises:
       ConfigError: naming ``flag``, the path, the cause and the fix.
@@ -81,6 +133,11 @@ def check_output(flag: str, path: str, *, directory: bool = True) -> None:
     path = os.path.abspath(path)
     if directory and os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(flag, path, "is a file; give a directory (created if missing)")
+    if not directory and os.path.isdir(path):
+        raise ConfigError(flag, path, "is a directory; give a file name (in it, or beside it)")
+    if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(flag, path, "exists and cannot be written (read-only); give another file, or make it "
+                          "writable")
     parent = path if directory else os.path.dirname(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

@@ -94,6 +94,9 @@ class Model(Section):
     kv_channels: int = _key(0, ">=0")
     ffn_hidden_size: int = _key(0, ">=0")  # 0: 4 x hidden (gelu) or 8/3 x hidden rounded up to 64 (swiglu)
     vocab_size: int = _key(0, ">=0")  # 0: the tokenizer's vocabulary
+    # the padding token's id (transformers' pad_token_id, its nn.Embedding's padding_idx): its row of the embedding
+    # starts at zero and gets no gradient from the lookup (the tied output layer's still reaches it); -1: none
+    pad_token_id: int = -1
     # the embedding and output tables are padded to a multiple of this x the tensor-parallel size (Megatron-LM's)
     make_vocab_size_divisible_by: int = _key(128, ">0")
     max_position_embeddings: int = _key(0, ">=0")  # positions of the learned table; 0: train.seq_length

@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
     # OSError: a file missing, unreadable or unwritable; a checkpoint not saved (a full disk): jaxllm.train's status
     try:
-        return _main(args, overrides)
+        with cli.stoppable("jaxllm.convert", "nothing written (an import's or export's files appear whole or not "
+                           "at all)"):
+            return _main(args, overrides)
     except SaveError as e:
         cli.fail(f"error: {e}", EXIT_SAVE_FAILED)
 

@@ -12,6 +12,7 @@ from absl import app, flags, logging
 from jaxllm import api, cli
 
 
+@cli.stoppable("jaxllm.generate")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO

@@ -206,4 +206,7 @@ class JaxLLM(TemplateLM):
 if __name__ == "__main__":
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    from jaxllm import cli
+
+    with cli.stoppable("jaxllm.harness", "lm-eval writes its results at the end: none written"):
+        cli_evaluate()

@@ -62,6 +62,7 @@ def write_batches(data: Data, split: str, steps: tuple[int, int], output: str) -
     return out
 
 
+@cli.stoppable("jaxllm.inspect_data")
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
@@ -71,6 +72,8 @@ def main(argv):
         steps = parse_steps(F.steps)
         if not F.output.endswith(".npy"):
             raise DataError(f"--output={F.output!r}: give a FILE.npy")
+        cli.check_output("--output", F.output, directory=False)
+        cli.check_output("--workdir", F.workdir)  # the data's sample indices (and text's tokens) go there
         cfg = F.config
         resolve(cfg, num_devices=None)  # the data do not depend on the devices: the mesh as written
         data = Data(cfg, F.workdir, splits=(F.split,))

@@ -202,6 +202,13 @@ def cpu_compile(cfg, num_devices: int, backend: str | None):
     return run, compiled, time.perf_counter() - t0
 
 
+def without_persistent_cache() -> None:
+    """JAX's persistent compilation cache off for this process, where it compiles for GPUs it does not have: JAX
+    writes their programs, but reading one back needs that GPU ("PjRtCompiler must be constructed with a Client":
+    a warning, and the program compiled again).  Call before the first compile (JAX decides once per process)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def gpu_compile(cfg, num_devices: int, gpu: str):
     """``cfg``'s train step compiled by XLA:GPU for ``num_devices`` GPUs ``gpu`` without them
     (:func:`jaxllm.platform.xla_gpu.devices`): ``(Run, compiled, seconds)``.  Attention is traced for that
@@ -220,7 +227,8 @@ def gpu_compile(cfg, num_devices: int, gpu: str):
         lowered = run.train_step.lower(run.abstract_state, *run.abstract_batch())
     options = xla_gpu.compiler_options()
     try:
-        compiled = lowered.compile(compiler_options=options)
+        with xla_gpu.deviceless_notes_dropped():
+            compiled = lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
         if "Block level fusion config is required" not in str(e):
             raise
@@ -350,12 +358,15 @@ def gpu_target(device: str | None, backend: str | None, num_devices: int, compil
     return (None, f"note: compiled by this machine's XLA with {device}'s memory: {why}") if why else (device, "")
 
 
+@cli.stoppable("jaxllm.plan")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
     memory, backend = None, None  # no GPU named: plan for this machine's backend
     with cli.usage_errors({ValueError: ""}, now=True):
+        if F.output:
+            cli.check_output("--output", F.output, directory=False)
         cluster = named_cluster(F.cluster) if F.cluster else None
         if cluster is not None:
             step_time.check_mfu(F.cluster, F.mfu)
@@ -365,6 +376,8 @@ def main(argv):
         if F.device_memory:
             memory = parse_bytes(F.device_memory)
         gpu, note = gpu_target(F.device, backend, F.devices, F.compiler)
+        if gpu is not None:
+            without_persistent_cache()
         if gpu is None and F.devices > F.devices_per_process:  # the config checked, then the processes started
             resolved(F.config, F.devices, backend or "cpu")  # before the backend (stand-ins are CPU devices)
             cli.stand_in_processes(F.devices, F.devices_per_process)

@@ -5,7 +5,7 @@
 
 The command line of :func:`jaxllm.data.text.prepare` (which documents the inputs, the output and the
 crash-safe writing); a data error, or an output that cannot be written, is one line on stderr and exit status 2;
-Ctrl-C one line and status 130, the partial files removed.
+Ctrl-C one line and status 130, SIGTERM 143, the partial files removed (:func:`jaxllm.cli.stoppable`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import sys
 
 from jaxllm import cli
 from jaxllm.data.text import MAX_UNDECODABLE, prepare
-
-EXIT_INTERRUPTED = 130  # the shell's status for SIGINT, as jaxllm.train's
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,15 +37,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the largest fraction of an input's characters that may fail to decode as UTF-8 (binary "
                         "files); 1 keeps anything")
     args = p.parse_args(argv)
-    try:
-        with cli.usage_errors():
-            cli.check_output("--output-prefix", args.output_prefix, directory=False)
-            prepare(args.input, args.tokenizer, args.output_prefix, gpt2_dir=args.gpt2_dir, json_key=args.json_key,
-                    document_marker=args.document_marker, workers=args.workers,
-                    max_undecodable=args.max_undecodable)
-    except KeyboardInterrupt:
-        cli.fail(f"jaxllm.prepare: interrupted; nothing written to {args.output_prefix} (the partial files removed)",
-                 code=EXIT_INTERRUPTED)
+    kept = f"nothing written to {args.output_prefix} (the partial files removed)"
+    with cli.stoppable("jaxllm.prepare", kept), cli.usage_errors():
+        cli.check_output("--output-prefix", args.output_prefix, directory=False)
+        prepare(args.input, args.tokenizer, args.output_prefix, gpt2_dir=args.gpt2_dir, json_key=args.json_key,
+                document_marker=args.document_marker, workers=args.workers, max_undecodable=args.max_undecodable)
     return 0
 
 

@@ -236,7 +236,8 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
       backend: where the model runs, for ``dtype="auto"`` (:func:`resolve_dtype`), ``layer_loop="auto"`` and
         ``attention_impl="auto"`` (:func:`jaxllm.model.attention.resolve_impl`); None: the default backend.
     Raises:
-      ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary.
+      ConfigError: ``m.vocab_size`` is smaller than the tokenizer's vocabulary; ``m.pad_token_id`` is no token of
+        the vocabulary, nor -1.
     """
     m = dataclasses.replace(m)  # a copy that may be written, also of a resolved (read-only) section
     m.num_kv_heads = m.num_kv_heads or m.num_attention_heads
@@ -252,6 +253,9 @@ def resolve_model(m: Model, *, seq_length: int, vocab_size: int | None = None, t
         raise ConfigError("model.vocab_size", m.vocab_size,
                           f"the tokenizer has {vocab_size} tokens; set it to >= {vocab_size} or to 0 (the tokenizer's)")
     m.vocab_size = m.vocab_size or vocab_size or 0
+    if m.pad_token_id < -1 or (m.vocab_size and m.pad_token_id >= m.vocab_size):
+        raise ConfigError("model.pad_token_id", m.pad_token_id, "must be a token id, 0 to model.vocab_size - 1"
+                          + (f" = {m.vocab_size - 1}" if m.vocab_size else "") + ", or -1 (no padding row)")
     m.padded_vocab_size = padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, tensor)
     m._freeze()
     return m

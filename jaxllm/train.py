@@ -13,7 +13,8 @@ anything is compiled, or the workdir is in use by another run
 saved (a full disk or quota): one line naming the newest complete step, which a rerun resumes
 from; :data:`EXIT_PREEMPTED` (75) preempted: SIGTERM or SIGUSR1
 made the run save a checkpoint at the next step boundary and stop; rerun the same
-command to continue.
+command to continue; 130 Ctrl-C (143 SIGTERM) before the first step (:func:`jaxllm.cli.stoppable`): nothing to save,
+data being tokenized is not kept.
 
 ``JAXLLM_DEBUG_SLOW_PROCESS=INDEX:SECONDS`` makes process INDEX sleep SECONDS in every step: a
 straggler for the tests (:mod:`jaxllm.runtime.stragglers`), never set by jaxllm.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging as python_logging
 import math
 import os
@@ -51,7 +53,6 @@ from jaxllm.runtime.watchdog import Watchdog
 
 # Exit status of a preempted run (after its checkpoint is saved): BSD's EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130  # Ctrl-C before training started: the shell's status for SIGINT
 
 
 class Preempted(Exception):
@@ -134,8 +135,9 @@ def setup(spec: config.Config, workdir: str) -> tuple[config.Resolved, Data]:
             print(f"jaxllm: note: data.split={spec.data.split!r} leaves no validation split, so the run does not "
                   f"evaluate (as Megatron-LM); give validation a weight (e.g. data.split=969,30,1) to evaluate",
                   flush=True)
+    resume = functools.partial(checkpoint.check_resume_tokenizer, workdir, spec.data.tokenizer)  # before tokenizing
     data = Data(spec, workdir, splits=("train", "valid") if spec.train.eval_interval else ("train",),
-                quiet=jax.process_index() != 0)  # process 0 says a prepared text is reused, once
+                quiet=jax.process_index() != 0, accept_tokenizer=resume)  # process 0 says a text is reused, once
     return resolve(spec, num_devices=jax.device_count(), vocab_size=data.vocab_size), data
 
 
@@ -478,6 +480,7 @@ def _refused(workdir: str, before: frozenset[str] | None, held: bool) -> None:
         workdir_lock.remove_new(workdir, before)
 
 
+@cli.stoppable("jaxllm.train", "nothing to save before the first training step")
 def main(argv):
     started = time.perf_counter()
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
@@ -508,7 +511,7 @@ def main(argv):
             gpu_env.report(gpu)  # process 0 prints them, and warns if GPUs are here but JAX runs on the CPU
             train(flags.FLAGS.config, workdir, started=started)
     except KeyboardInterrupt:
-        cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=EXIT_INTERRUPTED)
+        cli.fail("jaxllm: interrupted before the first training step; nothing to save", code=cli.EXIT_INTERRUPTED)
     except Preempted as e:
         fail_once(f"jaxllm: {e}", EXIT_PREEMPTED, process)
     except checkpoint.SaveError as e:

@@ -438,7 +438,9 @@ class Tuner:
 
 def _target(F) -> tuple[float | None, tuple | None, str | None]:
     """``(memory limit in bytes or None, (cluster, mfu) or None, GPU predicted for or None)`` from the flags: a
-    ``--device`` of :data:`jaxllm.platform.xla_gpu.SPECS` on a machine without it (JAX on its CPU) is predicted."""
+    ``--device`` of :data:`jaxllm.platform.xla_gpu.SPECS` on a machine without it (JAX on its CPU) is predicted
+    where XLA:GPU can compile for it here (else measured here, with a note, as ``jaxllm.plan`` plans).  JAX's
+    persistent compilation cache is then off (:func:`jaxllm.plan.without_persistent_cache`)."""
     memory, cluster, gpu = None, None, None
     if F.cluster:
         memory = named_device(named_cluster(F.cluster).device)[0]  # an unknown name first
@@ -447,13 +449,18 @@ def _target(F) -> tuple[float | None, tuple | None, str | None]:
     if F.device:
         memory = named_device(F.device)[0]
         gpu = F.device if F.device in xla_gpu.SPECS and not F.cluster and jax.default_backend() == "cpu" else None
-    if gpu and xla_gpu.unavailable(gpu):
-        raise ValueError(f"--device={gpu}: {xla_gpu.unavailable(gpu)}")
+    if gpu and xla_gpu.unavailable(gpu):  # as jaxllm.plan --device does: this machine's compiler, with a note
+        print(f"note: measured on this machine with {gpu}'s memory, not predicted for it: "
+              f"{xla_gpu.unavailable(gpu)}", flush=True)
+        gpu = None
     if F.device_memory:
         memory = plan.parse_bytes(F.device_memory)
+    if gpu:
+        plan.without_persistent_cache()
     return memory, cluster, gpu
 
 
+@cli.stoppable("jaxllm.tune")
 def main(argv):
     from absl import flags  # noqa: PLC0415
 
@@ -463,6 +470,7 @@ def main(argv):
     base = F.config
     with cli.usage_errors({ValueError: "error: "}, now=True):
         trials, seconds = parse_budget(F.budget)
+        cli.check_output("--output_dir", F.output_dir)  # before any candidate is compiled
         if F.sampler not in ("auto", "grid", "optuna"):
             raise ValueError(f"--sampler={F.sampler!r}: choose auto, grid or optuna")
         if F.steps < 1 or F.warmup < 0 or F.confirm < 0:
@@ -498,11 +506,12 @@ def main(argv):
     # The plan and the measurement of a candidate compile the same program: with XLA's persistent
     # cache (JAX_COMPILATION_CACHE_DIR's, else a directory removed at the end) the second compilation is a lookup.
     with contextlib.ExitStack() as stack:
-        cache = jax.config.jax_compilation_cache_dir or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="jaxllm-tune-xla-"))
-        for key, value in (("jax_compilation_cache_dir", cache), ("jax_persistent_cache_min_compile_time_secs", 0),
-                           ("jax_persistent_cache_min_entry_size_bytes", 0)):
-            jax.config.update(key, value)
+        if not gpu:  # (a GPU's programs are compiled without it: they cannot be read back here)
+            cache = jax.config.jax_compilation_cache_dir or stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="jaxllm-tune-xla-"))
+            jax.config.update("jax_compilation_cache_dir", cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         tuner.run(trials=trials, seconds=seconds, sampler=F.sampler, seed=F.seed, confirm=F.confirm)
     command = "python -m jaxllm.tune " + " ".join(a for a in sys.argv[1:])
     paths = tuner.write(F.output_dir, command)

@@ -9,7 +9,8 @@ CLI, and from a jaxllm-initialized model with a padded vocabulary) and gives jax
 with exactly the tensors transformers itself saves, which import as the same parameters bit for bit; a jaxllm
 mixture of experts trained a few steps exports as Mixtral, whose cross entropy on the run's validation batches is
 the run's eval_loss.  The imported workdir's config.py loads through the training CLI's --config flag.  Bad inputs:
-pickle-only directories, unsupported configs both ways, options the import cannot honour.
+pickle-only directories, unsupported configs both ways, options the import cannot honour, a tokenizer larger than
+the embedding (refused with transformers' resize as the fix, which then imports and trains).
 """
 
 import dataclasses
@@ -198,8 +199,8 @@ def load_hf(directory):
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxllm.convert", *args], cwd=ROOT, env=ENV, capture_output=True,
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "jaxllm.convert", *args], cwd=cwd, env=ENV, capture_output=True,
                           text=True, timeout=600, check=False)
 
 
@@ -527,6 +528,8 @@ def test_tensor_parallel_run_exports_its_real_rows(arch, tmp_path):
     assert r.stdout.startswith(f"wrote {HF_CLASSES[arch]} (65 vocab) to ")
     for name in ("model.safetensors", "config.json"):
         assert (out / name).stat().st_mode & 0o777 == umask_mode(), name
+    assert out.stat().st_mode & 0o777 == umask_mode() | (umask_mode() & 0o444) >> 2  # a folder's: x where r
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".partial-")] == []  # written aside, renamed
 
     run = jaxllm.load(str(work))
     assert (run.config.mesh_shape["tensor"], run.vocab_size, run.config.model.padded_vocab_size) == (2, 65, 66)
@@ -647,6 +650,64 @@ def test_sentencepiece_tokenizer_travels(tmp_path):
         assert ref(text)["input_ids"] == tok.encode(text).tolist()
     assert hf_workdir.import_to_workdir(str(tmp_path / "out"), str(tmp_path / "w2")).data.tokenizer == str(
         tmp_path / "w2" / "tokenizer")
+
+
+WORDS = "the quick brown fox jumps over a lazy dog .".split()
+
+
+def word_tokenizer(size):
+    """transformers' fast tokenizer of ``size`` tokens, as a model's directory saves it: a word-level vocabulary (the
+    end-of-text and unknown tokens, :data:`WORDS`, then filler words)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|endoftext|>", "<unk>", *WORDS]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(size - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>")
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_with_a_fix_that_trains(tmp_path):
+    """A model of 64 embedding rows saved with a tokenizer of 96 tokens, which training would refuse (and a
+    model.vocab_size set to fit would not be the imported checkpoint's): --from-hf refuses it in one line, exit 2,
+    writing nothing; the transformers code the line gives (resize_token_embeddings, save_pretrained) makes a
+    directory that imports, whose config.py trains a step as the docs' command runs it, from another directory than
+    the import's, whose relative data.input it names absolutely."""
+    from conftest import run_python, word_sentences
+
+    d, work = tmp_path / "hf", tmp_path / "work"
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=16, tie_word_embeddings=False)).save_pretrained(d)
+    word_tokenizer(96).save_pretrained(d)
+    r = cli("--from-hf", str(d), str(work))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    line = lines[0]
+    assert line.startswith(f"error: {d / 'config.json'}: vocab_size=64 (the embedding's rows) is below the 96 tokens "
+                           f"of the tokenizer in {d}, and training refuses a model.vocab_size below its tokenizer's; "
+                           f"resize the embedding with transformers ("), line
+    assert "or give a tokenizer of at most 64 tokens (--config.data.tokenizer)" in line, line
+    assert not work.exists()
+    with pytest.raises(ConvertError) as e:  # the options' tokenizer too, and from_hf's
+        hf_workdir.from_hf(str(d), {"data.tokenizer": "byte"})
+    assert e.value.keys == ("vocab_size",) and "below the 256 tokens of data.tokenizer=byte" in str(e.value)
+
+    fix = line.split("with transformers (", 1)[1].rsplit(") and import again", 1)[0]
+    exec(fix, {"AutoModelForCausalLM": transformers.AutoModelForCausalLM})  # the line's advice, as it stands
+    assert len(transformers.AutoTokenizer.from_pretrained(d)) == json.loads((d / "config.json").read_text())[
+        "vocab_size"] == 96
+    (tmp_path / "corpus.txt").write_text(word_sentences(WORDS[:-1], n=100))
+    r = cli("--from-hf", "hf", "work", "--config.data.input=corpus.txt", cwd=tmp_path)  # paths as typed there
+    assert r.returncode == 0 and f"data.tokenizer={work / 'tokenizer'}" in r.stdout, r.stderr
+    assert f"'input': '{tmp_path / 'corpus.txt'}'" in (work / "config.py").read_text()
+    r = run_python("-m", "jaxllm.train", f"--config={work / 'config.py'}", f"--workdir={work}",
+                   "--config.data.sampling=uniform",
+                   "--config.data.split=9,1", "--config.train.train_iters=1", "--config.train.warmup_iters=0",
+                   "--config.train.micro_batch_size=2", "--config.train.global_batch_size=2",
+                   "--config.train.eval_interval=0", "--config.log.samples=0", env=ENV)
+    assert checkpoint.load_config(str(work)).model.vocab_size == 96 and "step     1 |" in r.stdout, r.stdout
 
 
 def test_pickle_weights_are_refused_unread(tmp_path):

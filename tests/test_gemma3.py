@@ -4,11 +4,13 @@ linearly scaled by 2), (1 + w) norms before and after attention and the MLP, GeG
 and query_pre_attn_scalar 24 (not the head size 16).  Its logits imported, exported and re-imported; each mechanism
 switched off changes them; the period scan equals the layers written out; the layouts tensor x data x fsdp, ring
 sequence parallelism and pipeline stages with the pattern train as one device; FLOPs and parameters counted by hand
-and against transformers for the published sizes."""
+and against transformers for the published sizes; the padding row (pad_token_id in the batch): every gradient is
+transformers'."""
 
 import dataclasses
 import math
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -17,10 +19,10 @@ from harness import assert_same_training, run_layouts
 from test_convert import F32, SEQ, TOL, VOCAB, exports_back, hf_logits, jax_logits, randomize, tokens
 
 from jaxllm import config
-from jaxllm.errors import ConfigError
+from jaxllm.errors import ConfigError, ConvertError
 from jaxllm.families import gemma3, registry
 from jaxllm.formats import hf_workdir
-from jaxllm.formats.hf import to_hf
+from jaxllm.formats.hf import hf_architecture, model_from_hf, to_hf
 from jaxllm.model import gpt
 from jaxllm.model.groups import LayerKind
 from jaxllm.resolve import resolve, resolve_model
@@ -65,6 +67,49 @@ def test_import_matches_transformers_and_exports_back(gemma, tmp_path):
     hf_config, _ = to_hf(m, params)
     assert hf_config["architectures"] == ["Gemma3ForCausalLM"] and hf_config["query_pre_attn_scalar"] == 24
     exports_back(m, params, d, ref, tmp_path / "back")
+
+
+PAD = 7  # config.json's pad_token_id (transformers' default 0 would also be a common token here)
+
+
+def test_the_padding_row_gets_transformers_gradients(tmp_path):
+    """transformers' embedding is an nn.Embedding(padding_idx=pad_token_id): with the pad id in the batch, every
+    gradient of the mean cross entropy on the imported model is transformers' (the zero pad row's too: only the tied
+    output layer's part, none from the lookup), where the lookup's part of it, through the scaled embedding and the
+    (1 + w) norm of a zero vector, is ~1e14; the row is zero in the import and in a fresh init, and exported back."""
+    torch.manual_seed(0)
+    hf = randomize(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=SEQ, sliding_window=8,
+        sliding_window_pattern=2, query_pre_attn_scalar=24, rope_parameters=ROPE, pad_token_id=PAD)), seed=3)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[PAD] = 0  # as transformers initializes it (and Google's checkpoints hold it)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    toks = tokens(batch=2, seq=SEQ + 1, seed=1)
+    toks[:, ::5] = PAD
+    inputs, targets = toks[:, :-1], toks[:, 1:]
+
+    def torch_grads():
+        hf.zero_grad()
+        logits = hf(torch.tensor(inputs, dtype=torch.long)).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(targets, dtype=torch.long).flatten(),
+                                          ).backward()
+        return {n: p.grad.numpy().copy() for n, p in hf.named_parameters()}
+
+    ref = torch_grads()
+    hf.model.embed_tokens.padding_idx = None  # the lookup's gradient of the row too: what jaxllm gave before
+    lookup = torch_grads()["model.embed_tokens.weight"][PAD] - ref["model.embed_tokens.weight"][PAD]
+
+    cfg, params = hf_workdir.from_hf(str(tmp_path), F32)
+    m = cfg.model
+    assert m.pad_token_id == PAD and not params["wte"][PAD].any() and not np.asarray(gpt.init(m, 0)["wte"][PAD]).any()
+    graphdef = gpt.describe(m).graphdef
+    grads = jax.jit(jax.grad(lambda p: gpt.loss(graphdef, p, inputs, targets) / inputs.size))(params)
+    hf_config, ours = to_hf(m, grads)
+    assert sorted(ours) == sorted(ref) and hf_config["pad_token_id"] == PAD
+    for name in ref:
+        np.testing.assert_allclose(ours[name], ref[name], atol=1e-4, rtol=0, err_msg=name)
+    assert np.abs(lookup).max() > 1e6
 
 
 def _model(**keys):
@@ -115,8 +160,6 @@ HF_CONFIGS = {
 def test_published_sizes_are_transformers(key, published):
     """A size's parameters are those transformers builds for its config.json (on the meta device; Gemma-3-1B's
     published 999,885,952), and importing that config.json gives the size's model keys."""
-    from jaxllm.formats.hf import model_from_hf
-
     hf_config = transformers.Gemma3TextConfig(**HF_CONFIGS[key])
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
@@ -146,13 +189,31 @@ def test_bad_patterns_are_refused(keys, mesh, match):
         _resolved(mesh, **keys)
 
 
+def test_bad_padding_rows_are_refused():
+    """A pad id outside the vocabulary as a key and in config.json (a negative one counts from the end, as torch's
+    padding_idx); GPT-2's table, whose embedding has no padding_idx, holds none."""
+    for pad in (128, -2):
+        with pytest.raises(ConfigError, match=r"model.pad_token_id=.*0 to model.vocab_size - 1 = 127"):
+            _resolved(num_layers=2, pad_token_id=pad)
+    hf_config = transformers.Gemma3TextConfig(vocab_size=VOCAB).to_dict()
+    with pytest.raises(ConvertError, match=f"pad_token_id={VOCAB}"):
+        model_from_hf({**hf_config, "pad_token_id": VOCAB})
+    assert model_from_hf({**hf_config, "pad_token_id": -1})[1]["pad_token_id"] == VOCAB - 1
+    assert model_from_hf({**hf_config, "pad_token_id": None})[1]["pad_token_id"] == -1
+    m = config.get_config().model
+    m.update(vocab_size=128, pad_token_id=3)
+    with pytest.raises(ConvertError, match=r"GPT2LMHeadModel change model.pad_token_id=3 \(needs -1\)"):
+        hf_architecture(resolve_model(m, seq_length=32))
+
+
 def layout(mesh, micro, **parallel):
     """8 layers, every 3rd global (2 local ones, then 2 periods of local, local, global... as Gemma 3's 62), a
-    window of 4 of the 16 positions, dropout on."""
+    window of 4 of the 16 positions, dropout on, a padding row (among the random tokens)."""
     return {"mesh": mesh, "parallel": parallel, "train": {"micro_batch_size": micro},
             "model": {**gemma3.PRESET, "num_layers": 8, "num_kv_heads": 4, "sliding_window": 4,
                       "window_attn_skip_freq": "3", "local_rotary_base": 100.0, "rotary_base": 500.0,
-                      "rotary_seq_len_interpolation_factor": 2.0, "softmax_scale": 0.2, "dropout": 0.1}}
+                      "rotary_seq_len_interpolation_factor": 2.0, "softmax_scale": 0.2, "dropout": 0.1,
+                      "pad_token_id": 5}}
 
 
 LAYOUTS = {"single": layout({}, 8),

@@ -81,11 +81,11 @@ HF_CONFIGS = {
     "OLMo-2-7B": ("Olmo2Config", dict(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
         vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_theta=500000.0)),
+        rope_theta=500000.0, pad_token_id=100277)),
     "OLMo-2-32B": ("Olmo2Config", dict(
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
         vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_theta=500000.0)),
+        rope_theta=500000.0, pad_token_id=100277)),
 }
 
 

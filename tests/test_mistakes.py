@@ -166,6 +166,26 @@ def test_unwritable_outputs_of_prepare_and_convert_are_one_line(tmp_path):
     assert "no string at key 'text'" in line and not (tmp_path / "new").exists(), line
 
 
+def test_unwritable_outputs_of_plan_bench_tune_and_inspect_data_are_one_line(tmp_path):
+    """What each planning and data tool writes, refused before any compile when it cannot be written: a file in a
+    read-only folder, a directory given for a file, a file given for a folder; nothing created."""
+    readonly, file = tmp_path / "ro", write(tmp_path / "file", "x\n")
+    readonly.mkdir()
+    tiny = TINY[:3]
+    cases = [("jaxllm.plan", [*tiny, f"--output={readonly / 'plan.jsonl'}"], "--output", readonly / "plan.jsonl",
+              "cannot be written (Read-only file system"),
+             ("jaxllm.bench", [*tiny, f"--output={tmp_path}"], "--output", tmp_path, "is a directory; give a file"),
+             ("jaxllm.tune", [*tiny, f"--output_dir={file}"], "--output_dir", file, "is a file; give a directory"),
+             ("jaxllm.inspect_data", [*tiny, "--steps=0:1", f"--output={readonly / 'b.npy'}"], "--output",
+              readonly / "b.npy", "cannot be written (Read-only file system"),
+             ("jaxllm.inspect_data", [*tiny, "--steps=0:1", f"--output={tmp_path / 'b.npy'}", f"--workdir={file}"],
+              "--workdir", file, "is a file; give a directory")]
+    for module, args, flag, path, cause in cases:
+        line = one_line(run(*args, module=module, read_only=readonly))
+        assert line.startswith(f"config error: {flag}='{path}': {cause}"), (module, line)
+    assert list(readonly.iterdir()) == [] and file.read_text() == "x\n" and not (tmp_path / "b.npy").exists()
+
+
 def test_binary_input_stops_and_can_be_insisted_on(tmp_path):
     binary = tmp_path / "program"
     binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:200_000])
@@ -333,9 +353,11 @@ def test_ctrl_c_saves_and_resumes_and_a_finished_run_says_so(tmp_path):
     assert "compiled" not in r.stdout
 
 
-def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path, stdlib_corpus):
-    """``jaxllm.prepare`` interrupted while it tokenizes (its temporary files exist): one line, exit 130, the folder
-    it made and its partial files gone."""
+@pytest.mark.parametrize("signum, words", [(signal.SIGINT, "interrupted (Ctrl-C)"),
+                                           (signal.SIGTERM, "terminated (SIGTERM)")], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path, stdlib_corpus, signum, words):
+    """``jaxllm.prepare`` interrupted (Ctrl-C) or terminated while it tokenizes (its temporary files exist): one line,
+    exit 130 or 143, the folder it made and its partial files gone."""
     out = tmp_path / "new" / "data"
     proc = subprocess.Popen([sys.executable, "-m", "jaxllm.prepare", "--input", str(stdlib_corpus), "--tokenizer",
                              "gpt2", f"--output-prefix={out}"], cwd=ROOT, text=True, env=ENV, stdout=subprocess.PIPE,
@@ -343,12 +365,46 @@ def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path, stdlib_
     deadline = time.time() + 120
     while not (out.parent.is_dir() and any(out.parent.iterdir())) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
-    assert err.strip().splitlines()[-1] == f"jaxllm.prepare: interrupted; nothing written to {out} (the partial " \
+    assert proc.returncode == 128 + signum and "Traceback" not in err, (proc.returncode, err)
+    assert err.strip().splitlines()[-1] == f"jaxllm.prepare: {words}; nothing written to {out} (the partial " \
                                            "files removed)"
     assert not (tmp_path / "new").exists()
+
+
+# Run as ``python IN_GC.py WORKDIR SIGNAL ARGS``: jaxllm.train, with the signal raised inside a garbage-collection
+# callback once the tokenizing has begun, where a user's Ctrl-C can land (JAX registers one: _xla_gc_callback).
+IN_GC = """import gc, glob, os, runpy, signal, sys
+workdir, signum = sys.argv[1], getattr(signal, sys.argv[2])
+def callback(phase, info):
+    if phase == "start" and not callback.fired and glob.glob(os.path.join(workdir, "data", ".*tmp*")):
+        callback.fired = True
+        signal.raise_signal(signum)
+        sum(range(1000))  # Python code after the signal: its handler runs here, inside the callback
+callback.fired = False
+gc.callbacks.append(callback)
+sys.argv = ["jaxllm.train", *sys.argv[3:], f"--workdir={workdir}"]
+runpy.run_module("jaxllm.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("signum, line", [
+    ("SIGINT", "jaxllm: interrupted before the first training step; nothing to save"),
+    ("SIGTERM", "jaxllm.train: terminated (SIGTERM); nothing to save before the first training step")],
+    ids=["ctrl_c", "sigterm"])
+def test_a_signal_inside_a_library_callback_still_stops_training(tmp_path, stdlib_corpus, signum, line):
+    """Ctrl-C or SIGTERM that lands inside a garbage-collection callback while ``jaxllm.train`` tokenizes a new
+    corpus, where Python prints "Exception ignored" and drops the exception (the run used to go on to its end, exit
+    0): the run stops, one line, exit 130 or 143, the data folder empty (no partial tokens, no lock)."""
+    script, workdir = write(tmp_path / "in_gc.py", IN_GC), tmp_path / "run"
+    r = subprocess.run([sys.executable, str(script), str(workdir), signum, *TINY, "--config.data.tokenizer=gpt2",
+                        f"--config.data.input={stdlib_corpus}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 128 + getattr(signal, signum) and "Exception ignored" not in r.stderr, (r.returncode,
+                                                                                                 r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1] == line and "Traceback" not in r.stderr
+    assert list((workdir / "data").iterdir()) == [] and not _metrics_steps(workdir)
 
 
 def checksums(workdir):

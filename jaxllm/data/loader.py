@@ -34,14 +34,17 @@ SPLIT_IDS = {"train": 0, "valid": 1}
 INDEX_VERSION = 2
 
 
-def resolve_blend(data_cfg, workdir: str, quiet: bool = False) -> blend_lib.Blend:
+def resolve_blend(data_cfg, workdir: str, quiet: bool = False, accept_tokenizer=None) -> blend_lib.Blend:
     """The indexed datasets of ``data.file_list`` or ``data.input`` (text prepared into ``WORKDIR/data``; ``quiet``:
-    no line saying it is reused)."""
+    no line saying it is reused; ``accept_tokenizer(tokenizer)``: called before text is prepared with a tokenizer
+    other than char's, which its corpus decides, and may raise)."""
     if data_cfg.file_list:
         return blend_lib.read_file_list(data_cfg.file_list)
     parsed = blend_lib.parse_data_path(data_cfg.input)
     if parsed is not None:
         return parsed
+    if accept_tokenizer is not None and data_cfg.tokenizer != "char":
+        accept_tokenizer(make_tokenizer(data_cfg.tokenizer, data_cfg.gpt2_dir))
     prefix = ensure_prepared(data_cfg, os.path.join(workdir, "data"), quiet=quiet)
     return blend_lib.Blend((prefix,), None, (os.path.basename(os.path.dirname(prefix)),), "data.input")
 
@@ -72,6 +75,7 @@ class Data:
       workdir: the run directory (text inputs are prepared into ``WORKDIR/data``).
       splits: the splits to index ("train", "valid").
       quiet: no line saying the prepared text is reused (processes other than 0).
+      accept_tokenizer: see :func:`resolve_blend` (a resume's check, before anything is written).
     Attributes:
       blend: the datasets (:class:`jaxllm.data.blend.Blend`); datasets: their IndexedDatasets;
       metas: each one's ``.meta.json`` or None; tokenizer; vocab_size; eod_id (None: the
@@ -84,14 +88,14 @@ class Data:
         documents, an unwritable cache directory, a bad data.split or data.sampling.
     """
 
-    def __init__(self, cfg, workdir: str, splits=("train", "valid"), quiet: bool = False):
+    def __init__(self, cfg, workdir: str, splits=("train", "valid"), quiet: bool = False, accept_tokenizer=None):
         d, t = cfg.data, cfg.train
         if d.sampling not in SAMPLINGS:
             raise DataError(f"data.sampling={d.sampling!r}: choose megatron or uniform")
         self.sampling, self.split, self.splits = d.sampling, d.split, tuple(splits)
         self.matrix = samples.split_matrix(d.split)
         self.seq_length, self.global_batch_size, self.seed = t.seq_length, t.global_batch_size, int(t.seed)
-        self.blend = resolve_blend(d, workdir, quiet)
+        self.blend = resolve_blend(d, workdir, quiet, accept_tokenizer)
         self.datasets = [IndexedDataset(p, self.blend.key) for p in self.blend.prefixes]
         self.metas = [read_meta(p) for p in self.blend.prefixes]
         self.tokenizer = _tokenizer(d, self.metas, self.blend.prefixes)

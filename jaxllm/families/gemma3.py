@@ -7,6 +7,15 @@ queries and keys (``model.qk_layernorm``), scores scaled by ``query_pre_attn_sca
 ``model.local_rotary_base``, unscaled) per global one (``model.window_attn_skip_freq``; the global layers' rotary
 ``rotary_base``, linearly scaled in 4B and up: ``model.rotary_seq_len_interpolation_factor``).  Tied embeddings.
 
+The padding row: transformers' ``Gemma3TextScaledWordEmbedding`` is an ``nn.Embedding`` with ``padding_idx=
+config.pad_token_id`` (0, ``<pad>``, in Google's checkpoints), so that row is zero (as initialized, and as the
+checkpoints hold it) and the lookup gives it no gradient; the tied output layer's gradient still reaches it.
+``model.pad_token_id`` is that id (``Arch.padding_idx``: import reads config.json's, export writes it, as for every
+family but GPT-2), and jaxllm's lookup of it passes no gradient to the row either: without that, the gradient of
+the zero row through the scaled embedding and the first (1 + w) RMSNorm (of a zero vector: ``1 / sqrt(eps)``) is
+enormous wherever a batch holds the pad id, and gradient clipping then leaves every other parameter nearly
+unchanged.
+
 Sizes: Google's 1B, 4B, 12B and 27B (the text models); ``configs/gemma3.py`` trains them.
 """
 
@@ -126,11 +135,12 @@ GEMMA3 = Arch(
 def _size(layers, hidden, heads, kv_heads, ffn, head_dim, **more) -> dict:
     """A Gemma 3 size: the vocabulary (262208 rows, its tokenizer's 262144 and more), 32768 positions (131072 for
     4B and up), a window of 512 (1B) or 1024, every 6th layer global (rotary base 1e6; 4B and up linearly scaled by 8),
-    the local ones at base 10000, rms_norm_eps 1e-6."""
+    the local ones at base 10000, rms_norm_eps 1e-6, the padding token ``<pad>`` id 0."""
     return {**PRESET, "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
             "num_kv_heads": kv_heads, "ffn_hidden_size": ffn, "kv_channels": head_dim, "vocab_size": 262144,
             "max_position_embeddings": 131072, "norm_eps": 1e-6, "sliding_window": 1024, "window_attn_skip_freq": "6",
-            "rotary_base": 1e6, "local_rotary_base": 10000.0, "rotary_seq_len_interpolation_factor": 8.0, **more}
+            "rotary_base": 1e6, "local_rotary_base": 10000.0, "rotary_seq_len_interpolation_factor": 8.0,
+            "pad_token_id": 0, **more}
 
 
 FAMILY = Family(

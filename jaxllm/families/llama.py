@@ -35,7 +35,8 @@ MLP = (  # a dense layer's
     Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers/mlp/w1",), linear=True, moe=False),  # [f, h]
     Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers/mlp/w2",), linear=True, moe=False),  # [h, f]
 )
-FILES = {"prefix": "model.", "buffers": r".*rotary_emb\.inv_freq"}  # the family's base model and buffers
+# the family's base model (whose nn.Embedding has padding_idx=config.pad_token_id: Arch.padding_idx) and buffers
+FILES = {"prefix": "model.", "buffers": r".*rotary_emb\.inv_freq", "padding_idx": True}
 NEEDS = {**PRESET, "num_experts": 0, "add_qkv_bias": False, "qk_layernorm": False, "sliding_window": 0,
          "multi_latent_attention": False}
 KEYS = {"num_hidden_layers": ("num_layers", 32), "hidden_size": ("hidden_size", 4096),

@@ -34,16 +34,20 @@ OLMO2 = Arch(
 
 # The sizes, each from the Hugging Face config.json of allenai's model named, as recalled (no network here): the
 # vocabulary of OLMo 2's tokenizer (cl100k-based, 100278 tokens) padded to 100352 rows; rope theta 500000; the
-# 1B's rms_norm_eps 1e-6 as the others'
+# 1B's rms_norm_eps 1e-6 as the others'; the padding token <|pad|> id 100277 (model.pad_token_id)
 SIZES = {
     # allenai/OLMo-2-0425-1B
-    "OLMo-2-1B": llama.shape(16, 2048, 16, 16, 8192, 100352, 4096, 500000.0, norm_eps=1e-6, **PRESET),
+    "OLMo-2-1B": llama.shape(16, 2048, 16, 16, 8192, 100352, 4096, 500000.0, norm_eps=1e-6, pad_token_id=100277,
+                              **PRESET),
     # allenai/OLMo-2-1124-7B
-    "OLMo-2-7B": llama.shape(32, 4096, 32, 32, 11008, 100352, 4096, 500000.0, norm_eps=1e-6, **PRESET),
+    "OLMo-2-7B": llama.shape(32, 4096, 32, 32, 11008, 100352, 4096, 500000.0, norm_eps=1e-6, pad_token_id=100277,
+                              **PRESET),
     # allenai/OLMo-2-1124-13B
-    "OLMo-2-13B": llama.shape(40, 5120, 40, 40, 13824, 100352, 4096, 500000.0, norm_eps=1e-6, **PRESET),
+    "OLMo-2-13B": llama.shape(40, 5120, 40, 40, 13824, 100352, 4096, 500000.0, norm_eps=1e-6, pad_token_id=100277,
+                              **PRESET),
     # allenai/OLMo-2-0325-32B (grouped-query attention: 8 key/value heads)
-    "OLMo-2-32B": llama.shape(64, 5120, 40, 8, 27648, 100352, 4096, 500000.0, norm_eps=1e-6, **PRESET),
+    "OLMo-2-32B": llama.shape(64, 5120, 40, 8, 27648, 100352, 4096, 500000.0, norm_eps=1e-6, pad_token_id=100277,
+                              **PRESET),
 }
 
 FAMILY = Family(

@@ -78,7 +78,11 @@ class Arch:
     :data:`PLAIN` joins ``needs`` at its plain value); ``mtp``: the rows of a multi-token prediction module's own
     tensors (``model.mtp_num_layers``: ``{m}`` the module's layer number in the checkpoint, ``num_layers + depth``;
     parameters ``mtp/...``, or a copy of one of no module such as ``wte``), whose layer the engine reads by the
-    table's rows of the last layer's kind (empty: the table holds none, so a model with them fits it not)."""
+    table's rows of the last layer's kind (empty: the table holds none, so a model with them fits it not);
+    ``padding_idx``: transformers builds the embedding with ``padding_idx=config.pad_token_id`` (torch's
+    ``nn.Embedding``: that row zero at initialization, and no gradient to it from the lookup), which jaxllm holds as
+    ``model.pad_token_id``: import reads config.json's ``pad_token_id`` (a negative one counted from the end, as
+    torch counts it), export writes it; False: the table holds only ``model.pad_token_id=-1`` (GPT-2's)."""
 
     model_type: str
     hf_class: str
@@ -97,9 +101,12 @@ class Arch:
     likely: Callable[[config.Model], bool] = lambda m: False
     free: tuple[str, ...] = ()
     mtp: tuple[Tensor, ...] = ()
+    padding_idx: bool = False
 
     def __post_init__(self):  # the plain features' values join the needs the table states (see PLAIN)
         plain = {k: v for k, v in PLAIN.items() if k not in self.free and k not in self.needs}
+        if not self.padding_idx:
+            plain["pad_token_id"] = -1
         object.__setattr__(self, "needs", {**self.needs, **plain})
         read = {ours for ours, _ in self.keys.values()} & set(self.needs)
         assert not read, f"{self.model_type}: model keys both read from config.json and fixed: {sorted(read)}"

@@ -7,7 +7,9 @@ supported, and its :class:`~jaxllm.families.tables.Tensor` rows (HF name, our pa
 the keys that do not fit), :func:`to_hf` (config.json dict + tensors).  Import: :func:`model_from_hf`
 (config.json -> model keys, with the families' rope types), :func:`read_safetensors`, :func:`params_from_hf`.
 The tables keep the ``model.vocab_size`` real rows (config.json's ``vocab_size``): jaxllm masks the logits of its
-padding rows, so without them HF's logits and softmax are exactly jaxllm's.  Only JSON and safetensors are read:
+padding rows, so without them HF's logits and softmax are exactly jaxllm's.  config.json's ``pad_token_id`` is
+``model.pad_token_id`` for the tables whose embedding transformers builds with it as ``padding_idx``
+(``Arch.padding_idx``: that row gets no gradient from the lookup, in both).  Only JSON and safetensors are read:
 pickle-based weights are refused unread.  Files, workdirs and tokenizers are :mod:`jaxllm.formats.hf_workdir`'s.
 """
 
@@ -183,7 +185,8 @@ def to_hf(m: config.Model, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
           **{key: allowed[0] for key, allowed in arch.supports.items()},
           **{key: getattr(m, ours) for key, (ours, _) in arch.keys.items()}, **arch.extra(m),
           "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
-          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+          "bos_token_id": None, "eos_token_id": None,
+          "pad_token_id": m.pad_token_id if m.pad_token_id >= 0 else None}
     return hf, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
 
 
@@ -280,11 +283,24 @@ def model_from_hf(hf: dict, names=None) -> tuple[Arch, dict]:
         keys["kv_channels"] = 0 if hf.get("head_dim") in (None, derived) else config.key_type("model.kv_channels")(
             hf["head_dim"])
         keys["rotary_base"] = float(rope.get("rope_theta", keys["rotary_base"]))
+    if arch.padding_idx:
+        keys["pad_token_id"] = _padding_row(hf.get("pad_token_id"), keys["vocab_size"])
     if arch.derive is not None:
         keys.update(arch.derive(hf, keys))
     if keys.get("mtp_num_layers") and names is not None:
         keys["mtp_num_layers"] = _mtp_held(arch, keys, set(names()), keys["mtp_num_layers"])
     return arch, {**keys, **arch.needs}
+
+
+def _padding_row(pad, vocab: int) -> int:
+    """``model.pad_token_id`` of config.json's ``pad_token_id`` (the embedding's ``padding_idx``): -1 for none, a
+    negative one counted from the end as torch's ``nn.Embedding`` counts it. Raises ConvertError: no row of the
+    ``vocab``, which transformers cannot build either."""
+    if pad is None:
+        return -1
+    if isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
+        refuse("pad_token_id", pad, f"a token id of the vocab_size={vocab} rows (or null: none)")
+    return pad % vocab
 
 
 def _mtp_held(arch: Arch, keys: dict, names: set[str], most: int) -> int:

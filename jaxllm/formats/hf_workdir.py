@@ -17,7 +17,9 @@ SentencePiece ``tokenizer.model`` gets it with a ``tokenizer_config.json`` for t
 (or the shards of ``model.safetensors.index.json``) into a step-0 checkpoint in ``WORKDIR``
 (float32 parameters, a fresh optimizer state; the padding rows jaxllm adds are zeros) and writes
 ``WORKDIR/config.py`` for ``python -m jaxllm.train --config=WORKDIR/config.py --workdir=WORKDIR``
-(and ``jaxllm.generate --workdir=WORKDIR``).  HF's ``vocab_size`` is ``model.vocab_size``;
+(and ``jaxllm.generate --workdir=WORKDIR``), checked as training will check it before anything is written (a
+tokenizer of more tokens than ``vocab_size`` is refused, with transformers' ``resize_token_embeddings`` as the fix:
+:func:`_check_tokenizer`).  HF's ``vocab_size`` is ``model.vocab_size``;
 ``n_positions`` / ``max_position_embeddings`` is ``model.max_position_embeddings`` and
 ``train.seq_length`` (which ``--config.train.seq_length`` may shorten); GPT-2's ``resid_pdrop`` is
 ``model.dropout``; Mixtral's ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size`` and
@@ -51,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 
 import jax
@@ -66,8 +69,10 @@ from jaxllm.data.tokenizers import (
     SentencePieceTokenizer,
     file_tokenizer,
     gpt2_dir_or_packaged,
+    make_tokenizer,
 )
-from jaxllm.errors import ConvertError, DataError, reading
+from jaxllm.errors import ConfigError, ConvertError, DataError, reading
+from jaxllm.families.tables import Arch
 from jaxllm.formats.hf import (
     SAFETENSORS,
     hf_architecture,
@@ -148,11 +153,12 @@ def _write_sentencepiece_tokenizer(tok: SentencePieceTokenizer, m: config.Model,
     hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eot_id)
 
 
-def _new_file_mode() -> int:
-    """The mode ``open()`` gives a new file: 0666 less the process's umask (0644 under the usual 022)."""
+def _new_file_mode(directory: bool = False) -> int:
+    """The mode ``open()`` gives a new file (``os.mkdir`` a new ``directory``): 0666 (0777) less the process's umask
+    (0644, 0755 under the usual 022)."""
     umask = os.umask(0o022)  # the umask is read only by setting it: put it back at once
     os.umask(umask)
-    return 0o666 & ~umask
+    return (0o777 if directory else 0o666) & ~umask
 
 
 def save_hf(m: config.Model, params: dict, out: str, *, data: config.Data | None = None) -> dict:
@@ -191,11 +197,59 @@ def export_workdir(workdir: str, out: str, step: int | None = None) -> dict:
     # dimensions for ZeRO/FSDP; zeros at the end): cut to the model's shapes, whose real rows to_hf writes.
     # A smaller array (another model's) stays smaller, and to_hf names it.
     params = sharding.unpad(checkpoint.restore_params(m, workdir, step), gpt.describe(m).params)
-    return save_hf(m, params, out, data=cfg.data)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)  # written there, renamed whole: never half an export
+    try:
+        hf = save_hf(m, params, tmp, data=cfg.data)
+        os.chmod(tmp, _new_file_mode(directory=True))  # mkdtemp's is 0700
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return hf
 
 
-def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, config.Resolved, dict]:
-    """``(config as given, resolved config, params)`` of a Hugging Face directory; see :func:`from_hf`."""
+def _check_tokenizer(cfg: config.Resolved, config_json: str, found_in: str | None) -> None:
+    """What training checks of the model against its tokenizer, checked by the import (whose model keys the
+    ``--config`` options cannot change): :func:`jaxllm.resolve.resolve_model` with the vocabulary of the tokenizer
+    training reads (``data.tokenizer``, :func:`~jaxllm.data.tokenizers.make_tokenizer`).  A ``char`` tokenizer is
+    fitted to the corpus when training reads it: not known here.  ``found_in``: the Hugging Face directory the
+    tokenizer was found in (None: ``data.tokenizer`` as the options set it).
+
+    Raises:
+      ConvertError: ``config.json``'s ``vocab_size`` (the embedding's rows) is below the tokenizer's tokens, with
+        the fix (the embedding resized by transformers, or another tokenizer).  DataError: the tokenizer cannot be
+        read.
+    """
+    d, m = cfg.data, cfg.model
+    if d.tokenizer == "char":
+        return
+    tokens = make_tokenizer(d.tokenizer, d.gpt2_dir).vocab_size
+    try:
+        resolve_model(m, seq_length=cfg.train.seq_length, vocab_size=tokens)
+    except ConfigError as e:
+        if e.key != "model.vocab_size":
+            raise
+        named = f"the tokenizer in {found_in}" if found_in else f"data.tokenizer={d.tokenizer}"
+        directory = os.path.dirname(config_json) or "."
+        raise ConvertError(
+            f"{config_json}: vocab_size={m.vocab_size} (the embedding's rows) is below the {tokens} tokens of {named}, "
+            f"and training refuses a model.vocab_size below its tokenizer's; resize the embedding with transformers "
+            f"(model = AutoModelForCausalLM.from_pretrained({directory!r}); model.resize_token_embeddings({tokens}); "
+            f"model.save_pretrained({directory!r})) and import again, or give a tokenizer of at most {m.vocab_size} "
+            f"tokens (--config.data.tokenizer)", keys=("vocab_size",)) from None
+
+
+def _config(directory: str, overrides: dict[str, str], found_in: str | None = None
+            ) -> tuple[Arch, config.Config, config.Resolved]:
+    """``(architecture, config as given, resolved config)`` of a Hugging Face directory, checked as training will
+    check it: the sequence against the positions, and the tokenizer against the vocabulary (:func:`_check_tokenizer`)
+    when it is the model's, found in the directory ``found_in`` or set by ``overrides`` (without either the data
+    section is jaxllm's default, which ``jaxllm.convert`` says must be replaced).  Reads ``config.json`` and the
+    weights' tensor names only."""
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise ConvertError(f"{directory}: no such directory")
@@ -212,6 +266,15 @@ def _import(directory: str, overrides: dict[str, str]) -> tuple[config.Config, c
         raise ConvertError(f"train.seq_length={given.train.seq_length} exceeds the {positions} positions of "
                            f"config.json", keys=("train.seq_length",))
     cfg = resolve_for_its_mesh(given)
+    if found_in or {"data.tokenizer", "data.gpt2_dir"} & set(overrides):  # else jaxllm's default, to be replaced
+        _check_tokenizer(cfg, path, found_in)
+    return arch, given, cfg
+
+
+def _import(directory: str, overrides: dict[str, str], found_in: str | None = None
+            ) -> tuple[config.Config, config.Resolved, dict]:
+    """``(config as given, resolved config, params)`` of a Hugging Face directory; see :func:`from_hf`."""
+    arch, given, cfg = _config(directory, overrides, found_in)
     return given, cfg, params_from_hf(arch, cfg.model, read_safetensors(directory))
 
 
@@ -230,7 +293,9 @@ def from_hf(directory: str, overrides: dict[str, str] | None = None) -> tuple[co
       (padding rows zero; see :func:`jaxllm.formats.hf.to_hf` for the layouts).
     Raises:
       ConvertError: missing or pickle-only files, an unsupported config.json (``keys`` names the
-        key), tensors missing, of the wrong shape or left over, or a model key that may not be set.
+        key), tensors missing, of the wrong shape or left over, a model key that may not be set, or a
+        ``data.tokenizer`` of more tokens than config.json's ``vocab_size`` (training's check,
+        :func:`_check_tokenizer`).
       ConfigError: an unknown key or unparsable value, or an invalid resulting config (e.g. an
         empty ``data.input``; its files are read by training, not here).
     """
@@ -312,24 +377,42 @@ def import_to_workdir(directory: str, workdir: str, overrides: dict[str, str] | 
     ``overrides`` set ``data.tokenizer`` or ``data.gpt2_dir``, the tokenizer found in ``directory`` is
     copied to ``workdir/tokenizer`` and used: GPT-2's (``data.tokenizer=gpt2``), else the model's
     ``tokenizer.json`` or SentencePiece ``tokenizer.model`` (``data.tokenizer=workdir/tokenizer``).
-    ``config.py`` holds the config as given (derived sizes left to ``jaxllm.train``).
+    ``config.py`` holds the config as given (derived sizes left to ``jaxllm.train``).  The config is checked as
+    training will check it (the tokenizer against ``vocab_size`` too: :func:`_check_tokenizer`) before anything is
+    written; a failed import leaves nothing (:func:`jaxllm.formats.workdir.importing`).
 
     Returns the resolved config. Raises what :func:`from_hf` raises, and ConvertError when
     ``workdir`` already has checkpoints.
     """
     overrides = dict(overrides or {})
-    with importing(workdir, "jaxllm.convert --from-hf"):
-        tok_dir = os.path.abspath(os.path.join(workdir, "tokenizer"))
+    with tempfile.TemporaryDirectory(prefix="jaxllm-import-") as tmp:
+        # the tokenizer found (copied to scratch) and the config checked as training will check it: nothing written
+        found, found_in, scratch = {}, None, os.path.join(tmp, "tokenizer")
         if "data.tokenizer" not in overrides and "data.gpt2_dir" not in overrides:
-            hf_path = os.path.join(directory, "config.json")
-            vocab = read_json(hf_path).get("vocab_size", 0) if os.path.isfile(hf_path) else 0
-            if vocab >= GPT2_VOCAB_SIZE and _find_gpt2_tokenizer(directory, tok_dir):
-                overrides.update({"data.tokenizer": "gpt2", "data.gpt2_dir": tok_dir})
-            elif _find_model_tokenizer(directory, tok_dir):
-                overrides["data.tokenizer"] = tok_dir
-        given, cfg, params = _import(directory, overrides)
-        _save(workdir, cfg, params, given, directory)
+            found = _find_tokenizer(directory, scratch)
+            found_in = directory if found else None
+        _config(directory, {**overrides, **found}, found_in)
+        with importing(workdir, "jaxllm.convert --from-hf"):
+            if found:
+                tok_dir = os.path.abspath(os.path.join(workdir, "tokenizer"))
+                shutil.copytree(scratch, tok_dir)
+                found = {k: tok_dir if v == scratch else v for k, v in found.items()}
+            given, cfg, params = _import(directory, {**overrides, **found}, found_in)
+            _save(workdir, cfg, params, given, directory)
     return cfg
+
+
+def _find_tokenizer(directory: str, dest: str) -> dict[str, str]:
+    """The ``data.*`` options of the tokenizer in a Hugging Face directory, copied into ``dest``: GPT-2's
+    (:func:`_find_gpt2_tokenizer`, for a ``vocab_size`` of at least GPT-2's), else the model's own
+    (:func:`_find_model_tokenizer`); ``{}``, with nothing written, if it has none."""
+    hf_path = os.path.join(directory, "config.json")
+    vocab = read_json(hf_path).get("vocab_size", 0) if os.path.isfile(hf_path) else 0
+    if isinstance(vocab, int) and vocab >= GPT2_VOCAB_SIZE and _find_gpt2_tokenizer(directory, dest):
+        return {"data.tokenizer": "gpt2", "data.gpt2_dir": dest}
+    if _find_model_tokenizer(directory, dest):
+        return {"data.tokenizer": dest}
+    return {}
 
 
 def _save(workdir: str, cfg: config.Resolved, params: dict, given: config.Config, directory: str) -> None:

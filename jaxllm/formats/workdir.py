@@ -97,4 +97,23 @@ def save_imported(workdir: str, cfg: config.Resolved, state: dict, step: int, gi
     ckpt.maybe_save(step, state, force=True)
     ckpt.close()
     with open(os.path.join(workdir, "config.py"), "w") as fp:
-        fp.write(config_file_text(given, source, what))
+        fp.write(config_file_text(anchored(given), source, what))
+
+
+# The data keys that name files, as typed: relative to the directory the import ran in (data.cache_dir's relative
+# path is under WORKDIR, as the run's own).
+PATH_KEYS = ("input", "file_list", "tokenizer", "gpt2_dir")
+
+
+def anchored(given: config.Config) -> config.Config:
+    """``given`` with each relative path of :data:`PATH_KEYS` that names a file or folder here made absolute (a
+    blend's prefixes word by word, its weights kept), so that the run's ``config.py`` trains from any directory."""
+    out = config.from_dict(given.to_dict())
+    for key in PATH_KEYS:
+        value = getattr(out.data, key)
+        if os.path.exists(value):
+            setattr(out.data, key, os.path.abspath(value))
+        elif key == "input":  # "W1 PREFIX1 W2 PREFIX2": each prefix whose .bin (or the file) exists
+            out.data.input = " ".join(os.path.abspath(w) if os.path.exists(w) or os.path.exists(w + ".bin") else w
+                                      for w in value.split())
+    return out

@@ -139,7 +139,8 @@ class GPT(nnx.Module):
     Args:
       cfg: the ``model`` section of a resolved config (:class:`jaxllm.config.Model`).
       rngs: ``nnx.Rngs`` for initialization: normal(0, ``init_std``), output projections
-        of each layer scaled by ``1/sqrt(2 * num_layers)`` (GPT-2, Megatron-LM).
+        of each layer scaled by ``1/sqrt(2 * num_layers)`` (GPT-2, Megatron-LM); the embedding's row of
+        ``model.pad_token_id`` zero.
       ops: how a parallel layout enters (:class:`Ops`); default: one device.  Without an attention, the
         plain one of ``cfg.attention_impl`` (:func:`jaxllm.model.attention.implementation`) is bound here.
     """
@@ -150,6 +151,8 @@ class GPT(nnx.Module):
         self.cfg, self.ops = cfg, ops
         vocab, padded = cfg.vocab_size, cfg.padded_vocab_size
         self.wte = layers.param(rngs.params(), (vocab, cfg.hidden_size), cfg.init_std, ("vocab", "embed"), (0, padded))
+        if cfg.pad_token_id >= 0:  # the padding row starts at zero, as nn.Embedding(padding_idx=...)'s
+            self.wte[cfg.pad_token_id] = 0.0
         self.wpe = (layers.param(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std,
                            (None, "embed")) if cfg.position_embedding == "learned" else None)
 
@@ -305,9 +308,13 @@ class GPT(nnx.Module):
 
     def token_embedding(self, tokens, positions):
         """Token (+ learned position) embeddings ``[batch, len, embed]`` in ``model.dtype``, no dropout; the token
-        embeddings times ``sqrt(hidden_size)`` with ``model.scale_embeddings`` (Gemma's)."""
+        embeddings times ``sqrt(hidden_size)`` with ``model.scale_embeddings`` (Gemma's).  The lookups of
+        ``model.pad_token_id`` pass no gradient to its row (torch's ``nn.Embedding(padding_idx=...)``, transformers'
+        embedding of every family but GPT-2's)."""
         dt = jnp.dtype(self.cfg.dtype)
         x = self.ops.embed(self.ops.param(self.wte[...].astype(dt), ("vocab", "embed")), tokens)
+        if self.cfg.pad_token_id >= 0:
+            x = jnp.where((tokens == self.cfg.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         if self.cfg.scale_embeddings:  # sqrt(hidden), in the embeddings' dtype (as transformers' buffer)
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, dt)
         if self.wpe is not None:  # a small table, gathered whole (the partitioner cannot split a gather on `embed`)

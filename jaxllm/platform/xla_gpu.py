@@ -18,13 +18,16 @@ and cuDNN's workspace, which XLA sizes when it builds the cuDNN graph on a devic
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import importlib.resources
 import importlib.util
 import math
 import os
 import re
-from collections.abc import Mapping
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 from jaxllm.platform import gpu_env
@@ -89,6 +92,28 @@ def devices(name: str, count: int) -> list:
 # deviceless data for it: cudaErrorInvalidDevice, e.g. the experts' sort of a micro batch's token copies); without
 # a GPU, XLA's own sort
 DEVICELESS = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"}
+# What XLA:GPU's C++ prints only because no GPU is here (the sort it falls back to is what DEVICELESS asks for)
+DEVICELESS_NOTES = re.compile(rb"W\d{4} [^\n]*sort_rewriter\.cc:\d+\] Using fallback sort algorithm")
+
+
+@contextlib.contextmanager
+def deviceless_notes_dropped() -> Iterator[None]:
+    """Inside (a compile for GPUs that are not here): what is written to file descriptor 2 is held back, then
+    written there without the lines of :data:`DEVICELESS_NOTES`."""
+    sys.stderr.flush()
+    console = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(console, 2)
+            os.close(console)
+            held.seek(0)
+            os.write(2, b"".join(line for line in held if not DEVICELESS_NOTES.match(line)))
+
+
 def compiler_options(environ: Mapping[str, str] | None = None) -> dict[str, bool | int | str]:
     """The XLA flags a CUDA run of ``python -m jaxllm.train`` gets from :mod:`jaxllm.platform.gpu_env` and
     :data:`DEVICELESS`, as ``compile(compiler_options=...)`` takes them: ``{flag without --: bool, int or text}``,

@@ -266,13 +266,8 @@ class Checkpointer:
         self._check_optimizer_matches(step, saved or {}, tier.directory)
 
     def _check_data_matches(self, where: str, step: int, saved: dict, run: dict) -> None:
-        ours, theirs = self.run.get("tokenizer"), run.get("tokenizer")
-        if ours and theirs and ours["sha256"] != theirs["sha256"]:
-            what = lambda t: f"{t['name']}, {t['vocab_size']} tokens, sha256 {t['sha256'][:12]}"  # noqa: E731
-            raise ConfigError("data.tokenizer", self.config["data"]["tokenizer"],
-                              f"{where} was trained with another tokenizer ({what(theirs)}; this run's: {what(ours)}): "
-                              "its token ids stand for other text; resume with the tokenizer (and, for char, the "
-                              "data.input) it was trained with, or train in another --workdir")
+        _check_tokenizer_matches(where, self.config["data"]["tokenizer"], self.run.get("tokenizer"),
+                                 run.get("tokenizer"))
         length = saved.get("train", {}).get("seq_length")  # step 0 (an import) has read no data yet
         if step and length is not None and length != self.config["train"]["seq_length"]:
             raise ConfigError("train.seq_length", self.config["train"]["seq_length"],
@@ -399,6 +394,40 @@ class Checkpointer:
                 tier.manager.close()
                 if tier.stale:  # a save failed: what its writes left since it was said
                     tier.remove_partial(settle_s=1.0)
+
+
+def _check_tokenizer_matches(where: str, value: str, ours: dict | None, theirs: dict | None) -> None:
+    """Raises ConfigError (``data.tokenizer``, ``value``) when two tokenizer fingerprints (``tokenizer_fingerprint``,
+    None: unknown) differ: ``where``'s (a checkpoint) and this run's."""
+    if ours and theirs and ours["sha256"] != theirs["sha256"]:
+        what = lambda t: f"{t['name']}, {t['vocab_size']} tokens, sha256 {t['sha256'][:12]}"  # noqa: E731
+        raise ConfigError("data.tokenizer", value,
+                          f"{where} was trained with another tokenizer ({what(theirs)}; this run's: {what(ours)}): "
+                          "its token ids stand for other text; resume with the tokenizer (and, for char, the "
+                          "data.input) it was trained with, or train in another --workdir")
+
+
+def check_resume_tokenizer(workdir: str, value: str, tokenizer) -> None:
+    """Before a run tokenizes its text with ``tokenizer`` (``data.tokenizer=value``): the refusal that resuming
+    would give (:meth:`Checkpointer.restore`) when the newest checkpoint in ``WORKDIR/checkpoints`` was trained with
+    another tokenizer, so that nothing is written first.  Reads, writes nothing.
+
+    Raises:
+      ConfigError: ``data.tokenizer``, as the resume's.
+    """
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(directory):
+        return
+    manager = tiers.shared_manager(workdir)
+    try:
+        step = manager.latest_step()
+        if step is None or not os.path.isdir(os.path.join(directory, str(step), "run")):
+            return
+        run = manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"] or {}
+    finally:
+        manager.close()
+    _check_tokenizer_matches(f"the checkpoint at step {step} in {directory}", value, tokenizer_fingerprint(tokenizer),
+                             run.get("tokenizer"))
 
 
 def load_config(workdir: str, step: int | None = None) -> config.Config:
