@@ -20,6 +20,8 @@ lm-eval would use; byte and char runs, which have no such token, use a newline.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import lm_eval.models  # noqa: F401  (lm-eval's own models: its get_model adds them only to an empty registry)
@@ -29,6 +31,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from jaxllm import cli
 from jaxllm.api import load
 from jaxllm.data.tokenizers import HFTokenizer, SentencePieceTokenizer
 from jaxllm.model import gpt
@@ -203,10 +206,20 @@ class JaxLLM(TemplateLM):
         return out
 
 
+def check_output_path(argv: list[str]) -> None:
+    """lm-eval's ``--output_path`` / ``-o`` in ``argv`` (a folder, or a ``.json`` file), checked as jaxllm's tools
+    check what they write (:func:`jaxllm.cli.check_output`), before a model is loaded.  Raises ConfigError."""
+    for i, arg in enumerate(argv):
+        path = arg.split("=", 1)[1] if arg.startswith("--output_path=") else (
+            argv[i + 1] if arg in ("--output_path", "-o") and i + 1 < len(argv) else None)
+        if path:
+            cli.check_output("--output_path", path, directory=not path.endswith(".json"))
+
+
 if __name__ == "__main__":
     from lm_eval.__main__ import cli_evaluate
 
-    from jaxllm import cli
-
     with cli.stoppable("jaxllm.harness", "lm-eval writes its results at the end: none written"):
+        with cli.usage_errors():  # lm-eval's results (a folder, or a .json file), checked before any request
+            check_output_path(sys.argv[1:])
         cli_evaluate()

@@ -7,7 +7,8 @@ as a horizontal line.  A resumed run appends to the file; where a step was logge
 (a run killed after its last checkpoint repeats those steps) the later record wins.
 Prints the last validation loss and its margin below the unigram entropy.
 
-Exit codes: 0 written; 2 no metrics file, or it has no training records.
+Exit codes: 0 written; 2 no metrics file, or it has no training records; 130 Ctrl-C, 143 SIGTERM (nothing
+written).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import json
 import os
 import sys
+
+from jaxllm import cli
 
 
 class PlotError(ValueError):
@@ -97,6 +100,7 @@ def plot(runs, output: str, title: str = "") -> None:
             os.unlink(tmp)
 
 
+@cli.stoppable("jaxllm.plot")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxllm.plot", description=__doc__.split("\n\n")[0])
     p.add_argument("workdir", help="a training run's --workdir (holds metrics.jsonl)")

@@ -167,8 +167,9 @@ def test_unwritable_outputs_of_prepare_and_convert_are_one_line(tmp_path):
 
 
 def test_unwritable_outputs_of_plan_bench_tune_and_inspect_data_are_one_line(tmp_path):
-    """What each planning and data tool writes, refused before any compile when it cannot be written: a file in a
-    read-only folder, a directory given for a file, a file given for a folder; nothing created."""
+    """What each planning and data tool (and lm-eval's results) writes, refused before any compile or model load
+    when it cannot be written: a file in a read-only folder, a directory given for a file, a file given for a
+    folder; nothing created."""
     readonly, file = tmp_path / "ro", write(tmp_path / "file", "x\n")
     readonly.mkdir()
     tiny = TINY[:3]
@@ -179,7 +180,10 @@ def test_unwritable_outputs_of_plan_bench_tune_and_inspect_data_are_one_line(tmp
              ("jaxllm.inspect_data", [*tiny, "--steps=0:1", f"--output={readonly / 'b.npy'}"], "--output",
               readonly / "b.npy", "cannot be written (Read-only file system"),
              ("jaxllm.inspect_data", [*tiny, "--steps=0:1", f"--output={tmp_path / 'b.npy'}", f"--workdir={file}"],
-              "--workdir", file, "is a file; give a directory")]
+              "--workdir", file, "is a file; give a directory"),
+             ("jaxllm.harness", ["--model", "jaxllm", "--model_args", f"workdir={tmp_path / 'none'}", "--tasks",
+                                 "hellaswag", "--output_path", str(readonly / "results")], "--output_path",
+              readonly / "results", "cannot be written (Read-only file system")]
     for module, args, flag, path, cause in cases:
         line = one_line(run(*args, module=module, read_only=readonly))
         assert line.startswith(f"config error: {flag}='{path}': {cause}"), (module, line)
