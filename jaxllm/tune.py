@@ -449,9 +449,9 @@ def _target(F) -> tuple[float | None, tuple | None, str | None]:
     if F.device:
         memory = named_device(F.device)[0]
         gpu = F.device if F.device in xla_gpu.SPECS and not F.cluster and jax.default_backend() == "cpu" else None
-    if gpu and xla_gpu.unavailable(gpu):  # as jaxllm.plan --device does: this machine's compiler, with a note
-        print(f"note: measured on this machine with {gpu}'s memory, not predicted for it: "
-              f"{xla_gpu.unavailable(gpu)}", flush=True)
+    why = xla_gpu.unavailable(gpu) if gpu else None  # (it starts the CUDA plugin's compiler: once)
+    if why:  # as jaxllm.plan --device does: this machine's compiler, with a note
+        print(f"note: measured on this machine with {gpu}'s memory, not predicted for it: {why}", flush=True)
         gpu = None
     if F.device_memory:
         memory = plan.parse_bytes(F.device_memory)
