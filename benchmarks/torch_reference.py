@@ -410,12 +410,12 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, repeats: in
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """Peak dense FLOP/s of ``device`` in ``dtype`` and its source: jaxllm's datasheet table
     (:func:`jaxllm.platform.hardware.lookup_peak_flops` on the GPU's name, the same key jaxllm matches on
-    ``device_kind``), else a measured matmul (8192 on GPUs, 2048 on CPUs, as jaxllm)."""
+    ``device_kind``), else a measured matmul of jaxllm's size (``hardware.measured_matmul_size``)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     found = hardware.lookup_peak_flops(name, dtype)
     if found is not None:
         return found[0], f"datasheet PEAK_FLOPS[{found[1]!r}] {dtype}"
-    n = 8192 if device.type == "cuda" else 2048
+    n = hardware.measured_matmul_size("cpu" if device.type == "cpu" else "gpu")
     where = "cpu" if device.type == "cpu" else f"{name!r} (not in PEAK_FLOPS)"
     return measure_matmul(device, DTYPES[dtype], n), f"measured torch matmul on {where} ({n}x{n} {dtype})"
 

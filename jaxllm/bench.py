@@ -350,7 +350,7 @@ def run_apart(name: str, F) -> dict:
 
 
 @cli.stoppable("jaxllm.bench", "the configs measured before it are in --output")
-def main(argv):
+def _main(argv):
     from absl import flags  # noqa: PLC0415
 
     F = flags.FLAGS
@@ -392,21 +392,34 @@ def main(argv):
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    from absl import app, flags, logging
+def define_flags(fv, argv) -> None:
+    """``python -m jaxllm.bench``'s flags, in the ``FlagValues`` ``fv`` (``argv``: the command's arguments)."""
+    from absl import flags  # noqa: PLC0415
 
-    logging.set_verbosity(logging.WARNING)
-    cli.define_config_flag()
-    flags.DEFINE_integer("devices", 0, "devices to run on (CPU: fake devices); 0: all")
-    flags.DEFINE_integer("steps", 10, "timed steps")
-    flags.DEFINE_integer("warmup", 2, "untimed steps after compilation")
-    flags.DEFINE_string("data", "synthetic", "synthetic (random tokens) or real (the config's data)")
-    flags.DEFINE_string("workdir", "runs/bench", "where real data is tokenized (WORKDIR/data)")
-    flags.DEFINE_string("output", "runs/bench/bench.jsonl", "JSONL file; one line per benchmarked config is appended")
+    cli.define_config_flag(argv, fv)
+    flags.DEFINE_integer("devices", 0, "devices to run on (CPU: fake devices); 0: all", flag_values=fv)
+    flags.DEFINE_integer("steps", 10, "timed steps", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed steps after compilation", flag_values=fv)
+    flags.DEFINE_string("data", "synthetic", "synthetic (random tokens) or real (the config's data)", flag_values=fv)
+    flags.DEFINE_string("workdir", "runs/bench", "where real data is tokenized (WORKDIR/data)", flag_values=fv)
+    flags.DEFINE_string("output", "runs/bench/bench.jsonl", "JSONL file; one line per benchmarked config is appended",
+                        flag_values=fv)
     flags.DEFINE_string("compare", "", "more configs: ';'-separated lists of ','-separated SECTION.KEY=VALUE "
                         "overrides of --config, e.g. 'mesh.data=4,mesh.tensor=2;model.remat=full' (each config "
-                        "then runs in a process of its own)")
+                        "then runs in a process of its own)", flag_values=fv)
     flags.DEFINE_string("profile", "", "a folder: profile steps after the timed ones, write the trace there and "
-                        "print the device time by category (GPUs)")
-    flags.DEFINE_integer("profile_steps", 2, "steps profiled with --profile")
-    app.run(main, flags_parser=cli.parse_flags)
+                        "print the device time by category (GPUs)", flag_values=fv)
+    flags.DEFINE_integer("profile_steps", 2, "steps profiled with --profile", flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxllm.bench ARGV``; with ``argv`` (a list) in this process, returning the exit status
+    (:func:`jaxllm.cli.run_tool`)."""
+    from absl import logging  # noqa: PLC0415
+
+    logging.set_verbosity(logging.WARNING)
+    return cli.run_tool(_main, define_flags, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,14 +34,18 @@ MAX_HOST_DEVICES = 2048
 MAX_STAND_INS = 1024
 _STAND_INS: list = []  # the threads of stand_in_processes, each holding its client in the job until _LEAVE
 _LEAVE = threading.Event()
+_IN_PROCESS: list[str] = []  # the tools run_tool is running in this process, innermost last
 
 
 def exit_now(code: int = 0):
     """Exits with ``code`` without Python's teardown (``os._exit``, the output flushed first): a process of
     thousands of fake devices would wait for XLA:CPU to join their threads (a thread each) one by one, and
-    one with :func:`stand_in_processes` for them at the ``jax.distributed`` shutdown barrier."""
+    one with :func:`stand_in_processes` for them at the ``jax.distributed`` shutdown barrier.  Inside
+    :func:`run_tool`'s call of a tool: ``SystemExit(code)``, the caller's process goes on."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if _IN_PROCESS:
+        raise SystemExit(code)
     os._exit(code)
 
 
@@ -151,6 +155,45 @@ def check_output(flag: str, path: str, *, directory: bool = True) -> None:
                           "write") from None
 
 
+def run_tool(main, define_flags, argv: list[str] | None = None) -> int:
+    """A tool built on absl (``jaxllm.train``, ``plan``, ``bench``, ``tune``, ``generate``, ``inspect_data``),
+    ``main`` its absl main and ``define_flags(flag_values, argv)`` its flags.
+
+    ``argv`` None: the tool is this process (``python -m jaxllm.TOOL``): absl's ``app.run`` with the flags defined
+    in absl's global ``FLAGS`` (its ``--help``, its logging); exits.  A list (the arguments after
+    ``python -m jaxllm.TOOL``): the tool runs in this process, as that command would, and returns its exit status.
+    Its flags are parsed into a ``FlagValues`` of this call, which the tool sees as ``absl.flags.FLAGS`` (and
+    ``sys.argv`` as the command's) while it runs; both, and ``os.environ`` (the XLA and GPU settings a tool makes
+    before a backend starts), are as they were when it returns, so calls leave nothing to the next.  It prints what
+    the process would (one line on stderr for a bad flag, config or data).  What a process fixes once stays this
+    process's: its JAX backend and device count (a tool asking for more devices than this process has is refused
+    as on such a machine), and the console of a training run that started (``platform/console.py``).
+    """
+    from absl import app, flags  # noqa: PLC0415
+
+    if argv is None:
+        define_flags(flags.FLAGS, sys.argv)
+        app.run(main, flags_parser=parse_flags)
+    command = [sys.modules[main.__module__].__file__, *map(str, argv)]
+    saved = flags.FLAGS, sys.argv, dict(os.environ)
+    flags.FLAGS, sys.argv = flags.FlagValues(), command
+    _IN_PROCESS.append(main.__module__)
+    try:
+        define_flags(flags.FLAGS, command)
+        main(parse_flags(command))
+        return 0
+    except SystemExit as e:  # what sys.exit(code) makes the process's status
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    finally:
+        _IN_PROCESS.pop()
+        flags.FLAGS, sys.argv = saved[:2]
+        os.environ.clear()
+        os.environ.update(saved[2])
+
+
 def devices_from_argv(argv, default: int = 0, flag: str = "devices") -> int:
     """The value of ``--devices=N`` / ``--devices N`` (or of ``flag``) in ``argv`` (``default`` when absent or not
     an int)."""
@@ -173,21 +216,28 @@ def force_host_devices(argv, limit: int = MAX_HOST_DEVICES) -> None:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
 
 
-def define_config_flag(argv: list[str] | None = None) -> None:
+def define_config_flag(argv: list[str] | None = None, flag_values=None) -> None:
     """``--config=FILE.py[:ARG]`` (ml-collections) with ``--config.SECTION.KEY=VALUE`` overrides;
     default: :mod:`jaxllm.default_config`, every default of :mod:`jaxllm.config`.
 
     ml-collections reads the default config and the overrides in ``argv`` (default ``sys.argv``)
     already here, so they are checked first: an unknown key, a missing config file or one that
-    does not load is one line on stderr and exit status 2 (see :func:`parse_flags`).
+    does not load is one line on stderr and exit status 2 (see :func:`parse_flags`).  The flag goes into
+    ``flag_values`` (default absl's global ``FLAGS``).
     """
+    from absl import flags  # noqa: PLC0415
     from ml_collections import config_flags  # noqa: PLC0415
 
     argv = sys.argv if argv is None else argv
     _check_config_args(argv)
+    # ml-collections loads each config file as the module "config_config" (the flag's name + "_config") through
+    # SourceFileLoader.load_module, which runs a file in the module an earlier load left: a file without
+    # get_config() would get the previous file's (a second tool run in this process, jaxllm.cli.run_tool)
+    sys.modules.pop("config_config", None)
     try:
         config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "default_config.py"),
-                                        "config file, e.g. configs/shakespeare_char.py or configs/gpt3.py:GPT125M")
+                                        "config file, e.g. configs/shakespeare_char.py or configs/gpt3.py:GPT125M",
+                                        flag_values=flags.FLAGS if flag_values is None else flag_values)
     except Exception as e:  # noqa: BLE001  the default config with the overrides failed to load
         fail(f"config error: {_file_error(e)}")
 

@@ -7,13 +7,13 @@ Samples from the last checkpoint of a training run (:func:`jaxllm.load`, then th
 from __future__ import annotations
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from jaxllm import api, cli
 
 
 @cli.stoppable("jaxllm.generate")
-def main(argv):
+def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
     F = flags.FLAGS
@@ -29,12 +29,22 @@ def main(argv):
         print("-" * 40)
 
 
+def define_flags(fv, argv) -> None:
+    """``python -m jaxllm.generate``'s flags, in the ``FlagValues`` ``fv`` (``argv``: the command's arguments)."""
+    flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)", required=True, flag_values=fv)
+    flags.DEFINE_string("prompt", "", "text to continue; empty: start from a newline", flag_values=fv)
+    flags.DEFINE_integer("num_tokens", 256, "tokens to generate per sample", flag_values=fv)
+    flags.DEFINE_integer("num_samples", 1, "samples to draw", flag_values=fv)
+    flags.DEFINE_float("temperature", 0.8, "softmax temperature (> 0)", flag_values=fv)
+    flags.DEFINE_integer("top_k", 200, "sample among the k most likely tokens (0: all)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxllm.generate ARGV``; with ``argv`` (a list) in this process, returning the exit status
+    (:func:`jaxllm.cli.run_tool`)."""
+    return cli.run_tool(_main, define_flags, argv)
+
+
 if __name__ == "__main__":
-    flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)", required=True)
-    flags.DEFINE_string("prompt", "", "text to continue; empty: start from a newline")
-    flags.DEFINE_integer("num_tokens", 256, "tokens to generate per sample")
-    flags.DEFINE_integer("num_samples", 1, "samples to draw")
-    flags.DEFINE_float("temperature", 0.8, "softmax temperature (> 0)")
-    flags.DEFINE_integer("top_k", 200, "sample among the k most likely tokens (0: all)")
-    flags.DEFINE_integer("seed", 0, "sampling seed")
-    app.run(main, flags_parser=cli.parse_flags)
+    main()

@@ -19,7 +19,7 @@ import re
 import uuid
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from jaxllm import cli
 from jaxllm.data.loader import Batches, Data
@@ -63,7 +63,7 @@ def write_batches(data: Data, split: str, steps: tuple[int, int], output: str) -
 
 
 @cli.stoppable("jaxllm.inspect_data")
-def main(argv):
+def _main(argv):
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
@@ -94,10 +94,21 @@ def main(argv):
         print(f"{name[-40:]:<40} {n:>9,} {n / total:>8.4f} {'' if w is None else f'{w:.4f}':>8}")
 
 
+def define_flags(fv, argv) -> None:
+    """``python -m jaxllm.inspect_data``'s flags, in the ``FlagValues`` ``fv`` (``argv``: the command's arguments)."""
+    cli.define_config_flag(argv, fv)
+    flags.DEFINE_string("workdir", "runs/default", "run directory (text inputs are prepared into WORKDIR/data)",
+                        flag_values=fv)
+    flags.DEFINE_string("steps", None, "A:B: the batches of steps A..B-1", required=True, flag_values=fv)
+    flags.DEFINE_enum("split", "train", ["train", "valid"], "train, or valid: the validation batches", flag_values=fv)
+    flags.DEFINE_string("output", None, "FILE.npy to write", required=True, flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxllm.inspect_data ARGV``; with ``argv`` (a list) in this process, returning the exit status
+    (:func:`jaxllm.cli.run_tool`)."""
+    return cli.run_tool(_main, define_flags, argv)
+
+
 if __name__ == "__main__":
-    cli.define_config_flag()
-    flags.DEFINE_string("workdir", "runs/default", "run directory (text inputs are prepared into WORKDIR/data)")
-    flags.DEFINE_string("steps", None, "A:B: the batches of steps A..B-1", required=True)
-    flags.DEFINE_enum("split", "train", ["train", "valid"], "train, or valid: the validation batches")
-    flags.DEFINE_string("output", None, "FILE.npy to write", required=True)
-    app.run(main, flags_parser=cli.parse_flags)
+    main()

@@ -33,7 +33,7 @@ if __name__ == "__main__":  # the device count must be fixed before jax is impor
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from jaxllm import cli, config  # noqa: E402
 from jaxllm.analysis import collectives as comms  # noqa: E402
@@ -359,7 +359,7 @@ def gpu_target(device: str | None, backend: str | None, num_devices: int, compil
 
 
 @cli.stoppable("jaxllm.plan")
-def main(argv):
+def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
@@ -399,21 +399,33 @@ def main(argv):
     cli.exit_now()  # XLA:CPU would join a thread per fake device
 
 
-if __name__ == "__main__":
-    cli.define_config_flag()
-    flags.DEFINE_integer("devices", 1, "number of devices to plan for")
+def define_flags(fv, argv) -> None:
+    """``python -m jaxllm.plan``'s flags, in the ``FlagValues`` ``fv`` (``argv``: the command's arguments)."""
+    cli.define_config_flag(argv, fv)
+    flags.DEFINE_integer("devices", 1, "number of devices to plan for", flag_values=fv)
     flags.DEFINE_string("device", None, f"accelerator to plan for and check the memory of: {', '.join(DEVICES)}; "
-                        "cpu (the default): this machine's")
+                        "cpu (the default): this machine's", flag_values=fv)
     flags.DEFINE_enum("compiler", "auto", ["auto", "gpu", "cpu"], "who compiles the step: gpu, XLA:GPU for the "
                       f"--device ({', '.join(xla_gpu.SPECS)}; JAX's CUDA plugin installed, no GPU needed); cpu, this "
                       "machine's XLA (a GPU's memory figures, its flash attention interpreted); auto, gpu for one "
-                      "such device where it can, else cpu")
-    flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)")
+                      "such device where it can, else cpu", flag_values=fv)
+    flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB (overrides --device)", flag_values=fv)
     flags.DEFINE_string("cluster", None, f"also model the step's time on a cluster: {', '.join(CLUSTERS)} "
-                        "(its device is the --device; jaxllm/analysis/step_time.py)")
+                        "(its device is the --device; jaxllm/analysis/step_time.py)", flag_values=fv)
     flags.DEFINE_integer("devices_per_process", cli.MAX_HOST_DEVICES, "compile as processes of this many devices, this "
-                         "one's and stand-ins for the others (cli.stand_in_processes); the default is XLA:CPU's most")
-    flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")
+                         "one's and stand-ins for the others (cli.stand_in_processes); the default is XLA:CPU's most",
+                         flag_values=fv)
+    flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4",
+                       flag_values=fv)
     flags.DEFINE_string("output", None, "append the plan to this file as one JSON line (plan.record), with the "
-                        "compiled step's collectives by mesh axes")
-    app.run(main, flags_parser=cli.parse_flags)
+                        "compiled step's collectives by mesh axes", flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxllm.plan ARGV``; with ``argv`` (a list) in this process, returning the exit status
+    (:func:`jaxllm.cli.run_tool`)."""
+    return cli.run_tool(_main, define_flags, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,7 +34,7 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from jaxllm import cli, config
 from jaxllm.data import samples
@@ -481,7 +481,7 @@ def _refused(workdir: str, before: frozenset[str] | None, held: bool) -> None:
 
 
 @cli.stoppable("jaxllm.train", "nothing to save before the first training step")
-def main(argv):
+def _main(argv):
     started = time.perf_counter()
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
@@ -521,10 +521,21 @@ def main(argv):
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    cli.define_config_flag()
-    flags.DEFINE_string("workdir", "runs/default",
-                        "run directory: data cache, checkpoints, metrics.jsonl, tensorboard/")
+def define_flags(fv, argv) -> None:
+    """jaxllm.train's flags, in the ``FlagValues`` ``fv``: ``--config`` (:func:`jaxllm.cli.define_config_flag`),
+    ``--workdir`` and ``--check_devices``; ``argv``: the command's arguments, whose ``--config.*`` are checked."""
+    cli.define_config_flag(argv, fv)
+    flags.DEFINE_string("workdir", "runs/default", "run directory: data cache, checkpoints, metrics.jsonl, "
+                        "tensorboard/", flag_values=fv)
     flags.DEFINE_integer("check_devices", 0, "only check the config for this many devices (a launcher's dry run): "
-                         "nothing is started, read or written")
-    app.run(main, flags_parser=cli.parse_flags)
+                         "nothing is started, read or written", flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxllm.train ARGV``; with ``argv`` (a list) in this process, returning the exit status
+    (:func:`jaxllm.cli.run_tool`: a run that trains keeps this process's console as the process would)."""
+    return cli.run_tool(_main, define_flags, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -461,7 +461,7 @@ def _target(F) -> tuple[float | None, tuple | None, str | None]:
 
 
 @cli.stoppable("jaxllm.tune")
-def main(argv):
+def _main(argv):
     from absl import flags  # noqa: PLC0415
 
     F = flags.FLAGS
@@ -526,38 +526,57 @@ def main(argv):
         cli.exit_now()  # XLA:CPU would join a thread per fake device
 
 
-if __name__ == "__main__":
-    from absl import app, flags, logging
+def define_flags(fv, argv) -> None:
+    """``python -m jaxllm.tune``'s flags, in the ``FlagValues`` ``fv`` (``argv``: the command's arguments)."""
+    from absl import flags  # noqa: PLC0415
 
-    logging.set_verbosity(logging.WARNING)
-    cli.define_config_flag()
-    flags.DEFINE_integer("devices", 0, "devices to lay out (CPU: fake devices); 0: all")
-    flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)")
+    cli.define_config_flag(argv, fv)
+    flags.DEFINE_integer("devices", 0, "devices to lay out (CPU: fake devices); 0: all", flag_values=fv)
+    flags.DEFINE_string("budget", "20", "measured candidates (20) or wall time (10m, 90s)", flag_values=fv)
     flags.DEFINE_string("device", None, f"accelerator whose memory to prune against: {', '.join(DEVICES)}; on a "
-                        f"machine without it, {', '.join(xla_gpu.SPECS)} are ranked by the predicted step time")
-    flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)")
+                        f"machine without it, {', '.join(xla_gpu.SPECS)} are ranked by the predicted step time",
+                        flag_values=fv)
+    flags.DEFINE_string("device_memory", None, "memory per device to prune against, e.g. 4GiB (overrides --device)",
+                        flag_values=fv)
     flags.DEFINE_string("axes", "auto", "mesh axes to factorize the devices over (auto: every axis, expert only "
-                        "for a mixture of experts)")
-    flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)")
-    flags.DEFINE_string("remat", "none,full,save_dots", "remat policies")
+                        "for a mixture of experts)", flag_values=fv)
+    flags.DEFINE_string("micro_batch", "auto", "micro batch sizes (auto: every divisor of the global batch)",
+                        flag_values=fv)
+    flags.DEFINE_string("remat", "none,full,save_dots", "remat policies", flag_values=fv)
     flags.DEFINE_string("attention", "auto",
-                        "attention impls (auto: those that run here; not Pallas's CPU interpreter)")
-    flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1")
+                        "attention impls (auto: those that run here; not Pallas's CPU interpreter)", flag_values=fv)
+    flags.DEFINE_string("virtual_stages", "1,2", "pipeline virtual stages tried when mesh.pipeline > 1", flag_values=fv)
     flags.DEFINE_string("pipeline_schedules", ",".join(config.choices("parallel.pipeline_schedule")),
-                        "pipeline schedules tried when mesh.pipeline > 1 (interleaved ones: virtual stages > 1)")
+                        "pipeline schedules tried when mesh.pipeline > 1 (interleaved ones: virtual stages > 1)",
+                        flag_values=fv)
     flags.DEFINE_string("sequence_impls", "allgather,ring,ulysses",
                         "sequence_impl values tried when mesh.sequence > 1 (usp: with the base config's "
                         "parallel.ulysses_degree; left out by default, as the tuned devices are one node's, "
-                        "where its default is ulysses)")
-    flags.DEFINE_string("layer_loop", "auto", "model.layer_loop values tried (auto: the config's), e.g. scan,unrolled")
-    flags.DEFINE_string("sampler", "auto", "auto, grid or optuna")
-    flags.DEFINE_integer("seed", 0, "Optuna sampler seed")
-    flags.DEFINE_integer("steps", 3, "timed steps per measurement")
-    flags.DEFINE_integer("warmup", 1, "untimed steps per measurement")
-    flags.DEFINE_integer("confirm", 2, "re-measure the baseline and this many of the best at the end")
-    flags.DEFINE_string("workdir", "runs/tune", "where real data is tokenized when the vocabulary needs it")
-    flags.DEFINE_string("output_dir", "runs/tune", "where tune.md, tune.csv and tune.png go")
+                        "where its default is ulysses)", flag_values=fv)
+    flags.DEFINE_string("layer_loop", "auto", "model.layer_loop values tried (auto: the config's), e.g. scan,unrolled",
+                        flag_values=fv)
+    flags.DEFINE_string("sampler", "auto", "auto, grid or optuna", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "Optuna sampler seed", flag_values=fv)
+    flags.DEFINE_integer("steps", 3, "timed steps per measurement", flag_values=fv)
+    flags.DEFINE_integer("warmup", 1, "untimed steps per measurement", flag_values=fv)
+    flags.DEFINE_integer("confirm", 2, "re-measure the baseline and this many of the best at the end", flag_values=fv)
+    flags.DEFINE_string("workdir", "runs/tune", "where real data is tokenized when the vocabulary needs it",
+                        flag_values=fv)
+    flags.DEFINE_string("output_dir", "runs/tune", "where tune.md, tune.csv and tune.png go", flag_values=fv)
     flags.DEFINE_string("cluster", None, f"rank by the step-time model on a cluster instead of measuring: "
-                        f"{', '.join(CLUSTERS)} (needs --mfu)")
-    flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4")
-    app.run(main, flags_parser=cli.parse_flags)
+                        f"{', '.join(CLUSTERS)} (needs --mfu)", flag_values=fv)
+    flags.DEFINE_float("mfu", None, "with --cluster: the model FLOPs utilization of the compute, e.g. 0.4",
+                       flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxllm.tune ARGV``; with ``argv`` (a list) in this process, returning the exit status
+    (:func:`jaxllm.cli.run_tool`)."""
+    from absl import logging  # noqa: PLC0415
+
+    logging.set_verbosity(logging.WARNING)
+    return cli.run_tool(_main, define_flags, argv)
+
+
+if __name__ == "__main__":
+    main()

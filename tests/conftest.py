@@ -227,6 +227,25 @@ def run_python(*args, env: dict | None = None, timeout: int = 300) -> subprocess
     return r
 
 
+def run_tool(module: str, *args, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in this process, in ``cwd``, through the tool's ``main(argv)``
+    (:func:`jaxllm.cli.run_tool`): its exit status and what it printed, as ``subprocess.run(..., capture_output=True,
+    text=True)`` gives a process's.  For what needs no fresh process: flags, configs and the checks made before a
+    training run's console starts (signals, several processes and a run that trains stay processes)."""
+    import contextlib
+    import importlib
+    import io
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = importlib.import_module(module).main([str(a) for a in args])
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess([module, *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def word_sentences(words: list[str], n: int = 500, seed: int = 0) -> str:
     """``n`` lines of 3-9 words drawn from ``words``, each ending ``.``: a corpus a tiny model learns in a minute."""
     rng = np.random.default_rng(seed)

@@ -1,4 +1,5 @@
-"""Messages that used to mislead (issue 31), as real processes: each mistake is one line naming the real
+"""Messages that used to mislead (issue 31), as real processes (the flags' own, in this process through the tools'
+``main(argv)``, as the process gives them: conftest.run_tool): each mistake is one line naming the real
 cause and the fix (exit 2); Megatron's flags without ``--config.`` are taken for the keys they mean; an
 empty validation split skips evaluation as Megatron-LM does; the plot says above or below. The data is
 generated from the Python standard library: nothing from outside the repository."""
@@ -11,6 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import run_tool
 
 from jaxllm import cli
 from jaxllm.errors import ConfigError, DataError
@@ -94,8 +96,9 @@ def test_a_mesh_axis_that_does_not_divide_the_devices(tmp_path):
 
 
 def test_megatron_flags_without_config_are_taken_for_their_keys(prefix, tmp_path):
-    r = run("--check_devices=2", "--micro-batch-size", "4", "--global-batch-size=8", "--tensor-model-parallel-size",
-            "2", "--bf16", "--tokenizer-model", "/lus/x/tokenizer.model", "--tokenizer-type", "Llama2Tokenizer")
+    r = run_tool("jaxllm.train", "--check_devices=2", "--micro-batch-size", "4", "--global-batch-size=8",
+                 "--tensor-model-parallel-size", "2", "--bf16", "--tokenizer-model", "/lus/x/tokenizer.model",
+                 "--tokenizer-type", "Llama2Tokenizer")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[:5] == [
         "note: --micro-batch-size=4 (Megatron's) taken as --config.train.micro_batch_size=4",
@@ -108,9 +111,9 @@ def test_megatron_flags_without_config_are_taken_for_their_keys(prefix, tmp_path
     assert "config ok for 2 cpu devices: tensor 2, 2 microbatch(es)/step" in r.stdout  # 8 / (4 x 1)
     # Another tool: its own --split stays its flag; Megatron's --data-path takes the words up to the next flag.
     out = tmp_path / "batches.npy"
-    r = run("--data-path", "0.25", prefix, "0.75", prefix, "--seq-length", "16", "--micro-batch-size=2",
-            "--global-batch-size=2", "--split=train", "--steps=0:1", f"--output={out}", f"--workdir={tmp_path / 'w'}",
-            module="jaxllm.inspect_data")
+    r = run_tool("jaxllm.inspect_data", "--data-path", "0.25", prefix, "0.75", prefix, "--seq-length", "16",
+                 "--micro-batch-size=2", "--global-batch-size=2", "--split=train", "--steps=0:1", f"--output={out}",
+                 f"--workdir={tmp_path / 'w'}")
     assert r.returncode == 0, r.stderr
     import numpy as np
 
@@ -132,7 +135,7 @@ def test_megatron_flags_without_config_are_taken_for_their_keys(prefix, tmp_path
     (["--no-such-flag=1"], "Unknown command line flag 'no_such_flag'"),
 ])
 def test_megatron_flags_that_cannot_be_taken_are_one_line(tmp_path, args, words):
-    assert words in one_line(run(*args, f"--workdir={tmp_path / 'w'}"))
+    assert words in one_line(run_tool("jaxllm.train", *args, f"--workdir={tmp_path / 'w'}"))
     assert not (tmp_path / "w").exists()
 
 

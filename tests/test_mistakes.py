@@ -1,6 +1,9 @@
-"""A user's first mistakes and interruptions, as real processes: each gets one line and the right
-exit code, and nothing on disk is lost or left half-written."""
+"""A user's first mistakes and interruptions: each gets one line and the right exit code, and nothing on disk is
+lost or left half-written.  Real processes, but for the mistakes caught in the flags and the config, which the
+tool's ``main(argv)`` meets in this process as the process would (conftest.run_tool)."""
 
+import functools
+import importlib
 import json
 import os
 import signal
@@ -10,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare.txt"  # public domain (tests/data/README.md)
@@ -60,9 +64,29 @@ def write(path, text):
     (["--config=configs/gpt3.py:GPT999"], "unknown size; choose one of GPT125M"),
 ])
 def test_config_mistakes_are_one_line(tmp_path, args, words):
-    r = run(f"--workdir={tmp_path / 'w'}", *args)
+    r = run_tool("jaxllm.train", f"--workdir={tmp_path / 'w'}", *args)
     assert words in one_line(r)
     assert not (tmp_path / "w").exists()  # nothing written
+
+
+def test_a_tool_in_process_prints_and_exits_as_its_process(tmp_path):
+    """A tool's ``main(argv)`` in this process gives what ``python -m`` gives: exit status, stdout and stderr, one
+    call after another with nothing carried over (a mesh flag of one call is gone in the next; a config file
+    without get_config() is refused after files that had one), the environment as it was."""
+    empty = write(tmp_path / "empty.py", "x = 1\n")
+    calls = [("jaxllm.train", ["--check_devices=2", "--config.mesh.tensor=2"]),
+             ("jaxllm.train", ["--check_devices=2"]),
+             ("jaxllm.train", [f"--config={empty}", f"--workdir={tmp_path / 'w'}"]),
+             ("jaxllm.plan", [*TINY[:3], f"--output={tmp_path}"]),  # plan's refusals end through cli.exit_now
+             ("jaxllm.generate", ["--prompt=x"])]  # absl's required --workdir
+    for module, _ in calls:  # imported first: importing jax sets variables of its own, once
+        importlib.import_module(module)
+    environment = dict(os.environ)
+    for module, args in calls:
+        here = run_tool(module, *args)
+        process = run(*args, module=module)
+        assert (here.returncode, here.stdout, here.stderr) == (process.returncode, process.stdout, process.stderr)
+    assert dict(os.environ) == environment and not (tmp_path / "w").exists()
 
 
 def test_a_bad_config_is_its_one_line_without_jax_platforms(tmp_path):
@@ -80,12 +104,13 @@ def test_a_bad_config_is_its_one_line_without_jax_platforms(tmp_path):
 
 
 def test_broken_config_files_are_one_line(tmp_path):
+    train = functools.partial(run_tool, "jaxllm.train", f"--workdir={tmp_path / 'w'}")
     syntax = write(tmp_path / "syntax.py", "def get_config(:\n")
-    assert "SyntaxError at line 1" in one_line(run(f"--config={syntax}", f"--workdir={tmp_path / 'w'}"))
+    assert "SyntaxError at line 1" in one_line(train(f"--config={syntax}"))
     empty = write(tmp_path / "empty.py", "x = 1\n")
-    assert "defines no get_config()" in one_line(run(f"--config={empty}", f"--workdir={tmp_path / 'w'}"))
+    assert "defines no get_config()" in one_line(train(f"--config={empty}"))
     raising = write(tmp_path / "raising.py", "def get_config():\n    raise ValueError('no such recipe')\n")
-    assert "no such recipe" in one_line(run(f"--config={raising}", f"--workdir={tmp_path / 'w'}"))
+    assert "no such recipe" in one_line(train(f"--config={raising}"))
 
 
 @pytest.mark.parametrize("line, words", [
@@ -99,7 +124,7 @@ def test_mistakes_inside_a_config_file_are_the_command_lines_line(tmp_path, line
     a ``--config.*`` flag, nothing written."""
     bad = write(tmp_path / "bad.py", f"from jaxllm.config import get_config as base\n\n\ndef get_config():\n"
                                      f"    c = base()\n    {line}\n    return c\n")
-    assert one_line(run(f"--config={bad}", f"--workdir={tmp_path / 'w'}")) == words
+    assert one_line(run_tool("jaxllm.train", f"--config={bad}", f"--workdir={tmp_path / 'w'}")) == words
     assert not (tmp_path / "w").exists()
 
 
@@ -126,7 +151,7 @@ def test_launcher_dry_run_checks_the_config_it_would_run():
 
 def test_workdir_that_is_a_file(tmp_path):
     file = write(tmp_path / "file", "x\n")
-    assert "config error: --workdir=" in one_line(run(f"--workdir={file}", *TINY))
+    assert "config error: --workdir=" in one_line(run_tool("jaxllm.train", f"--workdir={file}", *TINY))
     assert file.read_text() == "x\n"
 
 

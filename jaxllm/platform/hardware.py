@@ -259,6 +259,14 @@ def lookup_peak_flops(device_kind: str, dtype="bfloat16") -> tuple[float, str] |
     return None
 
 
+def measured_matmul_size(platform: str) -> int:
+    """The side of the square matmul measured for a device without a datasheet peak: 1024 on CPUs, 8192 elsewhere
+    (a GPU is not near its peak on smaller ones).  On the 2-core machine (2026-12-02, idle) 1024 measured 305-319
+    GFLOP/s float32 against 2048's 310-334, and 1,481-1,551 bfloat16 against 1,110-1,184, in 0.07-0.24 s instead of
+    0.44-0.58 s of every run's start (2-6 s when the machine is loaded)."""
+    return 1024 if platform == "cpu" else 8192
+
+
 def _measure_matmul(device, dtype: str, n: int, repeats: int = 5) -> float:
     """FLOP/s of the fastest of ``repeats`` jitted ``[n, n] @ [n, n]`` matmuls on ``device``."""
     a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), dtype), device)
@@ -278,7 +286,7 @@ def peak_flops_per_device(device=None, dtype="bfloat16") -> tuple[float, str]:
 
     Known accelerators (:data:`PEAK_FLOPS`, matched on ``device.device_kind``): the
     datasheet number. Anything else (CPU, an unknown GPU, a dtype the table lacks): the
-    fastest of 5 jitted square matmuls in ``dtype`` (2048 on CPU, 8192 elsewhere),
+    fastest of 5 jitted square matmuls in ``dtype`` (:func:`measured_matmul_size`: 1024 on CPU, 8192 elsewhere),
     measured once per process and device kind and cached; on a shared CPU this is what
     the machine delivered at that moment, not a datasheet peak.
 
@@ -287,14 +295,14 @@ def peak_flops_per_device(device=None, dtype="bfloat16") -> tuple[float, str]:
       dtype: the compute dtype (``model.dtype``).
     Returns:
       ``(FLOP/s, source)``, e.g. ``(312e12, "datasheet PEAK_FLOPS['A100'] bfloat16")`` or
-      ``(1.8e11, "measured matmul on cpu (2048x2048 bfloat16)")``.
+      ``(1.8e11, "measured matmul on cpu (1024x1024 bfloat16)")``.
     """
     device = device if device is not None else jax.local_devices()[0]
     dtype = _dtype_name(dtype)
     found = lookup_peak_flops(device.device_kind, dtype)
     if found is not None:
         return found[0], f"datasheet PEAK_FLOPS[{found[1]!r}] {dtype}"
-    n = 2048 if device.platform == "cpu" else 8192
+    n = measured_matmul_size(device.platform)
     key = (device.platform, device.device_kind, dtype)
     if key not in _MEASURED:
         _MEASURED[key] = _measure_matmul(device, dtype, n)
