@@ -351,8 +351,9 @@ def run_apart(name: str, F) -> dict:
 
 @cli.stoppable("jaxllm.bench", "the configs measured before it are in --output")
 def _main(argv):
-    from absl import flags  # noqa: PLC0415
+    from absl import flags, logging  # noqa: PLC0415
 
+    logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
@@ -415,9 +416,6 @@ def define_flags(fv, argv) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxllm.bench ARGV``; with ``argv`` (a list) in this process, returning the exit status
     (:func:`jaxllm.cli.run_tool`)."""
-    from absl import logging  # noqa: PLC0415
-
-    logging.set_verbosity(logging.WARNING)
     return cli.run_tool(_main, define_flags, argv)
 
 

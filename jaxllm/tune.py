@@ -462,8 +462,9 @@ def _target(F) -> tuple[float | None, tuple | None, str | None]:
 
 @cli.stoppable("jaxllm.tune")
 def _main(argv):
-    from absl import flags  # noqa: PLC0415
+    from absl import flags, logging  # noqa: PLC0415
 
+    logging.set_verbosity(logging.WARNING)
     F = flags.FLAGS
     if len(argv) > 1:
         cli.fail(f"error: unexpected arguments: {' '.join(argv[1:])}")
@@ -572,9 +573,6 @@ def define_flags(fv, argv) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxllm.tune ARGV``; with ``argv`` (a list) in this process, returning the exit status
     (:func:`jaxllm.cli.run_tool`)."""
-    from absl import logging  # noqa: PLC0415
-
-    logging.set_verbosity(logging.WARNING)
     return cli.run_tool(_main, define_flags, argv)
 
 
