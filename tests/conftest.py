@@ -214,15 +214,19 @@ def shakespeare_byte(shakespeare_jsonl):
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+import forkserver  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_python(*args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python ARGS`` in the repository (env: default this one's with ``JAX_PLATFORMS=cpu``); asserts exit 0."""
+def run_python(*args, env: dict | None = None, timeout: int = 300, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python ARGS`` in the repository (env: default this one's with ``JAX_PLATFORMS=cpu``); asserts exit 0.
+    A child of a process that has imported jax (tests/forkserver.py), or with ``fresh`` a new interpreter (a
+    test of what a process imports)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"} if env is None else env
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    r = (subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+         if fresh else forkserver.run(args, env, ROOT, timeout))
     assert r.returncode == 0, f"{args[:2]}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return r
 

@@ -31,6 +31,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 E2E_BEGIN, E2E_END = "<!-- e2e -->", "<!-- /e2e -->"
@@ -171,8 +173,29 @@ def run(command: Command, sandbox: Path, timeout: int = 600) -> subprocess.Compl
         extra, argv = sub
         return subprocess.run(argv, cwd=sandbox, env={**env, **extra}, capture_output=True, text=True,
                               timeout=timeout)
-    return subprocess.run(["bash", "-c", as_tested(command)], cwd=sandbox, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return shell(as_tested(command), sandbox, env, timeout)
+
+
+def shell(text: str, cwd, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """``bash -c TEXT`` as ``subprocess.run(..., capture_output=True, text=True)`` gives it: a ``python`` command the
+    shell would pass on unchanged (:func:`python_command`) by a child of tests/forkserver.py's server."""
+    python = python_command(text)
+    if python is not None:
+        extra, args = python
+        return forkserver.run(args, {**env, **extra}, cwd, timeout)
+    return subprocess.run(["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def python_command(text: str) -> tuple[dict[str, str], list[str]] | None:
+    """``[NAME=VALUE ...] python ARGS`` that the shell would pass on as :func:`shlex.split` reads it (no ``$`` or
+    backquote, no operator, glob, brace, tilde or backslash outside quotes) -> (environment, ARGS); else None."""
+    quote = None
+    for c in text:
+        if c in "$`" or (quote is None and c in "|;&<>()*?[]{}~\\"):
+            return None
+        quote = (c if c in "'\"" else None) if quote is None else (None if c == quote else quote)
+    env, words = split_env(text)
+    return (env, words[1:]) if len(words) > 1 and words[0] in ("python", "python3") else None
 
 
 # Builds the config from jaxllm.train's flags as jaxllm.train does (absl's global flags) and validates it.
@@ -200,5 +223,4 @@ def check_launched_config(dry_run_stdout: str, sandbox: Path) -> subprocess.Comp
     devices = re.search(r" devices=(\d+)", next(ln for ln in lines if ln.startswith("# jaxllm launch:"))).group(1)
     words = shlex.split(next(ln for ln in lines if "-m jaxllm.train" in ln))
     argv = words[words.index("jaxllm.train") + 1:]
-    return subprocess.run([sys.executable, "-c", _VALIDATE, devices, *argv], cwd=sandbox, capture_output=True,
-                          text=True, timeout=120)
+    return forkserver.run(["-c", _VALIDATE, devices, *argv], dict(os.environ), sandbox, timeout=120)

@@ -1,12 +1,13 @@
 """Shared by the layout tests: runs layouts on 8 fake CPU devices (tests/multidevice.py, in a
-subprocess: the device count must be set before jax is imported) and compares a layout's
-run with the single-device one."""
+process of its own: the device count must be set before JAX starts its backend; a child of
+tests/forkserver.py's server) and compares a layout's run with the single-device one."""
 
+import base64
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
+import forkserver
 import numpy as np
 
 from jaxllm.families import deepseek_v3
@@ -20,9 +21,20 @@ MLA = {**deepseek_v3.PRESET, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim
 def run_layouts(layouts: dict, timeout: int = 900) -> dict:
     """``{name: overrides}`` -> ``{name: result}`` (see tests/multidevice.py for both)."""
     script = Path(__file__).with_name("multidevice.py")
-    out = subprocess.run([sys.executable, str(script), json.dumps(list(layouts.values()))], capture_output=True,
-                         text=True, timeout=timeout, check=True)
-    return dict(zip(layouts, json.loads(out.stdout)))
+    # JAX_PLATFORMS as the script sets it before importing jax: the forked child's jax read it at the server's start
+    out = forkserver.run([script, json.dumps(list(layouts.values()))], {**os.environ, "JAX_PLATFORMS": "cpu"},
+                         os.getcwd(), timeout)
+    out.check_returncode()
+    results = json.loads(out.stdout)
+    for r in results:
+        if "params" in r:
+            r["params"] = {k: unpacked(v) for k, v in r["params"].items()}
+    return dict(zip(layouts, results))
+
+
+def unpacked(packed: dict) -> np.ndarray:
+    """A parameter as tests/multidevice.py's ``packed`` wrote it: float32 ``[*shape]``."""
+    return np.frombuffer(base64.b64decode(packed["float32"]), np.float32).reshape(packed["shape"])
 
 
 def assert_same_training(got: dict, ref: dict) -> None:

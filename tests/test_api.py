@@ -250,7 +250,7 @@ def test_import_jaxllm_and_plot_import_no_jax(workdir):
         except SystemExit as e:
             assert not e.code, e.code
         assert "jax" not in sys.modules, "python -m jaxllm.plot imported jax"
-        """))
+        """), fresh=True)
     assert (workdir / "loss.png").is_file()
 
 

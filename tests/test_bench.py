@@ -4,11 +4,10 @@ bench vs the training log, --compare on 2 devices, and bad flags (exit 2)."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import forkserver
 import jax
 import numpy as np
 import pytest
@@ -140,8 +139,7 @@ def test_bench_matches_the_training_log(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxllm.bench", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    return forkserver.run(["-m", "jaxllm.bench", *args], ENV, ROOT, 600)
 
 
 TINY_FLAGS = [f"--config.model.num_layers={L}", f"--config.model.hidden_size={H}",

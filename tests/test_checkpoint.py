@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import jax
 import numpy as np
 import pytest
@@ -253,8 +254,7 @@ def test_8_devices_resume_exactly_and_restore_onto_other_meshes(data_dir, tmp_pa
 
     layouts = {"fsdp8": {"fsdp": 8}, "single": {}, "data4_tensor2": {"data": 4, "tensor": 2},
                "pipeline2_data4": {"pipeline": 2, "data": 4}}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "reshard.py"), str(ref), json.dumps(layouts)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    r = forkserver.run([ROOT / "tests" / "reshard.py", ref, json.dumps(layouts)], ENV, ROOT, 600)
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout)
     assert results["saved_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and results["step"] == ITERS

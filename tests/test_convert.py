@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import jax
 import numpy as np
 import pytest
@@ -200,8 +201,7 @@ def load_hf(directory):
 
 
 def cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "jaxllm.convert", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=600, check=False)
+    return forkserver.run(["-m", "jaxllm.convert", *args], ENV, cwd, 600)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -12,6 +12,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 from conftest import (
@@ -73,8 +74,7 @@ def run_cfg(inp, *, tokenizer="byte", split="969,30,1", seq=64, gb=8, iters=50, 
 
 
 def cli(module, *args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return forkserver.run(["-m", module, *args], {**os.environ, "JAX_PLATFORMS": "cpu"}, cwd, 300)
 
 
 def one_error_line(r, start="data error: "):

@@ -9,10 +9,9 @@ layout."""
 import functools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,8 +249,7 @@ def test_layouts_with_documents_match_one_device(layouts, name):
 
 def cli(*args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "jaxllm.train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return forkserver.run(["-m", "jaxllm.train", *args], env, ROOT, 600)
 
 
 def test_training_cli_with_the_options_on_real_documents(shakespeare_gpt2, tmp_path):

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import optimized_env
-from doc_commands import DOCS, documented, make_sandbox, python_blocks
+from doc_commands import DOCS, documented, make_sandbox, python_blocks, shell
 
 from jaxllm.plot import read_metrics
 
@@ -46,7 +46,7 @@ def env():
 
 
 def sh(text: str, cwd, timeout=600) -> subprocess.CompletedProcess:
-    r = subprocess.run(["bash", "-c", text], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    r = shell(text, cwd, env(), timeout)
     assert r.returncode == 0, f"{text}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 

@@ -6,11 +6,10 @@ generated from the Python standard library: nothing from outside the repository.
 
 import json
 import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
+import forkserver
 import pytest
 from conftest import run_tool
 
@@ -27,8 +26,7 @@ TINY = ["--config.model.num_layers=1", "--config.model.hidden_size=32", "--confi
 
 
 def run(*args, module="jaxllm.train", env=None):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env or ENV,
-                          capture_output=True, text=True, timeout=300)
+    return forkserver.run(["-m", module, *map(str, args)], env or ENV, ROOT, 300)
 
 
 def one_line(r, code=2):

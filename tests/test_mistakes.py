@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 from conftest import run_tool
 
@@ -34,6 +35,8 @@ def run(*args, cwd=ROOT, read_only=None, timeout=300, module="jaxllm.train"):
     elif read_only is not None:
         read_only.chmod(0o555)
     try:
+        if read_only is None:
+            return forkserver.run(cmd[1:], ENV, cwd, timeout)
         return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     finally:
         if read_only is not None:

@@ -7,14 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def plan(*args):
-    return subprocess.run([sys.executable, "-m", "jaxllm.plan", "--config=configs/gpt3.py:GPT125M", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return forkserver.run(["-m", "jaxllm.plan", "--config=configs/gpt3.py:GPT125M", *args], dict(os.environ), ROOT,
+                          600)
 
 
 def test_plan_compiles_for_more_devices_than_one_xla_cpu_process_holds():
