@@ -52,19 +52,19 @@ def optimized_env(env: dict) -> dict:
     return {**env, "XLA_FLAGS": " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE)}
 
 
-# The longest test files (about so many seconds in a full run on the 2-core machine, 2026-11-28), handed to
-# the two workers first: xdist's default order (most tests first) left test_docs.py, two tests and 11
+# The longest test files (about so many seconds in a full run on the 2-core machine, 2026-12-03, a cold cache),
+# handed to the two workers first: xdist's default order (most tests first) left test_docs.py, two tests and 11
 # minutes, to run alone at the end. The others follow in their usual order.
-LONGEST_FIRST = ("test_docs.py",  # 670
-                 "test_moe.py",  # 340
-                 "test_sequence.py",  # 260
-                 "test_e2e.py",  # 254
-                 "test_pipeline.py",  # 200
-                 "test_megatron_checkpoint.py",  # 185
-                 "test_distributed.py",  # 165
-                 "test_checkpoint.py",  # 150
-                 "test_restart.py",  # 131
-                 "test_checkpoint_tiers.py")  # 125
+LONGEST_FIRST = ("test_docs.py",  # 728
+                 "test_moe.py",  # 351
+                 "test_sequence.py",  # 282
+                 "test_megatron_checkpoint.py",  # 222
+                 "test_e2e.py",  # 221
+                 "test_pipeline.py",  # 157
+                 "test_gpu_program.py",  # 151
+                 "test_sharding.py",  # 138
+                 "test_restart.py",  # 120
+                 "test_tune.py")  # 117
 
 
 def pytest_collection_modifyitems(items):
