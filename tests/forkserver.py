@@ -1,14 +1,15 @@
 """``python ...`` commands without a Python start each: a server process imports JAX and jaxllm's libraries once,
 then forks one child per command, which runs it as the interpreter would (``-m MODULE``, ``-c CODE`` or a
-script; its argv, environment, working directory, standard streams, exit status and atexit hooks).
+script; its argv, environment, working directory, standard streams, exit status and atexit hooks; an uncaught
+exception's traceback as the interpreter prints it, but for ``-m`` without runpy's frames).
 
 A command's process starts Python and imports jax, numpy, optax, orbax and jaxllm's core before it does
 anything (about 1.5 s of CPU on the 2-core machine; the suite starts some 280). A child forked from a process
-that holds those imports but no JAX backend (no threads, no devices; JAX refuses nothing before its backend
-starts) is that process at the point its command begins. What the interpreter fixes at start stays the
-server's: a command whose environment differs from the server's in a variable read at start or at import
-(``PYTHON*``, ``JAX_*``, ``TF_*``) runs as a subprocess instead (:func:`run`); so does anything that is
-not ``python``.
+that holds those imports but no JAX backend (the backend, its devices and its threads start in the child, with
+the command's ``XLA_FLAGS``) is that process at the point its command begins. What the interpreter and JAX read
+once, at start or at import (the ``PYTHON*``, ``JAX_*`` and ``TF_*`` variables), is the server's: :func:`run`
+keeps a server per set of them, and a script that sets one itself before importing jax (tests/multidevice.py's
+``JAX_PLATFORMS``) must be given it in ``env``. Tests of what a new interpreter imports stay subprocesses.
 
     python tests/forkserver.py      (a server: requests on stdin, one JSON line each; answers on stdout)
 """
@@ -66,8 +67,11 @@ def _child(request: dict) -> None:
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:  # noqa: BLE001  (what the interpreter does with an uncaught exception)
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001  (what the interpreter does with an uncaught exception)
+        tb = e.__traceback__  # without the frames of this server and runpy
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
         code = 1
     try:
         atexit._run_exitfuncs()
