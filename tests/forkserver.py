@@ -47,7 +47,9 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
                                (2, request["stderr"], os.O_WRONLY)):
-            os.dup2(os.open(path, mode), fd)
+            opened = os.open(path, mode)
+            os.dup2(opened, fd)
+            os.close(opened)
         if request["env"].get(UNBUFFERED):
             sys.stdout.reconfigure(write_through=True)
         argv = request["argv"]
@@ -87,7 +89,7 @@ def serve() -> None:
     for name in PRELOAD:
         __import__(name)
     out = sys.stdout
-    out.write(json.dumps({"ready": os.getpid()}) + "\n")
+    out.write("ready\n")
     out.flush()
     for line in sys.stdin:
         request = json.loads(line)
@@ -104,11 +106,11 @@ def serve() -> None:
 class ForkServer:
     """A server (``python tests/forkserver.py``) started with ``env``; :meth:`run` runs one command at a time."""
 
-    def __init__(self, env: dict | None = None):
-        env = dict(os.environ if env is None else env)
+    def __init__(self, env: dict):
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, cwd=tempfile.gettempdir())
-        json.loads(self.proc.stdout.readline())  # its imports done
+        if self.proc.stdout.readline() != "ready\n":  # its imports done, or it died (its error is on stderr)
+            raise RuntimeError(f"tests/forkserver.py did not start (exit {self.proc.wait()})")
         self.lock = threading.Lock()
 
     def run(self, args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
