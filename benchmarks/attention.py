@@ -27,7 +27,7 @@ at each ``--seqs`` for ``--head-dim``: first the forward's (:data:`FWD_GRID`, ti
 the best forward, the backward's (:data:`BWD_GRID`, timed forward+backward); a candidate that does not
 compile (too much shared memory) is recorded with its error.  One record per candidate (``block_sizes``,
 ``tune``: ``"fwd"`` or ``"bwd"``), and the best as the ``BlockSizes(...)`` of ``DEFAULT_BLOCK_SIZES``'s entry for
-this GPU family (``kernels/pallas_attention.py``) printed last.
+this GPU family (``jaxllm_kernels/pallas_attention.py``) printed last.
 """
 
 from __future__ import annotations

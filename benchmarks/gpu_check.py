@@ -65,8 +65,8 @@ folder a call on one warm machine (it stays there), then ``.whl`` and run::
 
 (docs/performance.md, its section on this script).  The report's versions table says which JAX ran.
 
-jaxllm itself need not be installed: the script puts the checkout (and ``kernels/`` as
-``jaxllm_kernels``) on ``PYTHONPATH`` for itself and its subprocesses.
+jaxllm itself need not be installed: the script puts the checkout (``jaxllm`` and ``jaxllm_kernels``) on
+``PYTHONPATH`` for itself and its subprocesses.
 
 Exit codes: 0 every step passed; 1 a step failed or timed out (the report says which); 2 no GPU
 without ``--dry-run``, or bad arguments.
@@ -138,16 +138,9 @@ def _parse(argv=None):
 
 
 def _environment() -> dict[str, str]:
-    """The environment of every step: the checkout importable (``kernels/`` as ``jaxllm_kernels``)."""
+    """The environment of every step: the checkout importable (``jaxllm``, ``jaxllm_kernels``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    try:
-        import jaxllm_kernels  # noqa: F401, PLC0415 - installed (pip install -e .)
-        extra = [ROOT]
-    except ImportError:
-        shim = tempfile.mkdtemp(prefix="jaxllm_path_")
-        os.symlink(os.path.join(ROOT, "kernels"), os.path.join(shim, "jaxllm_kernels"))
-        extra = [ROOT, shim]
-    env["PYTHONPATH"] = os.pathsep.join(extra + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 

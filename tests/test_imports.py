@@ -1,9 +1,11 @@
 """The package's structure: the layers of docs/architecture.md (a module imports only its own layer and
 those below), no import cycle among its modules and packages, no library module importing a command-line
-tool, no mesh axis or CPU-only path in the model, and `config` importing nothing of the library (checked
-on the source: module-level imports, as Python runs them at import time; for the layers, every import)."""
+tool, no mesh axis or CPU-only path in the model, `config` importing nothing of the library (checked
+on the source: module-level imports, as Python runs them at import time; for the layers, every import), and
+no package at the checkout's top that another installed distribution's import name would resolve to."""
 
 import ast
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 from jaxllm import config
@@ -179,3 +181,15 @@ def test_model_names_no_mesh_axis_and_no_backend():
         assert not names & {"sharding", "shard_map", "host_threads"}, (path.name, names & {"sharding", "shard_map"})
     below = {m: deps for m, deps in _graph().items() if m.startswith("jaxllm.model")}
     assert not {m: d for m, d in below.items() if any(n.startswith(("jaxllm.parallel", "jaxllm.runtime")) for n in d)}
+
+
+def test_no_top_level_package_shadows_an_installed_distribution():
+    """``python -m pytest`` (and any script run from the checkout) puts the checkout first on ``sys.path``: a
+    folder there named as another distribution's package is what ``import NAME`` finds instead. A folder
+    ``kernels/`` did that to Hugging Face's ``kernels`` (transformers 5 imports it): every transformers model
+    import in the suite failed (CI, 2026-12-03)."""
+    ours = {d.name for d in ROOT.parent.iterdir() if (d / "__init__.py").is_file()}
+    assert ours >= {"jaxllm", "jaxllm_kernels"}, ours
+    shadowed = {name: owners for name, owners in packages_distributions().items()
+                if name in ours and set(owners) - {"jaxllm"}}
+    assert not shadowed, shadowed
