@@ -170,8 +170,8 @@ def _gpu_figures(hlo: str, gpu: str | None, mesh_shape: dict) -> dict:
     ``cudnn_workspace`` (bytes), ``gemm_workspace`` (bytes) and ``predicted``
     (:func:`jaxllm.analysis.gpu_time.predict`, its ``kernels`` left out) of the optimized program ``hlo`` compiled
     for ``gpu`` over ``mesh_shape`` (None: not for a GPU, and none of them)."""
-    predicted = (gpu_time.predict(gpu_time.census(hlo, mesh_shape), gpu_time.device(gpu), mesh_shape, deviceless=True)
-                 if gpu else None)
+    predicted = (gpu_time.predict(gpu_time.census(hlo, mesh_shape), gpu_time.device(gpu), mesh_shape, deviceless=True,
+                                  hlo_text=hlo) if gpu else None)
     return {"gpu": gpu, "kernels": xla_gpu.kernels(hlo) if gpu else None,
             "gemm_loops": xla_gpu.gemm_loops(hlo) if gpu else 0,
             "cudnn_workspace": xla_gpu.cudnn_workspace(hlo) if gpu else 0,
@@ -302,12 +302,12 @@ def report(p: dict, device_memory: float | None, device_name: str | None) -> str
 
 def record(p: dict, estimate: dict | None, device: str | None, device_memory: float | None, argv: list[str]) -> dict:
     """The plan as one JSON record (``--output``): how it was made (``date``, ``command``, ``config_file``,
-    ``overrides``, ``jax``), the device's ``device_memory_bytes`` and ``fits``, :func:`plan`'s figures (bytes
-    per device, FLOPs per step), its ``collectives`` by mesh axes joined by " x " (``ops``, ``wire_bytes`` sent
-    per device per step, ``kinds``), with XLA:GPU's compile the step-time model's predictions
-    (:func:`predicted_figures`: ``predicted_step_time_s``, ``predicted_tokens_per_sec``, ...) and, with ``--cluster``,
-    ``step_time``: the model's seconds (:func:`jaxllm.analysis.step_time.estimate`), each axis's ``[seconds, bytes
-    sent per device, off the node]``."""
+    ``overrides``, ``jax``, ``xla_flags``: the environment's ``XLA_FLAGS`` less the stand-ins' device count), the
+    device's ``device_memory_bytes`` and ``fits``, :func:`plan`'s figures (bytes per device, FLOPs per step), its
+    ``collectives`` by mesh axes joined by " x " (``ops``, ``wire_bytes`` sent per device per step, ``kinds``), with
+    XLA:GPU's compile the step-time model's predictions (:func:`predicted_figures`: ``predicted_step_time_s``,
+    ``predicted_tokens_per_sec``, ...) and, with ``--cluster``, ``step_time``: the model's seconds
+    (:func:`jaxllm.analysis.step_time.estimate`), each axis's ``[seconds, bytes sent per device, off the node]``."""
     figures = {k: p[k] for k in ("mesh", "num_params", "active_params", "dtype", "dispatcher", "params", "grads",
                                  "opt_state", "batch", "temp", "total", "host", "device", "model_flops",
                                  "compile_s", "gpu", "seq_tokens")}
@@ -317,6 +317,8 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
             "command": shlex.join(["python", "-m", "jaxllm.plan", *argv[1:]]),
             "config_file": cli.config_arg(argv) or "jaxllm/default_config.py",
             "overrides": [a for a in argv[1:] if a.startswith("--config.")], "jax": jax.__version__,
+            "xla_flags": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                  if not f.startswith("--xla_force_host_platform_device_count")),
             "device_name": device, "device_memory_bytes": device_memory,
             "fits": p["device"] <= device_memory if device_memory else None, **figures, "collectives": traffic,
             **predicted_figures(p),
@@ -328,16 +330,23 @@ def record(p: dict, estimate: dict | None, device: str | None, device_memory: fl
 
 def predicted_figures(p: dict) -> dict:
     """:func:`record`'s keys of the GPU step-time model (:mod:`jaxllm.analysis.gpu_time`): ``predicted_step_time_s``,
-    ``predicted_tokens_per_sec``, ``predicted_mfu`` and ``predicted_categories`` (seconds a step by the profile's
-    category); None each without an XLA:GPU compile."""
+    ``predicted_tokens_per_sec`` (the whole mesh's), ``predicted_tokens_per_sec_per_device``, ``predicted_mfu``,
+    ``predicted_categories`` (seconds a step by the profile's category), ``communication_s`` and
+    ``exposed_communication_s`` (the collectives' seconds a step, whole and left exposed by the schedule) and
+    ``communication`` (by mesh axes: ``time_s``, ``hidden_s``, ``exposed_s``); None each without an XLA:GPU
+    compile or where :func:`jaxllm.analysis.gpu_time.refusal` withholds the step (``prediction_refused``: why)."""
     pred = p["predicted"]
-    if not pred:
-        return dict.fromkeys(("predicted_step_time_s", "predicted_tokens_per_sec", "predicted_mfu",
-                              "predicted_categories"))
+    keys = ("predicted_step_time_s", "predicted_tokens_per_sec", "predicted_tokens_per_sec_per_device",
+            "predicted_mfu", "predicted_categories", "communication_s", "exposed_communication_s", "communication")
+    devices = math.prod(p["mesh"].values())
+    refused = pred and gpu_time.refusal(pred, p["model_flops"], devices, p["gpu"])
+    if not pred or refused:
+        return {**dict.fromkeys(keys), "prediction_refused": refused or None}
     peak = gpu_time.device(p["gpu"]).peaks["bf16"]
-    return {"predicted_step_time_s": pred["step_s"], "predicted_tokens_per_sec": p["seq_tokens"] / pred["step_s"],
-            "predicted_mfu": p["model_flops"] / pred["step_s"] / math.prod(p["mesh"].values()) / peak,
-            "predicted_categories": pred["categories"]}
+    tokens, mfu = p["seq_tokens"] / pred["step_s"], p["model_flops"] / pred["step_s"] / devices / peak
+    values = (pred["step_s"], tokens, tokens / devices, mfu, pred["categories"], pred["communication_s"],
+              pred["exposed_communication_s"], pred["communication"])
+    return {**dict(zip(keys, values, strict=True)), "prediction_refused": None}
 
 
 def gpu_target(device: str | None, backend: str | None, num_devices: int, compiler: str) -> tuple[str | None, str]:

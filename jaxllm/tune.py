@@ -219,10 +219,14 @@ class Tuner:
     def _predict(self, r: Result, p: dict) -> None:
         record = plan.predicted_figures(p)
         step = record["predicted_step_time_s"]
+        c = r.candidate
+        if record["prediction_refused"]:
+            r.status, r.error = "failed", record["prediction_refused"]
+            self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} {record['prediction_refused']}")
+            return
         r.tokens_per_sec.append(record["predicted_tokens_per_sec"])
         r.record = {"tokens_per_step": p["seq_tokens"], "microbatches": p["pipeline"][2],
                     "mfu": record["predicted_mfu"], "step_time_s": step}
-        c = r.candidate
         self.log(f"  {c.mesh_text():<28} mb {c.micro_batch} {c.remat:<9} {c.layer_loop:<8} plan {r.memory / GiB:.3f} "
                  f"GiB: predicted {record['predicted_tokens_per_sec']:,.0f} tokens/s ({step:.4g} s/step)"
                  + (" [baseline]" if r.baseline else ""))

@@ -13,7 +13,9 @@ from conftest import FAST_COMPILE, _fast_compile
 from jaxllm.platform import gpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = sorted({s.text() for s in gpu_env.SETTINGS if s.is_flag})
+# every flag this jaxlib's XLA parses (a Setting.since later than it would abort it)
+FLAGS = sorted({s.text() for s in gpu_env.SETTINGS
+                if s.is_flag and (s.since is None or gpu_env.jaxlib_release() >= s.since)})
 
 
 def _start_jax(xla_flags: str) -> subprocess.CompletedProcess:
@@ -44,17 +46,22 @@ def test_the_tests_fast_compile_flags_are_known_to_this_jaxlib():
 
 def test_settings_this_jaxlibs_xla_no_longer_has_are_not_applied():
     """jaxlib 0.12's XLA has no pipelined all-gather, reduce-scatter and all-reduce flags (a compile option of that
-    name is refused, XLA_FLAGS ignores them): applied under 0.10 and 0.11 only."""
-    pipelined = {f"--xla_gpu_enable_pipelined_{c}" for c in ("all_gather", "reduce_scatter", "all_reduce")}
+    name is refused, XLA_FLAGS maps them to their successors' default): applied under 0.10 and 0.11 only; their
+    successors ``--xla_gpu_pipeline_*=on`` (which 0.10 and 0.11 do not know) from 0.12 on."""
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    pipelined = {f"--xla_gpu_enable_pipelined_{c}" for c in kinds}
+    successors = {f"--xla_gpu_pipeline_{c}" for c in kinds}
     for old in ("0.10.2", "0.11.2"):
         assert gpu_env.retired("cuda", old) == [] and pipelined <= {s.name for s in gpu_env.settings_for("cuda", old)}
+        assert not successors & {s.name for s in gpu_env.settings_for("cuda", old)}
     assert {s.name for s in gpu_env.retired("cuda", "0.12.0.1")} == pipelined
-    assert not pipelined & {s.name for s in gpu_env.settings_for("cuda", "0.12.0.1")}
+    new = {s.name: s.value for s in gpu_env.settings_for("cuda", "0.12.0.1")}
+    assert not pipelined & set(new) and {n: new[n] for n in successors} == dict.fromkeys(successors, "on")
     assert gpu_env.jaxlib_release("0.12.0.1") == (0, 12) and gpu_env.retired("rocm", "0.12.0.1") == []
     env = {}
     gpu_env.apply(env, "cuda")
-    applied = pipelined & gpu_env.flag_names(env["XLA_FLAGS"])
-    assert applied == (set() if gpu_env.jaxlib_release() >= (0, 12) else pipelined)
+    applied = (pipelined | successors) & gpu_env.flag_names(env["XLA_FLAGS"])
+    assert applied == (successors if gpu_env.jaxlib_release() >= (0, 12) else pipelined)
 
 
 def test_every_setting_has_a_source_and_a_reason():

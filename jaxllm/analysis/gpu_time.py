@@ -18,10 +18,11 @@ one linear cost per kind, whose coefficients :data:`FITTED` holds (fitted by
 data and meaning are there; a GPU's bandwidth by :data:`BANDWIDTH` where its trace says: the H200's of
 2026-11-27), plus a gap between consecutive kernels (the GPU idle while the next launches);
 collectives by NCCL's ring algorithms over the link the group spans (:func:`collective_time`, constants
-assumed from published nccl-tests figures: no multi-GPU trace exists to fit them).  The step is the sum: one
-stream, nothing overlaps (true of the one-GPU traces: XLA:GPU ran every kernel on one stream; with several GPUs an
-upper bound where XLA overlaps collectives with compute).  A program compiled here (the installed jaxlib, no
-autotuning) is scaled by :data:`DEVICELESS`, fitted on the profiled steps.
+assumed from published nccl-tests figures: no multi-GPU trace exists to fit them).  The kernels run one after
+another on one stream (true of the one-GPU traces: XLA:GPU ran every kernel on one stream); the collectives run on
+a network stream beside it where XLA's latency-hiding scheduler put each one's start and done (:func:`timeline`),
+and the step counts only what they leave exposed (predicted, never yet measured on several GPUs).  A program
+compiled here (the installed jaxlib, no autotuning) is scaled by :data:`DEVICELESS`, fitted on the profiled steps.
 
 What it ignores: clocks (a hot GPU's lower clock is inside the fitted efficiencies of the H100 of the fit),
 the L2 cache (a kernel that rereads what the one before wrote is priced as a read from memory), cuBLAS's
@@ -44,7 +45,8 @@ from jaxllm.analysis.step_time import crosses_nodes
 from jaxllm.platform import hlo, xla_gpu
 from jaxllm.platform.hardware import GPU_KINDS, NVLINK_BANDWIDTH, lookup_peak_flops, memory_bandwidth
 
-KINDS = ("gemm", "attention_fwd", "attention_bwd", "loop", "reduction", "triton", "copy", "memcpy", "collective")
+KINDS = ("gemm", "attention_fwd", "attention_bwd", "loop", "reduction", "triton", "copy", "memcpy", "collective",
+         "unpriced")  # unpriced: a custom call the model has no cost for (a Pallas attention kernel): see refusal
 _NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "broadcast", "reshape", "slice",
             "dynamic-slice", "dynamic-update-slice", "concatenate", "transpose", "copy", "iota", "pad", "reverse"}
 _TRANSCENDENTAL = {"exponential", "log", "tanh", "rsqrt", "sqrt", "power", "logistic", "erf", "exponential-minus-one",
@@ -80,11 +82,12 @@ class Kernel:
     collective: tuple | None = None
 
 
-def walk(hlo_text: str):
+def walk(hlo_text: str, dones: bool = False):
     """The kernel-launching instructions of an optimized HLO module in the order one execution runs them:
     ``(op, its computation's body, every computation's body)`` per run; a ``while`` loop's body repeated its known
     trip count (1 when unknown; its condition, a scalar compare, left out), each branch of a conditional once (an
-    upper bound), a call's and an ``async-start``'s callee in place."""
+    upper bound), a call's and an ``async-start``'s callee in place; with ``dones``, an asynchronous operation's
+    ``*-done`` too, where it is scheduled."""
     entry, bodies = hlo.parse(hlo_text)
 
     def visit(name: str, depth: int):
@@ -99,7 +102,7 @@ def walk(hlo_text: str):
             elif op.opcode in ("conditional", "call", "async-start"):
                 for called, _ in xla_gpu.executed(op):
                     yield from visit(called, depth + 1)
-            elif xla_gpu.classify(op, bodies[name], bodies) is not None:
+            elif (dones and op.opcode.endswith("-done")) or xla_gpu.classify(op, bodies[name], bodies) is not None:
                 yield op, bodies[name], bodies
 
     if entry is not None:
@@ -164,7 +167,9 @@ def _kind(group: str, label: str, root: str) -> str:
         return "attention_bwd" if "backward" in label else "attention_fwd"
     if group == "collective":
         return "collective"
-    if label in ("custom: dynamic_slice_fusion", "async copy (host memory)") or root == "dynamic-slice":
+    if label.startswith("custom call"):  # not cuBLAS, cuDNN or a Pallas GEMM: work the model cannot see
+        return "unpriced"
+    if label in ("custom: dynamic_slice_fusion", "async slice or update") or root == "dynamic-slice":
         return "memcpy"  # a slice or an update of an array, run as a memory copy
     if group == "copy/transpose" or root in profile.MOVES:
         return "copy"
@@ -310,6 +315,8 @@ def kernel_time(k: Kernel, dev: Device, mesh_shape: dict | None = None) -> float
     """Seconds of one run of ``k`` on ``dev`` by :data:`FITTED` (collectives by :func:`collective_time`)."""
     if k.kind == "collective":
         return collective_time(k.collective, dev, mesh_shape) if k.collective else 0.0
+    if k.kind == "unpriced":
+        return 0.0  # counted in predict's "unpriced"; refusal() withholds the step
     c = FITTED[k.kind]
     peak = dev.peaks["f8" if k.dtype.startswith("f8") else k.dtype if k.dtype in dev.peaks else "bf16"]
     per = lambda work, rate, efficiency: work / (rate * efficiency) if efficiency else 0.0  # noqa: E731
@@ -317,40 +324,211 @@ def kernel_time(k: Kernel, dev: Device, mesh_shape: dict | None = None) -> float
             + per(k.bytes, dev.bandwidth, c["bandwidth_efficiency"]) + k.ops * c["s_per_op"])
 
 
-def predict(kernels: list[Kernel], dev: Device, mesh_shape: dict | None = None, deviceless: bool = False) -> dict:
+@dataclasses.dataclass
+class Transfer:
+    """One collective instruction of a program as :func:`timeline` schedules it, over a step (all its runs).
+
+    Attributes:
+      name: the HLO instruction (``all-gather-start.3``, ``reduce-scatter.1`` inside an ``async-start``, or a
+        synchronous ``all-reduce.2``).
+      kind: ``all-gather``, ``reduce-scatter``, ``all-reduce``, ``collective-permute``, ``all-to-all``,
+        ``ragged-all-to-all``.
+      axes: the mesh axes its group spans; ``bytes``: its buffer's bytes, one run
+        (:func:`jaxllm.analysis.collectives.message`).
+      runs: runs per step; ``asynchronous``: started and awaited apart (an ``*-start`` / ``*-done`` pair that
+        XLA did not mark ``is_sync``), else it holds the kernels' stream for its whole time.
+      time_s: seconds on the network, every run (:func:`collective_time`).
+      overlapped_s: seconds of the kernels the schedule runs between its start and its done, every run.
+      kernels_between: kernel launches between its start and its done, every run.
+      exposed_s: seconds the kernels' stream waits for it, every run (at most ``time_s`` plus its wait for the
+        collective before it).
+    """
+
+    name: str
+    kind: str
+    axes: tuple
+    bytes: float
+    runs: int = 0
+    asynchronous: bool = False
+    time_s: float = 0.0
+    overlapped_s: float = 0.0
+    kernels_between: int = 0
+    exposed_s: float = 0.0
+
+    @property
+    def hidden_s(self) -> float:
+        """Seconds of it that kernels cover."""
+        return max(0.0, self.time_s - self.exposed_s)
+
+
+def _owners(bodies: dict) -> dict[str, str]:
+    """``{instruction: the async-start that launches it}`` (a reduce-scatter or all-to-all in an async
+    computation: its ``async-done`` names the start)."""
+    return {inner.name: op.name for body in bodies.values() for op in body if op.opcode == "async-start"
+            for called, _ in xla_gpu.executed(op) for inner in bodies.get(called, [])}
+
+
+def timeline(hlo_text: str, kernels: list[Kernel], dev: Device, mesh_shape: dict | None = None,
+             scale: float = 1.0) -> dict:
+    """One execution of the scheduled program replayed on two streams: its kernels one after another (each after
+    a launch gap, :data:`FITTED` ``["gap"]``), its collectives on one network stream in the order they start.
+
+    An asynchronous collective (XLA:GPU's latency-hiding scheduler places each ``*-start`` and ``*-done`` among the
+    kernels) starts at its place in the kernels' stream once the collective before it is done, and the kernels'
+    stream waits at its ``*-done`` for what is left of it; a synchronous one (``is_sync``, or no ``*-start``) holds
+    the kernels' stream from its start to its end.  A ``*-done`` whose start is not in flight under its name (a
+    loop that carries the start to the next iteration) awaits the oldest collective in flight.  What it
+    ignores: a collective slowing the kernels it overlaps (NCCL's kernels take some of the SMs), and several
+    network streams (XLA:GPU can run collectives of different kinds side by side; here they queue).
+
+    Args:
+      hlo_text: the optimized HLO of :func:`census`; kernels: its :func:`census`; dev, mesh_shape: as for
+        :func:`kernel_time`; scale: a factor on the kernels' times and gaps (:data:`DEVICELESS`), not the
+        collectives'.
+    Returns:
+      ``step_s`` (seconds the kernels' stream takes, waits included), ``transfers`` (a :class:`Transfer` per
+      collective instruction, in first-start order).
+    """
+    by_name = {k.name: k for k in kernels}
+    owners = _owners(hlo.parse(hlo_text)[1])
+    gap = FITTED["gap"]["overhead_s"] * scale
+    t = network = 0.0
+    pending: dict[str, tuple[Transfer, float, float, int]] = {}  # start -> (transfer, end, t at start, launches)
+    transfers: dict[str, Transfer] = {}
+    synchronous: set[str] = set()  # the starts XLA marked is_sync (their dones pass)
+    launches = 0
+    for op, _, _ in walk(hlo_text, dones=True):
+        if op.opcode.endswith("-done"):
+            key = next(iter(op.operands), "")
+            if key in synchronous:
+                continue  # its start held the kernels' stream already
+            key = key if key in pending else next(iter(pending), None)
+            if key is None:
+                continue
+            tr, end, began, launched = pending.pop(key)
+            tr.overlapped_s += t - began
+            tr.kernels_between += launches - launched
+            tr.exposed_s += max(0.0, end - t)
+            t = max(t, end)
+            continue
+        k = by_name.get(op.name)
+        if k is None:
+            continue
+        t += gap
+        launches += 1
+        if k.kind != "collective" or k.collective is None:
+            t += kernel_time(k, dev, mesh_shape) * scale
+            continue
+        tr = transfers.setdefault(op.name, Transfer(op.name, k.collective[0], k.collective[1], k.collective[3]))
+        duration = kernel_time(k, dev, mesh_shape)
+        network = max(t, network) + duration
+        tr.runs += 1
+        tr.time_s += duration
+        key = op.name if op.opcode.endswith("-start") else owners.get(op.name)
+        if key and '"is_sync":true' not in op.rest:
+            tr.asynchronous = True
+            pending[key] = (tr, network, t, launches)
+        else:
+            if key:
+                synchronous.add(key)
+            tr.exposed_s += network - t
+            t = network
+    return {"step_s": t, "transfers": list(transfers.values())}
+
+
+def communication(transfers: list[Transfer]) -> dict[str, dict[str, float]]:
+    """Per mesh axis (several joined by `` x ``): ``{axes: {"time_s", "hidden_s", "exposed_s"}}`` a step, from
+    :func:`timeline`'s transfers."""
+    out: dict[str, dict[str, float]] = {}
+    for tr in transfers:
+        row = out.setdefault(" x ".join(tr.axes) or "-", {"time_s": 0.0, "hidden_s": 0.0, "exposed_s": 0.0})
+        row["time_s"] += tr.time_s
+        row["hidden_s"] += tr.hidden_s
+        row["exposed_s"] += tr.exposed_s
+    return out
+
+
+def predict(kernels: list[Kernel], dev: Device, mesh_shape: dict | None = None, deviceless: bool = False,
+            hlo_text: str | None = None) -> dict:
     """The step time of a :func:`census` on ``dev`` (``deviceless``: of a program compiled here, every category
-    times :data:`DEVICELESS`).
+    times :data:`DEVICELESS`).  With the program's ``hlo_text``, its collectives are scheduled as it schedules them
+    (:func:`timeline`): only what no kernel covers counts; without it every collective counts whole (a program
+    of one GPU has none).  Collectives are priced by :func:`collective_time`, not scaled by :data:`DEVICELESS`.
 
     Returns:
-      ``step_s`` (seconds: every kernel's runs, one after another, and a gap of :data:`FITTED` ``["gap"]`` before
-      each launch), ``categories`` ``{category: seconds}`` (the profile's, ``idle`` the gaps), ``launches`` (kernels
-      per step), ``category_launches`` ``{category: kernels per step}``.
+      ``step_s`` (seconds: every kernel's runs, one after another, a gap of :data:`FITTED` ``["gap"]`` before
+      each launch, and the collectives' exposed time), ``categories`` ``{category: seconds}`` (the profile's,
+      ``idle`` the gaps, ``collective`` the exposed time), ``launches`` (kernels per step), ``category_launches``
+      ``{category: kernels per step}``, ``transfers`` (:func:`timeline`'s, ``[]`` without ``hlo_text``),
+      ``communication_s`` and ``exposed_communication_s`` (seconds a step), ``communication``
+      (:func:`communication`).
     """
+    scale = DEVICELESS if deviceless else 1.0
     categories: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
+    total = 0.0  # the collectives' seconds, whole
     for k in kernels:
-        categories[k.category] += k.runs * kernel_time(k, dev, mesh_shape)
-        counts[k.category] += k.runs
+        seconds = k.runs * kernel_time(k, dev, mesh_shape)
+        if k.kind == "collective":
+            total += seconds
+        else:
+            categories[k.category] += seconds * scale
+        counts["collective" if k.kind == "collective" else k.category] += k.runs
     launches = sum(k.runs for k in kernels)
-    categories["idle"] = launches * FITTED["gap"]["overhead_s"]
-    scale = DEVICELESS if deviceless else 1.0
-    categories = {c: t * scale for c, t in categories.items()}
-    return {"step_s": sum(categories.values()), "categories": categories, "launches": launches,
-            "category_launches": dict(counts)}
+    categories["idle"] = launches * FITTED["gap"]["overhead_s"] * scale
+    transfers = timeline(hlo_text, kernels, dev, mesh_shape, scale)["transfers"] if hlo_text is not None else []
+    exposed = sum(tr.exposed_s for tr in transfers) if hlo_text is not None else total
+    if total:
+        categories["collective"] = exposed
+    unpriced = collections.Counter({k.name: k.runs for k in kernels if k.kind == "unpriced"})
+    return {"step_s": sum(categories.values()), "categories": dict(categories), "launches": launches,
+            "category_launches": dict(counts), "transfers": transfers, "communication_s": total,
+            "exposed_communication_s": exposed, "communication": communication(transfers),
+            "unpriced": dict(unpriced)}
+
+
+def refusal(predicted: dict, model_flops: float, devices: int, device_name: str) -> str | None:
+    """Why :func:`predict`'s step must not be printed, or None: a kernel it cannot price (its time would be
+    missing from the step), or a step faster than ``model_flops`` (per step, all ``devices``) at the GPU's
+    bfloat16 peak allows (an MFU above 100 %: work the model did not see)."""
+    if predicted["unpriced"]:
+        names = ", ".join(f"{name} x{runs}" for name, runs in sorted(predicted["unpriced"].items())[:3])
+        return (f"no step predicted: {sum(predicted['unpriced'].values())} kernel runs a step the model cannot price "
+                f"(custom calls: {names}{', ...' if len(predicted['unpriced']) > 3 else ''})")
+    mfu = model_flops / predicted["step_s"] / devices / device(device_name).peaks["bf16"]
+    if mfu > 1:
+        return (f"no step predicted: the model's {predicted['step_s']:.4g} s would be an MFU of {mfu:.0%}, "
+                "above the peak")
+    return None
 
 
 def report(predicted: dict, device_name: str, tokens: int, model_flops: float, devices: int = 1) -> str:
     """The prediction as text: the step, tokens/s and MFU (``model_flops`` per step over the step and the devices'
-    bfloat16 peak) and a table by the profile's categories, saying it is a model."""
+    bfloat16 peak), or :func:`refusal`'s reason in their place (and no share of the step it withholds), and tables
+    by the profile's categories and of the collectives, saying it is a model."""
     step = predicted["step_s"]
     peak = device(device_name).peaks["bf16"]
+    refused = refusal(predicted, model_flops, devices, device_name)
     lines = [f"step-time MODEL of this XLA:GPU program on {devices} x {device_name} (predicted, not measured: "
              "jaxllm/analysis/gpu_time.py, constants fitted to the H100 traces of 2026-11-26 and the H200's of "
              "2026-11-27):",
+             f"  {refused} ({predicted['launches']} kernels a step)" if refused else
              f"  step {step:.4f} s, {tokens / step:,.0f} tokens/s, MFU {model_flops / step / devices / peak:.1%} "
              f"({predicted['launches']} kernels a step)",
              f"  {'category':<30} {'ms/step':>9} {'share':>6} {'kernels':>8}"]
     for category, t in sorted(predicted["categories"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {profile.LABELS[category]:<30} {1e3 * t:9.2f} {t / step:6.1%} "
+        lines.append(f"  {profile.LABELS[category]:<30} {1e3 * t:9.2f} {'-' if refused else f'{t / step:.1%}':>6} "
                      f"{predicted['category_launches'].get(category, 0):>8}")
+    if predicted["transfers"]:
+        lines += [f"  collectives as XLA's schedule places them ({1e3 * predicted['communication_s']:.2f} ms a step, "
+                  f"{1e3 * predicted['exposed_communication_s']:.2f} exposed"
+                  + ("):" if refused else f", {predicted['exposed_communication_s'] / step:.1%} of the step):"),
+                  f"  {'mesh axes':<30} {'ms/step':>9} {'hidden':>9} {'exposed':>9}"]
+        lines += [f"  {axes:<30} {1e3 * r['time_s']:9.2f} {1e3 * r['hidden_s']:9.2f} {1e3 * r['exposed_s']:9.2f}"
+                  for axes, r in predicted["communication"].items()]
+        lines.append(f"  {'collective':<30} {'kind':<18} {'axes':<16} {'MiB':>8} {'runs':>5} {'ms/step':>9} "
+                     f"{'under it':>9} {'exposed':>9}")
+        lines += [f"  {tr.name[:30]:<30} {tr.kind + ('' if tr.asynchronous else ' (sync)'):<18} "
+                  f"{' x '.join(tr.axes)[:16]:<16} {tr.bytes / 2**20:8.2f} {tr.runs:>5} {1e3 * tr.time_s:9.3f} "
+                  f"{1e3 * tr.overlapped_s:9.3f} {1e3 * tr.exposed_s:9.3f}" for tr in predicted["transfers"]]
     return "\n".join(lines)

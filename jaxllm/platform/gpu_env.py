@@ -39,6 +39,7 @@ AMD_AXLEARN = "https://github.com/AMD-AGI/axlearn/blob/main/launch_70B_multi_nod
 AMD_CVS = "https://rocm.docs.amd.com/projects/cvs/en/latest/reference/configuration-files/jax.html"
 AMD_MI300X = "https://rocm.docs.amd.com/en/latest/how-to/rocm-for-ai/inference-optimization/workload.html"
 MARIN_RAGGED = "https://github.com/marin-community/marin/issues/8077"
+XLA_FLAGS_SOURCE = "https://github.com/openxla/xla/blob/main/xla/debug_options_flags.cc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Setting:
       measured: True once a jaxllm measurement (docs/performance.md) supports it.
       retired: the jaxlib release ``(major, minor)`` whose XLA no longer has the flag (its parser takes it in
         ``XLA_FLAGS`` and ignores it; a compile option of that name is refused): not applied from then on.
+      since: the first jaxlib release whose XLA has the flag (an older XLA aborts on it): not applied before.
     """
 
     name: str
@@ -63,6 +65,7 @@ class Setting:
     source: str
     measured: bool = False
     retired: tuple[int, int] | None = None
+    since: tuple[int, int] | None = None
 
     @property
     def is_flag(self) -> bool:
@@ -89,9 +92,12 @@ SETTINGS: tuple[Setting, ...] = (
             retired=(0, 12)),
     Setting("--xla_gpu_enable_pipelined_all_reduce", "true", ("cuda",),
             "the same for gradient all-reduces inside the layer scan (data parallelism)", JAX_TOOLBOX, retired=(0, 12)),
-    Setting("--xla_gpu_enable_while_loop_double_buffering", "true", ("cuda",),
-            "double-buffers the layer scan so that the pipelined collectives above have an iteration to hide in",
-            JAX_TOOLBOX),
+    *(Setting(f"--xla_gpu_pipeline_{c}", "on", ("cuda",),
+              f"JAX 0.12's XLA's successor of --xla_gpu_enable_pipelined_{c}, which it maps to default (\"follows "
+              f"optimization effort\", its help says), which left the layers' FSDP collectives exposed "
+              f"(docs/performance.md, Collectives under the kernels); on: \"considers all structurally eligible\" "
+              f"{c.replace('_', '-')}s", XLA_FLAGS_SOURCE, since=(0, 12))
+      for c in ("all_gather", "reduce_scatter", "all_reduce")),
     Setting("--xla_gpu_all_reduce_combine_threshold_bytes", _8GIB, BOTH,
             "combines the many per-parameter gradient all-reduces into few large ones (NCCL/RCCL reach their "
             "bandwidth only on large messages); 8 GiB as JAX-Toolbox lists it for FSDP, the same in AMD's "
@@ -146,10 +152,14 @@ def _retired(s: Setting, jaxlib: str | None) -> bool:
     return s.retired is not None and jaxlib_release(jaxlib) >= s.retired
 
 
+def _before(s: Setting, jaxlib: str | None) -> bool:
+    return s.since is not None and jaxlib_release(jaxlib) < s.since
+
+
 def settings_for(vendor: str, jaxlib: str | None = None) -> list[Setting]:
     """The :data:`SETTINGS` applied for ``vendor`` (``"cuda"`` or ``"rocm"``) under ``jaxlib`` (a version, default
     the installed one), in order: those its XLA still has."""
-    return [s for s in SETTINGS if vendor in s.vendors and not _retired(s, jaxlib)]
+    return [s for s in SETTINGS if vendor in s.vendors and not _retired(s, jaxlib) and not _before(s, jaxlib)]
 
 
 def retired(vendor: str, jaxlib: str | None = None) -> list[Setting]:

@@ -122,6 +122,8 @@ def compiler_options(environ: Mapping[str, str] | None = None) -> dict[str, bool
     given = gpu_env.flag_names((os.environ if environ is None else environ).get("XLA_FLAGS", ""))
     typed = lambda v: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v)  # noqa: E731
     options = {**DEVICELESS, **{s.name[2:]: typed(s.value) for s in gpu_env.settings_for("cuda") if s.is_flag}}
+    for name in [n for n in options if n.startswith("xla_gpu_pipeline_")]:  # an enum: a compile option takes its name
+        options[name] = f"COLLECTIVE_PIPELINING_MODE_{options[name].upper()}"  # ("on" in XLA_FLAGS)
     return {k: v for k, v in options.items() if f"--{k}" not in given}
 
 
@@ -208,8 +210,8 @@ def classify(op: Op, body: list[Op], bodies: dict[str, list[Op]]) -> tuple[str, 
     base = code.removesuffix("-start")
     if base in _COLLECTIVES:
         return "collective", base
-    if code == "fusion-start":  # an async slice or update of an array in host memory (model.remat=offload)
-        return "copy/transpose", "async copy (host memory)"
+    if code == "fusion-start":  # an async slice or update of an array: a scan's stacked layer inputs, in host
+        return "copy/transpose", "async slice or update"  # memory under model.remat=offload
     if code in ("copy", "transpose"):
         return "copy/transpose", code
     return "other", code
